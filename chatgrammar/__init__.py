@@ -1,0 +1,31 @@
+"""chatgrammar — declarative chat-format grammars and loss masks.
+
+Example:
+    >>> import chatgrammar as cg
+    >>> fmt = cg.load_format("kimi-k2")
+    >>> conv = fmt.parse("<|im_user|>user<|im_middle|>Hi<|im_end|>"
+    ...                  "<|im_assistant|>assistant<|im_middle|>Hello!<|im_end|>")
+    >>> conv.trained_text()
+    ['Hello!']
+"""
+from .errors import (ChatGrammarError, CompileError, DetectionError, NormError, ParseError,
+                     SpecError)
+from .format import Format
+from .policy import MaskPolicy
+from .registry import list_formats, load_format
+from .spans import Block, Conversation, Issue, Span, Turn
+from .detect import detect_format
+
+try:  # the norms table is its own stage; see docs/norms.md
+    from .norms import FinalNorm, final_norm_kind, resolve_final_norm
+except ImportError:  # pragma: no cover - only while norms.py is being written
+    pass
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "list_formats", "load_format", "detect_format", "Format", "Conversation", "Turn", "Span",
+    "Block", "Issue", "MaskPolicy", "resolve_final_norm", "final_norm_kind", "FinalNorm",
+    "ChatGrammarError", "SpecError", "CompileError", "ParseError", "DetectionError",
+    "NormError",
+]

@@ -1,0 +1,190 @@
+"""``Format``: a compiled spec with the user-facing parse / parse_ids / loss_mask calls."""
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from .compile import ParseTables, compile_spec
+from .errors import ParseError
+from .lexers import IdLexer, LexConfig, as_id_array, lex_text
+from .parse import Driver, Source
+from .policy import MaskPolicy
+from .spans import Conversation, Issue
+from .spec import FormatSpec, SpecSource
+from .tokenizers import adapt
+
+
+class Format:
+    """A chat format compiled from its YAML spec.
+
+    Attributes:
+        name: the format id (``"kimi-k3"``).
+        spec: the validated :class:`~chatgrammar.spec.FormatSpec`.
+        grammar: the compiled Lark grammar source.
+        default_policy: the spec's declared :class:`MaskPolicy` (used when ``policy=None``).
+        path: the spec file.
+    """
+
+    def __init__(self, spec: FormatSpec, src: SpecSource):
+        self.spec = spec
+        self.source = src
+        self.path = src.file
+        self.name = spec.name
+        self.tables: ParseTables = compile_spec(spec, src)
+        self.grammar: str = self.tables.grammar
+        self.default_policy = MaskPolicy.from_mapping(spec.policy.model_dump())
+        self._lexcfg = LexConfig.from_spec(spec)
+        self._driver = Driver(spec, self.tables)
+        self._id_lexers: dict[int, tuple[Any, IdLexer]] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Format({self.name!r}, path={self.path!r})"
+
+    def __reduce__(self):
+        # Picklable for worker processes: rebuilt (from the compile cache) on the other side.
+        from .registry import load_format
+        return (load_format, (self.path,))
+
+    # ------------------------------------------------------------------ text mode
+    def parse(self, text: str, *, strict: bool = True) -> Conversation:
+        """Parse a rendered conversation (offsets are characters).
+
+        Args:
+            text: the rendered conversation, exactly as the chat template produced it.
+            strict: raise on structure errors (default); False skips what cannot be parsed
+                and reports it on ``Conversation.warnings``.
+
+        Returns:
+            The :class:`Conversation`.
+
+        Raises:
+            ParseError: (strict) with the char offset, the expected markers and an excerpt.
+
+        Example:
+            >>> fmt = cg.load_format("kimi-k2")  # doctest: +SKIP
+            >>> fmt.parse(text).mask()            # doctest: +SKIP
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"parse() takes a str, got {type(text).__name__}; "
+                            "use parse_ids() for token ids")
+        warnings: list[Issue] = []
+        src = Source("text", len(text), text=text)
+        cut = self._partial_marker_tail(text)
+        toks = lex_text(text if cut is None else text[:cut], self._lexcfg)
+        if cut is not None:
+            # Text cut inside a marker string (e.g. "…<|im_e"): the fragment is not content;
+            # parse as if the input ended before it, and report it.
+            warnings.append(Issue(cut, f"input ends inside a marker ({text[cut:]!r})"))
+            src = Source("text", cut, text=text[:cut])
+        turns = self._driver.run(toks, src, strict, warnings)
+        if cut is not None:
+            for t in turns:
+                if t.end > cut:
+                    t.end = cut
+        return Conversation(format=self.name, mode="text", length=len(text), turns=turns,
+                            warnings=warnings, boundaries=[], default_policy=self.default_policy,
+                            text=text)
+
+    def _partial_marker_tail(self, text: str) -> int | None:
+        longest = self._lexcfg.longest_marker
+        for k in range(min(len(text), longest - 1), 0, -1):
+            frag = text[-k:]
+            if frag in self._lexcfg.marker_prefixes:
+                return len(text) - k
+        return None
+
+    # ------------------------------------------------------------------ id mode
+    def id_lexer(self, tokenizer: Any) -> IdLexer:
+        """The id lexer bound to ``tokenizer`` (cached per tokenizer object)."""
+        key = id(tokenizer)
+        hit = self._id_lexers.get(key)
+        if hit is not None and hit[0] is tokenizer:
+            return hit[1]
+        with self._lock:
+            lx = IdLexer.build(self._lexcfg, adapt(tokenizer))
+            if len(self._id_lexers) > 32:
+                self._id_lexers.clear()
+            self._id_lexers[key] = (tokenizer, lx)
+        return lx
+
+    def missing_markers(self, tokenizer: Any) -> list[str]:
+        """Special markers of this format the tokenizer has no single special id for."""
+        lx = self.id_lexer(tokenizer)
+        names = {f"M_{n}".upper(): n for n in self.spec.markers}
+        from .compile import term_name
+        by_term = {term_name(n): n for n in self.spec.markers}
+        return [by_term[t] for t in lx.missing if self.spec.markers[by_term[t]].special]
+
+    def parse_ids(self, ids: Any, tokenizer: Any, *, strict: bool = True) -> Conversation:
+        """Parse token ids (offsets are token indices). Id mode is authoritative: a marker
+        counts only where it is one special id, so marker strings typed in message text are
+        ordinary tokens.
+
+        Args:
+            ids: a sequence of ints, a 1-D numpy array or torch tensor.
+            tokenizer: a transformers tokenizer, a ``tiktoken.Encoding`` or a minimal-protocol
+                object (``convert_tokens_to_ids`` + ``decode``).
+            strict: as in :meth:`parse`.
+
+        Returns:
+            The :class:`Conversation` (``mode == "ids"``).
+
+        Raises:
+            ParseError: (strict) with the token index, expected markers and an excerpt.
+
+        Example:
+            >>> conv = fmt.parse_ids(ids, tok)    # doctest: +SKIP
+        """
+        arr = as_id_array(ids)
+        lx = self.id_lexer(tokenizer)
+        warnings: list[Issue] = []
+        boundaries: list = []
+        src = Source("ids", len(arr), arr=arr, adapter=lx.adapter)
+        toks = lx.lex(arr, boundaries)
+        turns = self._driver.run(toks, src, strict, warnings)
+        return Conversation(format=self.name, mode="ids", length=len(arr), turns=turns,
+                            warnings=warnings,
+                            boundaries=[Issue(p, m) for p, m in boundaries],
+                            default_policy=self.default_policy)
+
+    def loss_mask(self, ids: Any, tokenizer: Any, *, policy: MaskPolicy | None = None,
+                  strict: bool = True):
+        """One 0/1 value per id: 1 where the policy trains.
+
+        Args:
+            ids: list/tuple of ints, numpy array or torch tensor.
+            tokenizer: see :meth:`parse_ids`.
+            policy: a :class:`MaskPolicy`; None uses the format's default.
+            strict: raise on structure errors (default) or skip them (never raises on structure).
+
+        Returns:
+            Same container kind as ``ids``: list in → ``list[int]``, numpy in → numpy int64
+            array, torch in → ``torch.long`` tensor on the same device.
+
+        Raises:
+            ParseError: (strict) the ids do not fit the format.
+
+        Example:
+            >>> fmt.loss_mask([163587, 1, 163601, 2, 163586], tok)  # doctest: +SKIP
+        """
+        conv = self.parse_ids(ids, tokenizer, strict=strict)
+        m = conv.mask_array(policy)
+        return _like(ids, m)
+
+    def loss_masks(self, batch: Sequence[Any], tokenizer: Any, *,
+                   policy: MaskPolicy | None = None, strict: bool = True) -> list:
+        """:meth:`loss_mask` over many samples (the tokenizer binding is shared)."""
+        return [self.loss_mask(ids, tokenizer, policy=policy, strict=strict) for ids in batch]
+
+
+def _like(ids: Any, m: np.ndarray):
+    mod = type(ids).__module__
+    if mod.startswith("torch"):
+        import torch
+        return torch.from_numpy(m.astype(np.int64)).to(ids.device)
+    if isinstance(ids, np.ndarray):
+        return m.astype(np.int64)
+    return m.tolist()

@@ -1,0 +1,269 @@
+"""Stage 3 — lexers: text or token ids → a short list of parser tokens.
+
+A parser token is a tuple ``(type, start, end, value)``: ``type`` is a terminal name
+(``M_<MARKER>``, ``TEXT`` or ``HEADER``), ``start``/``end`` are char offsets (text mode) or
+token indices (id mode), ``value`` is the text where the grammar must read it (markers,
+headers) and ``None`` for content runs, which are never copied or decoded.
+
+Text mode finds every marker in one regex pass; id mode finds every marker id in one
+vectorised numpy pass. Python then loops over *markers*, never over characters or tokens.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .compile import HEADER, TEXT, term_name
+from .spec import FormatSpec
+from .tokenizers import TokenizerAdapter
+
+Tok = tuple  # (type, start, end, value)
+
+
+@dataclass
+class LexConfig:
+    """Lexing facts derived from a spec (shared by both modes)."""
+
+    marker_text: dict[str, str]              # terminal -> text
+    special: dict[str, bool]                 # terminal -> must be one special id
+    split_after: dict[str, str]              # opener terminal -> literal ending its header
+    decode_after: dict[str, int]             # terminal -> max header tokens to read after it
+    split_max: dict[str, int]
+    regex: re.Pattern | None = None
+    by_text: dict[str, str] = field(default_factory=dict)
+    marker_prefixes: frozenset = frozenset()
+    longest_marker: int = 0
+
+    @classmethod
+    def from_spec(cls, spec: FormatSpec) -> "LexConfig":
+        marker_text = {term_name(n): m.text for n, m in spec.markers.items()}
+        special = {term_name(n): m.special for n, m in spec.markers.items()}
+        split_after: dict[str, str] = {}
+        split_max: dict[str, int] = {}
+        decode_after: dict[str, int] = {}
+        for el in spec.elements.values():
+            h = el.header
+            if h is not None:
+                if h.until_text is not None:
+                    for o in el.open:
+                        split_after[term_name(o)] = h.until_text
+                        split_max[term_name(o)] = h.max_tokens
+                else:
+                    for o in el.open + h.markers:
+                        decode_after[term_name(o)] = max(decode_after.get(term_name(o), 0),
+                                                         h.max_tokens)
+            if el.close and el.close.header is not None:
+                ch = el.close.header
+                for o in el.close.markers + ch.markers:
+                    decode_after[term_name(o)] = max(decode_after.get(term_name(o), 0),
+                                                     ch.max_tokens)
+        texts = sorted(marker_text.values(), key=len, reverse=True)
+        regex = re.compile("|".join(re.escape(t) for t in texts)) if texts else None
+        by_text = {v: k for k, v in marker_text.items()}
+        prefixes = frozenset(t[:k] for t in texts for k in range(1, len(t)))
+        return cls(marker_text, special, split_after, decode_after, split_max, regex, by_text,
+                   prefixes, max((len(t) for t in texts), default=0))
+
+
+# ----------------------------------------------------------------------------- text mode
+
+def lex_text(text: str, cfg: LexConfig) -> list[Tok]:
+    """Tokens of a rendered conversation (char offsets)."""
+    toks: list[Tok] = []
+    append = toks.append
+    pos = 0
+    prev = None
+    by_text = cfg.by_text
+    split_after, decode_after = cfg.split_after, cfg.decode_after
+    for m in cfg.regex.finditer(text):
+        s, e = m.span()
+        if s > pos:
+            _text_gap(text, pos, s, prev, toks, split_after, decode_after)
+        mt = m.group()
+        prev = by_text[mt]
+        append((prev, s, e, mt))
+        pos = e
+    if pos < len(text):
+        _text_gap(text, pos, len(text), prev, toks, split_after, decode_after)
+    return toks
+
+
+def _text_gap(text, s, e, prev, toks, split_after, decode_after) -> None:
+    if prev in split_after:
+        d = split_after[prev]
+        k = text.find(d, s, e)
+        h_end = e if k < 0 else k + len(d)
+        toks.append((HEADER, s, h_end, text[s:h_end]))
+        if h_end < e:
+            toks.append((TEXT, h_end, e, None))
+    elif prev in decode_after:
+        toks.append((TEXT, s, e, text[s:e]))
+    else:
+        toks.append((TEXT, s, e, None))
+
+
+# ----------------------------------------------------------------------------- id mode
+
+@dataclass
+class IdLexer:
+    """Id-mode lexer bound to one (format, tokenizer) pair.
+
+    Attributes:
+        lut: code table indexed by ``id + 1`` (slot 0 catches negative ids, the last slot
+            catches ids beyond every marker) → 1 + index into ``terms`` (0 = ordinary id).
+        missing: markers the tokenizer has no single id for (special ones make id mode
+            unable to see them: reported by :func:`chatgrammar.Format.check_tokenizer`).
+        soft_regex: soft markers without a single id, searched in decoded text runs.
+    """
+
+    cfg: LexConfig
+    adapter: TokenizerAdapter
+    terms: list[str]
+    marker_ids: dict[str, int]
+    lut: np.ndarray
+    missing: list[str]
+    soft_regex: re.Pattern | None
+
+    @classmethod
+    def build(cls, cfg: LexConfig, adapter: TokenizerAdapter) -> "IdLexer":
+        terms: list[str] = []
+        marker_ids: dict[str, int] = {}
+        missing: list[str] = []
+        soft_unmapped: list[str] = []
+        for term, text in cfg.marker_text.items():
+            tid = adapter.token_id(text, special=cfg.special[term])
+            if tid is None:
+                missing.append(term)
+                if not cfg.special[term]:
+                    soft_unmapped.append(text)
+                continue
+            marker_ids[term] = tid
+        id_to_term: dict[int, str] = {}
+        for term, tid in marker_ids.items():
+            id_to_term.setdefault(tid, term)
+        top = max(id_to_term) if id_to_term else 0
+        lut = np.zeros(top + 3, dtype=np.int32)
+        for tid, term in id_to_term.items():
+            terms.append(term)
+            lut[tid + 1] = len(terms)
+        soft_regex = (re.compile("|".join(re.escape(t) for t in
+                                          sorted(soft_unmapped, key=len, reverse=True)))
+                      if soft_unmapped else None)
+        return cls(cfg, adapter, terms, marker_ids, lut, missing, soft_regex)
+
+    def codes(self, arr: np.ndarray) -> np.ndarray:
+        idx = arr + 1
+        np.clip(idx, 0, len(self.lut) - 1, out=idx)
+        return self.lut[idx]
+
+    def lex(self, arr: np.ndarray, boundary: list) -> list[Tok]:
+        """Tokens of an id sequence (token indices). ``boundary`` collects
+        (token index, note) for span boundaries that fall inside a merged token."""
+        n = len(arr)
+        codes = self.codes(arr)
+        pos = np.flatnonzero(codes)
+        kinds = codes[pos]
+        terms = self.terms
+        toks: list[Tok] = []
+        append = toks.append
+        cfg = self.cfg
+        split_after, decode_after = cfg.split_after, cfg.decode_after
+        text_of = cfg.marker_text
+        soft = self.soft_regex
+        prev = None
+        last = 0
+        for p, k in zip(pos.tolist(), kinds.tolist()):
+            if p > last:
+                self._gap(arr, last, p, prev, toks, boundary, split_after, decode_after, soft)
+            prev = terms[k - 1]
+            append((prev, p, p + 1, text_of[prev]))
+            last = p + 1
+        if last < n:
+            self._gap(arr, last, n, prev, toks, boundary, split_after, decode_after, soft)
+        return toks
+
+    def _gap(self, arr, s, e, prev, toks, boundary, split_after, decode_after, soft) -> None:
+        dec = self.adapter.decode
+        if prev in split_after:
+            d = split_after[prev]
+            limit = min(e, s + self.cfg.split_max.get(prev, 64))
+            h_end, straddle, head = e, False, None
+            for k in range(s + 1, limit + 1):
+                txt = dec(arr[s:k].tolist())
+                j = txt.find(d)
+                if j >= 0:
+                    h_end = k
+                    head = txt[:j + len(d)]
+                    straddle = j + len(d) < len(txt)
+                    break
+            else:
+                if limit < e:  # header never ended within its budget: all header
+                    h_end = e
+            if straddle:
+                # The header's last token also carries body text: it is assigned to the body
+                # (so no trained character is left out) and the boundary is reported.
+                boundary.append((h_end - 1, f"header end {d!r} falls inside a merged token"))
+                h_end -= 1
+                toks.append((HEADER, s, h_end, head))
+            else:
+                toks.append((HEADER, s, h_end, head if head is not None
+                             else dec(arr[s:h_end].tolist())))
+            if h_end < e:
+                self._body(arr, h_end, e, toks, boundary, soft)
+        elif prev in decode_after:
+            m = decode_after[prev]
+            if e - s <= m:
+                toks.append((TEXT, s, e, dec(arr[s:e].tolist())))
+            else:  # an over-long header: decode only the budget, the check will reject it
+                toks.append((TEXT, s, e, dec(arr[s:s + m].tolist()) + "…"))
+        else:
+            self._body(arr, s, e, toks, boundary, soft)
+
+    def _body(self, arr, s, e, toks, boundary, soft) -> None:
+        if soft is None:
+            toks.append((TEXT, s, e, None))
+            return
+        # Soft markers the tokenizer has no single id for: find them in the decoded run.
+        text, starts = self.adapter.decode_offsets(arr[s:e].tolist())
+        found = list(soft.finditer(text))
+        if not found:
+            toks.append((TEXT, s, e, None))
+            return
+        starts_a = np.asarray(starts + [len(text)])
+        last = s
+        for m in found:
+            cs, ce = m.span()
+            t0 = int(np.searchsorted(starts_a, cs, side="right")) - 1
+            t1 = int(np.searchsorted(starts_a, ce, side="left"))
+            if starts_a[t0] != cs or starts_a[t1] != ce:
+                boundary.append((s + t0, f"soft marker {m.group()!r} is not token-aligned"))
+            a, b = s + t0, s + max(t1, t0 + 1)
+            if a < last:
+                continue
+            if a > last:
+                toks.append((TEXT, last, a, None))
+            toks.append((self.cfg.by_text[m.group()], a, b, m.group()))
+            last = b
+        if last < e:
+            toks.append((TEXT, last, e, None))
+
+
+def as_id_array(ids: Any) -> np.ndarray:
+    """ids (list, tuple, numpy, torch) → 1-D int64 numpy array (no copy when possible)."""
+    if type(ids).__module__.startswith("torch"):
+        ids = ids.detach().cpu().numpy()
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        arr = arr.reshape(-1) if arr.size == 0 else arr
+        if arr.ndim != 1:
+            raise ValueError(f"expected a 1-D sequence of token ids, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0:
+            return arr.astype(np.int64)
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype != np.int64:
+        arr = arr.astype(np.int64)
+    return arr

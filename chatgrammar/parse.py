@@ -1,0 +1,515 @@
+"""Stage 4 — the LALR driver with an embedded, tree-less, non-recursive transformer.
+
+The driver runs Lark's LALR(1) tables (built with ``strict=True`` in
+:mod:`chatgrammar.compile`) over the lexers' short token lists. Each element rule is turned
+into a :class:`~chatgrammar.spans.Block` at the moment it is reduced (bottom-up), so no tree
+is ever walked and depth costs no recursion. Top-level items become Turns as soon as they
+are reduced.
+
+End of input inside an element is truncation, not an error: the driver closes what is open
+with zero-width synthetic terminators (the turn is marked incomplete). In lenient mode a
+structure error drops the item in progress (reported on ``Conversation.warnings``) and
+parsing resumes at the next token that can start a turn.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+from .compile import HEADER, TEXT, ParseTables, rule_name, term_name
+from .errors import ParseError
+from .spans import Block, Issue, Turn
+from .spec import Element, FormatSpec
+
+SYNTH = object()  # value of zero-width synthetic terminators added at end of input
+
+_XTML_HEAD = re.compile(r'\s*([A-Za-z_][\w.\-:]*)((?:\s+[\w.\-:]+="[^"]*")*)\s*\Z')
+_XTML_ATTR = re.compile(r'([\w.\-:]+)="([^"]*)"')
+_XTML_UNESC = re.compile(r"&(amp|quot);")
+
+
+def parse_xtml_head(text: str) -> tuple[str, dict] | None:
+    """``tag key="value" …`` → (tag, attrs) with ``&amp;``/``&quot;`` unescaped, or None."""
+    m = _XTML_HEAD.match(text)
+    if not m:
+        return None
+    attrs: dict[str, str] = {}
+    for k, v in _XTML_ATTR.findall(m.group(2)):
+        if k in attrs:
+            return None  # duplicate attribute: malformed
+        attrs[k] = _XTML_UNESC.sub(lambda x: "&" if x.group(1) == "amp" else '"', v)
+    return m.group(1), attrs
+
+
+class _Splice(list):
+    """Children of an inlined rule, spliced into the parent (Lark's ``_rule`` semantics)."""
+
+    __slots__ = ()
+
+
+class Source:
+    """Access to the input for the few places that must read text (headers, between-text,
+    generation prompt)."""
+
+    def __init__(self, mode: str, n: int, text: str | None = None, arr=None, adapter=None):
+        self.mode, self.n, self.text, self.arr, self.adapter = mode, n, text, arr, adapter
+
+    def read(self, s: int, e: int, limit: int = 64) -> str | None:
+        if self.mode == "text":
+            return self.text[s:e]
+        if e - s > limit:
+            return None
+        return self.adapter.decode(self.arr[s:e].tolist())
+
+    def excerpt(self, offset: int) -> str:
+        if self.mode == "text":
+            a, b = max(0, offset - 40), min(self.n, offset + 40)
+            left = self.text[a:offset].replace("\n", "⏎")
+            right = self.text[offset:b].replace("\n", "⏎")
+            return f"  {left}{right}\n  {' ' * len(left)}^"
+        a, b = max(0, offset - 8), min(self.n, offset + 8)
+        ids = self.arr[a:b].tolist()
+        left = " ".join(str(x) for x in ids[:offset - a])
+        right = " ".join(str(x) for x in ids[offset - a:])
+        try:
+            dec = self.adapter.decode(self.arr[a:b].tolist()).replace("\n", "⏎")
+        except Exception:
+            dec = "?"
+        return f"  ids {left} | {right}\n  text {dec!r}"
+
+
+class Driver:
+    """Parses token lists of one format. Built once per format (cheap, cached by Format)."""
+
+    def __init__(self, spec: FormatSpec, tables: ParseTables):
+        self.spec = spec
+        self.tables = tables
+        self.states = tables.states
+        self.shift = tables.shift
+        self.marker_by_term = {term_name(n): n for n in spec.markers}
+        self.marker_text = {term_name(n): m.text for n, m in spec.markers.items()}
+        self.elements = {rule_name(n): (n, el) for n, el in spec.elements.items()}
+        self.preamble_rules = {rule_name(p) for p in spec.preamble if p in spec.elements}
+        self.top_rules = {rule_name(t) for t in spec.top}
+        self.between = re.compile(spec.between, re.S) if spec.between is not None else None
+        self.aliases = spec.role_aliases
+        self.gen_prompts = set(spec.generation_prompt)
+        self.max_gen = max((len(g) for g in spec.generation_prompt), default=0)
+        self.patterns = {}
+        for n, el in spec.elements.items():
+            for h in (el.header, el.close.header if el.close else None):
+                if h is not None and h.pattern:
+                    self.patterns[id(h)] = re.compile(h.pattern, re.S)
+        # per-element terminal sets, precomputed for the block builder
+        self.el_info: dict[str, tuple] = {}
+        for n, el in spec.elements.items():
+            h = el.header
+            until = term_name(h.until) if h and h.until else None
+            hmarks = frozenset(term_name(m) for m in h.markers) if h else frozenset()
+            closes = frozenset(term_name(c) for c in el.close.markers) if el.close else frozenset()
+            ch = el.close.header if el.close else None
+            cuntil = term_name(ch.until) if ch is not None else None
+            after = frozenset(term_name(a) for a in el.close.after) if el.close else frozenset()
+            self.el_info[n] = (until, hmarks, closes, cuntil, after)
+
+    # ------------------------------------------------------------------ naming for errors
+    def describe(self, term: str) -> str:
+        if term == "$END":
+            return "end of input"
+        if term == TEXT:
+            return "text"
+        if term == HEADER:
+            return "header text"
+        if term in self.marker_text:
+            return f"{self.marker_by_term[term]} {self.marker_text[term]!r}"
+        return term
+
+    def expected(self, state: int) -> list[str]:
+        keys = [k for k in self.states[state] if k.isupper() or k == "$END"]
+        order = {TEXT: 1, HEADER: 2, "$END": 3}
+        return [self.describe(k) for k in sorted(keys, key=lambda k: (order.get(k, 0), k))]
+
+    # ------------------------------------------------------------------ main loop
+    def run(self, toks: list[tuple], src: Source, strict: bool,
+            warnings: list[Issue]) -> list[Turn]:
+        states, shift = self.states, self.shift
+        start_state = self.tables.start_state
+        turns: list[Turn] = []
+        ctx = _Ctx(self, src, strict, warnings, turns)
+        reduce = ctx.reduce
+        state_stack = [start_state]
+        value_stack: list[Any] = []
+        i, n = 0, len(toks)
+        resync_at = -1
+        while i < n:
+            tok = toks[i]
+            ttype = tok[0]
+            while True:
+                try:
+                    action, arg = states[state_stack[-1]][ttype]
+                except KeyError:
+                    action = None
+                    break
+                if action is shift:
+                    state_stack.append(arg)
+                    value_stack.append(tok)
+                    break
+                reduce(arg, state_stack, value_stack)
+            if action is not None:
+                i += 1
+                continue
+            # ---- structure error
+            err = ParseError("unexpected " + self.describe(ttype), offset=tok[1],
+                             expected=self.expected(state_stack[-1]), mode=src.mode,
+                             format=self.spec.name, excerpt=src.excerpt(tok[1]))
+            if strict:
+                raise err
+            warnings.append(Issue(tok[1], f"skipped malformed input: {err.message}; expected "
+                                          f"{', '.join(err.expected[:6])}"))
+            state_stack = [start_state]
+            value_stack = []
+            if ttype in self.tables.starters and resync_at != i:
+                resync_at = i
+                continue
+            i += 1
+            while i < n and toks[i][0] not in self.tables.starters:
+                i += 1
+            resync_at = i
+        self._finish(ctx, state_stack, value_stack, src, strict, warnings)
+        self._mark_generation_prompt(turns, src)
+        return turns
+
+    def _finish(self, ctx, state_stack, value_stack, src, strict, warnings) -> None:
+        """Feed end of input, closing open elements with synthetic terminators (truncation)."""
+        states, shift = self.states, self.shift
+        end = src.n
+        prefs = (self.tables.close_terms, self.tables.until_terms)
+        for _ in range(4 * len(state_stack) + 16):
+            if self._can_feed(state_stack, "$END"):
+                self._feed(ctx, state_stack, value_stack, ("$END", end, end, SYNTH))
+                return
+            acts = states[state_stack[-1]]
+            cands = [k for k in acts if k in prefs[0]] + [k for k in acts if k in prefs[1]] + \
+                    sorted(k for k in acts if k.startswith("M_") and k not in prefs[0]
+                           and k not in prefs[1])
+            for c in cands:
+                if self._can_feed(state_stack, c):
+                    self._feed(ctx, state_stack, value_stack, (c, end, end, SYNTH))
+                    break
+            else:
+                break
+        err = ParseError("unexpected end of input", offset=end,
+                         expected=self.expected(state_stack[-1]), mode=src.mode,
+                         format=self.spec.name, excerpt=src.excerpt(end))
+        if strict:
+            raise err
+        warnings.append(Issue(end, "dropped an unfinishable item at end of input"))
+
+    def _can_feed(self, state_stack: list[int], term: str) -> bool:
+        """Would ``term`` be shifted (after any reductions) from this configuration?
+        Simulated on a virtual stack, so deep stacks are never copied."""
+        states, shift = self.states, self.shift
+        depth = len(state_stack)
+        overlay: list[int] = []
+        for _ in range(10_000):
+            top = overlay[-1] if overlay else state_stack[depth - 1]
+            act = states[top].get(term)
+            if act is None:
+                return False
+            action, arg = act
+            if action is shift:
+                return True
+            size = len(arg.expansion)
+            while size and overlay:
+                overlay.pop()
+                size -= 1
+            depth -= size
+            top = overlay[-1] if overlay else state_stack[depth - 1]
+            if term == "$END" and depth == 1 and not overlay and arg.origin.name == "start":
+                return True
+            goto = states[top].get(arg.origin.name)
+            if goto is None:
+                return False
+            overlay.append(goto[1])
+        return False
+
+    def _feed(self, ctx, state_stack, value_stack, tok) -> None:
+        states, shift = self.states, self.shift
+        end_state = self.tables.end_state
+        while True:
+            action, arg = states[state_stack[-1]][tok[0]]
+            if action is shift:
+                state_stack.append(arg)
+                value_stack.append(tok)
+                return
+            ctx.reduce(arg, state_stack, value_stack)
+            if tok[0] == "$END" and arg.origin.name == "start":
+                return
+
+    def _mark_generation_prompt(self, turns: list[Turn], src: Source) -> None:
+        if not turns or not self.gen_prompts:
+            return
+        last = turns[-1]
+        if src.mode == "text":
+            if src.n - last.start <= self.max_gen:
+                tail = src.text[last.start:]
+                last.generation_prompt = tail in self.gen_prompts
+        elif src.n - last.start <= 64:
+            tail = src.read(last.start, src.n)
+            last.generation_prompt = tail in self.gen_prompts
+
+
+class _Ctx:
+    """Reduction callbacks (the embedded transformer) for one parse."""
+
+    def __init__(self, drv: Driver, src: Source, strict: bool, warnings: list[Issue],
+                 turns: list[Turn]):
+        self.drv, self.src, self.strict, self.warnings, self.turns = drv, src, strict, \
+            warnings, turns
+        self.pending_preamble: list[Turn] = []
+
+    def problem(self, offset: int, message: str, block: Block | None = None) -> None:
+        if self.strict:
+            raise ParseError(message, offset=offset, mode=self.src.mode,
+                             format=self.drv.spec.name, excerpt=self.src.excerpt(offset))
+        self.warnings.append(Issue(offset, message))
+        if block is not None:
+            block.valid = False
+
+    def reduce(self, rule, state_stack: list, value_stack: list) -> None:
+        size = len(rule.expansion)
+        if size:
+            vals = value_stack[-size:]
+            del state_stack[-size:]
+            del value_stack[-size:]
+        else:
+            vals = []
+        name = rule.origin.name
+        drv = self.drv
+        if name in drv.elements:
+            value = self.element(name, _flatten(vals))
+        elif name == "_item":
+            self.item(_flatten(vals))
+            value = None
+        elif name == "start":
+            value = None
+        else:  # Lark-internal repetition / inlined rules: splice, reusing the left list
+            if vals and type(vals[0]) is _Splice:
+                value = vals[0]
+                for v in vals[1:]:
+                    if type(v) is _Splice:
+                        value.extend(v)
+                    elif v is not None:
+                        value.append(v)
+            else:
+                value = _Splice(_flatten(vals))
+        state_stack.append(drv.states[state_stack[-1]][name][1])
+        value_stack.append(value)
+
+    # -------------------------------------------------------------- top-level items
+    def item(self, vals: list) -> None:
+        drv = self.drv
+        for v in vals:
+            if isinstance(v, Block):
+                self.emit(v)
+            elif v[0] == TEXT and drv.between is not None:
+                txt = self.src.read(v[1], v[2], limit=16)
+                if txt is None or not drv.between.fullmatch(txt):
+                    self.problem(v[1], "text between turns does not match `between` "
+                                       f"({drv.spec.between!r})")
+
+    def emit(self, b: Block) -> None:
+        while b is not None:
+            self.turns.append(self.turn(b))
+            b = b.follow
+
+    def turn(self, b: Block) -> Turn:
+        el = self.drv.spec.elements.get(b.name)
+        role = el.role if el is not None else None
+        if role is None and el is not None and b.open in el.role_by_marker:
+            role = el.role_by_marker[b.open]
+        if role is None:
+            role = b.attrs.get("role")
+        if role is None:
+            role = "unknown"
+            if b.valid and b.complete and b.body_start is not None:
+                self.problem(b.start, "cannot tell the role of this turn", b)
+        role = self.drv.aliases.get(role, role)
+        return Turn(role=role, start=b.start, end=b.end, complete=b.complete, block=b,
+                    valid=b.valid)
+
+    # -------------------------------------------------------------- elements
+    def element(self, rname: str, ch: list) -> Block:
+        drv = self.drv
+        ename, el = drv.elements[rname]
+        until, hmarks, closes, cuntil, after = drv.el_info[ename]
+        n = len(ch)
+        i = 0
+        b = Block(name=ename, start=0, end=0)
+        first = ch[0] if n else None
+        if el.open:
+            tok = ch[0]
+            b.open = drv.marker_by_term[tok[0]]
+            b.start = tok[1]
+            pos = tok[2]
+            i = 1
+        else:
+            b.start = _start_of(first) if first is not None else 0
+            pos = b.start
+        b.header_start = b.header_end = pos
+        h = el.header
+        has_body = True
+        complete = True
+        if h is not None:
+            if until is not None:
+                parts = []
+                while i < n:
+                    c = ch[i]
+                    if isinstance(c, Block) or c[0] == until or c[0] in closes:
+                        break
+                    parts.append(c)
+                    i += 1
+                if i < n and not isinstance(ch[i], Block) and ch[i][0] == until:
+                    ut = ch[i]
+                    if ut[3] is SYNTH:
+                        complete = False
+                    b.header_end = ut[1]
+                    pos = ut[2]
+                    i += 1
+                else:
+                    has_body = False
+                    if parts:
+                        b.header_end = parts[-1][2]
+                    pos = b.header_end
+                b.header = "".join(p[3] if isinstance(p[3], str) else "" for p in parts)
+            else:
+                if i < n and not isinstance(ch[i], Block) and ch[i][0] == HEADER:
+                    ht = ch[i]
+                    b.header = ht[3]
+                    b.header_end = pos = ht[2]
+                    i += 1
+                else:
+                    b.header = ""
+        if has_body:
+            b.body_start = pos
+            kids = b.children
+            follow_rule = rule_name(el.follow) if el.follow else None
+            while i < n:
+                c = ch[i]
+                if isinstance(c, Block):
+                    if follow_rule and c.name == el.follow and i == n - 1:
+                        break
+                    kids.append(c)
+                elif c[0] in closes:
+                    break
+                i += 1
+            last = ch[i - 1] if i > 0 else None
+            b.body_end = _end_of(last) if last is not None and i > 0 else pos
+            if b.body_end < b.body_start:
+                b.body_end = b.body_start
+        end = b.body_end if b.body_end is not None else pos
+        if i < n and not isinstance(ch[i], Block) and ch[i][0] in closes:
+            ct = ch[i]
+            b.close = drv.marker_by_term[ct[0]]
+            b.close_start = ct[1]
+            if ct[3] is SYNTH:
+                complete = False
+            end = ct[2]
+            i += 1
+            if cuntil is not None:
+                parts = []
+                while i < n and not isinstance(ch[i], Block) and ch[i][0] != cuntil:
+                    parts.append(ch[i])
+                    i += 1
+                if i < n and not isinstance(ch[i], Block) and ch[i][0] == cuntil:
+                    if ch[i][3] is SYNTH:
+                        complete = False
+                    end = ch[i][2]
+                    i += 1
+                ctext = "".join(p[3] if isinstance(p[3], str) else "" for p in parts)
+                if complete and el.header is not None and el.header.attributes == "xtml":
+                    self._check_close_tag(b, ctext, ct[1])
+            while i < n and not isinstance(ch[i], Block) and ch[i][0] in after:
+                end = ch[i][2]
+                i += 1
+            b.close_end = end
+        elif el.close is not None:
+            complete = False
+        if i < n and isinstance(ch[i], Block):
+            b.follow = ch[i]
+        b.end = end
+        b.complete = complete and all(c.complete for c in b.children)
+        if h is not None:
+            self._read_header(b, el, complete and has_body)
+        # kind: declared, by tag, or by attribute
+        kind = el.kind
+        if kind is None and b.tag is not None:
+            kind = el.kind_by_tag.get(b.tag)
+        if kind is None and el.kind_by_attr:
+            for attr, table in el.kind_by_attr.items():
+                v = b.attrs.get(attr)
+                if v is not None and v in table:
+                    kind = table[v]
+                    break
+        b.kind = kind
+        if rname in drv.preamble_rules:
+            self.emit(b)
+        return b
+
+    def _read_header(self, b: Block, el: Element, must_be_whole: bool) -> None:
+        h = el.header
+        text = b.header or ""
+        if h.attributes == "xtml":
+            parsed = parse_xtml_head(text) if text else None
+            if parsed is None:
+                if must_be_whole:
+                    self.problem(b.header_start, f"malformed XTML header {text[:60]!r}", b)
+                else:
+                    b.valid = False  # cut inside its header: nothing of it can be read
+                return
+            b.tag, b.attrs = parsed
+            if el.tag is not None and b.tag != el.tag and must_be_whole:
+                self.problem(b.header_start, f"expected a <{el.tag}> element, found "
+                                             f"<{b.tag}>", b)
+            return
+        if h.pattern:
+            rx = self.drv.patterns[id(h)]
+            m = rx.fullmatch(text)
+            if m is None:
+                if b.body_start is not None and b.complete:
+                    self.problem(b.header_start, f"header {text[:60]!r} does not match "
+                                                 f"{h.pattern!r}", b)
+                elif b.body_start is not None:
+                    b.body_start = b.body_end  # cut inside its header: trains nothing
+                return
+            b.attrs = {k: v for k, v in m.groupdict().items() if v is not None}
+        if h.until_text is not None and b.body_start is not None and \
+                not text.endswith(h.until_text):
+            # header cut off by the end of input (or missing): nothing of the body trains
+            if b.complete and h.required:
+                self.problem(b.header_start, f"header does not end with {h.until_text!r}", b)
+            b.body_start = b.body_end
+
+    def _check_close_tag(self, b: Block, ctext: str, offset: int) -> None:
+        tag = ctext.strip()
+        parsed = parse_xtml_head(b.header or "")
+        if parsed and tag != parsed[0]:
+            self.problem(offset, f"close tag {tag!r} does not match open tag {parsed[0]!r}", b)
+
+
+def _flatten(vals: list) -> list:
+    out: list = []
+    for v in vals:
+        if type(v) is _Splice:
+            out.extend(v)
+        elif v is not None:
+            out.append(v)
+    return out
+
+
+def _start_of(x) -> int:
+    return x.start if isinstance(x, Block) else x[1]
+
+
+def _end_of(x) -> int:
+    return x.end if isinstance(x, Block) else x[2]

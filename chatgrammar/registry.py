@@ -1,0 +1,121 @@
+"""Bundled formats, plugins (entry-point group ``chatgrammar.formats``) and loading."""
+from __future__ import annotations
+
+import difflib
+import threading
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+from .errors import SpecError
+from .format import Format
+from .spec import read_spec
+
+ENTRY_POINT_GROUP = "chatgrammar.formats"
+_lock = threading.RLock()
+
+
+def formats_dir() -> Path:
+    """The directory of bundled specs (``formats/`` in a checkout, ``chatgrammar/formats``
+    in a wheel)."""
+    try:
+        p = Path(str(resources.files("chatgrammar.formats")))
+        if p.is_dir() and any(p.glob("*.yaml")):
+            return p
+    except (ModuleNotFoundError, TypeError):
+        pass
+    return Path(__file__).resolve().parent.parent / "formats"
+
+
+def bundled_paths() -> dict[str, Path]:
+    """Bundled format name → spec path (norms.yaml is not a format)."""
+    out = {}
+    for p in sorted(formats_dir().glob("*.yaml")):
+        if p.stem == "norms":
+            continue
+        out[p.stem] = p
+    return out
+
+
+def plugin_paths() -> dict[str, Path]:
+    """Third-party formats: each entry point of group ``chatgrammar.formats`` names a spec
+    file, a directory of specs, or a callable returning either."""
+    from importlib.metadata import entry_points
+
+    out: dict[str, Path] = {}
+    try:
+        eps = entry_points(group=ENTRY_POINT_GROUP)
+    except TypeError:  # Python < 3.10 API
+        eps = entry_points().get(ENTRY_POINT_GROUP, [])
+    for ep in eps:
+        try:
+            obj = ep.load()
+            target = obj() if callable(obj) else obj
+            p = Path(str(target))
+        except Exception as exc:  # a broken plugin must not break the bundled formats
+            import warnings
+            warnings.warn(f"chatgrammar plugin {ep.name!r} failed to load: {exc}")
+            continue
+        paths = sorted(p.glob("*.yaml")) if p.is_dir() else [p]
+        for q in paths:
+            if q.stem != "norms":
+                out.setdefault(q.stem, q)
+    return out
+
+
+def list_formats() -> list[str]:
+    """Names of the bundled formats (plugins included), sorted.
+
+    Example:
+        >>> "kimi-k3" in cg.list_formats()
+        True
+    """
+    names = set(bundled_paths()) | set(plugin_paths())
+    return sorted(names)
+
+
+@lru_cache(maxsize=128)
+def _load_path(path: str, mtime: float) -> Format:
+    spec, src = read_spec(path)
+    return Format(spec, src)
+
+
+def load_format(name_or_path) -> Format:
+    """Load a bundled format by name, or a spec by path.
+
+    Args:
+        name_or_path: ``"kimi-k3"``, or a path to a YAML spec.
+
+    Returns:
+        The compiled :class:`Format` (cached: a second load is a dictionary lookup).
+
+    Raises:
+        SpecError: unknown name (with a suggestion), unreadable or invalid spec.
+        CompileError: the spec does not compile to an unambiguous grammar.
+
+    Example:
+        >>> cg.load_format("kimi-k2").name
+        'kimi-k2'
+    """
+    if isinstance(name_or_path, Format):
+        return name_or_path
+    s = str(name_or_path)
+    p = Path(s)
+    if not (s.endswith((".yaml", ".yml")) or p.is_file()):
+        known = {**plugin_paths(), **bundled_paths()}
+        if s not in known:
+            close = difflib.get_close_matches(s, list(known), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise SpecError(f"Unknown format {s!r}.{hint} Known: {', '.join(sorted(known))}")
+        p = known[s]
+    try:
+        mtime = p.stat().st_mtime
+    except OSError:
+        raise SpecError("no such file", file=str(p)) from None
+    with _lock:
+        return _load_path(str(p.resolve()), mtime)
+
+
+def all_formats() -> list[Format]:
+    """Every bundled and plugin format, loaded."""
+    return [load_format(n) for n in list_formats()]

@@ -1,0 +1,193 @@
+"""Stage 5 — the typed result: Conversation → Turns → Blocks, and trained Spans."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from .policy import MaskPolicy
+
+
+@dataclass(frozen=True)
+class Span:
+    """A trained region: ``[start, end)`` in chars (text mode) or token indices (id mode).
+
+    ``kind`` is ``"content"``, ``"think"``, ``"tool_call"``, ``"end"`` or a spec-declared kind;
+    ``turn`` is the index of the turn in :attr:`Conversation.turns`.
+    """
+
+    start: int
+    end: int
+    role: str
+    kind: str
+    turn: int
+
+
+@dataclass(frozen=True)
+class Issue:
+    """Something lenient parsing skipped, or a boundary that fell inside a merged token."""
+
+    offset: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"at {self.offset}: {self.message}"
+
+
+@dataclass(eq=False)
+class Block:
+    """One parsed element: a turn's body element, or a nested block (think, tool call,
+    channel, XTML element). Offsets are half-open; ``body_*`` is None when it has no body."""
+
+    name: str
+    start: int
+    end: int
+    open: Optional[str] = None            # opener marker name
+    header: Optional[str] = None          # header text as written
+    header_start: int = 0
+    header_end: int = 0
+    attrs: dict = field(default_factory=dict)
+    tag: Optional[str] = None
+    kind: Optional[str] = None
+    body_start: Optional[int] = None
+    body_end: Optional[int] = None
+    close_start: Optional[int] = None     # terminator region (close marker, close header, after)
+    close_end: Optional[int] = None
+    close: Optional[str] = None           # close marker name
+    children: list = field(default_factory=list)
+    complete: bool = True
+    valid: bool = True
+    follow: Optional["Block"] = None
+
+    def walk(self) -> Iterator["Block"]:
+        """This block and every nested block, depth-first, without recursion."""
+        stack = [self]
+        while stack:
+            b = stack.pop()
+            yield b
+            stack.extend(reversed(b.children))
+
+
+@dataclass(eq=False)
+class Turn:
+    """One message of the conversation.
+
+    Attributes:
+        role: canonical role (after aliases), from the opener marker, the header, or the
+            XTML ``role`` attribute — never from a substring test.
+        start, end: extent, terminator included.
+        complete: False when the input ended inside the turn (truncation).
+        generation_prompt: the input ends with this turn's generation prompt (trains nothing).
+        valid: False when lenient parsing found the turn malformed (it trains nothing).
+        block: the parsed element (header, attrs, body, nested blocks).
+    """
+
+    role: str
+    start: int
+    end: int
+    complete: bool
+    block: Block
+    generation_prompt: bool = False
+    valid: bool = True
+
+    @property
+    def header(self) -> Optional[str]:
+        return self.block.header
+
+    @property
+    def attrs(self) -> dict:
+        return self.block.attrs
+
+    @property
+    def body_start(self) -> Optional[int]:
+        return self.block.body_start
+
+    @property
+    def body_end(self) -> Optional[int]:
+        return self.block.body_end
+
+
+class Conversation:
+    """A parsed conversation.
+
+    Attributes:
+        format: the format name.
+        mode: ``"text"`` (char offsets) or ``"ids"`` (token offsets).
+        length: number of chars / ids — every mask has exactly this many values.
+        turns: the turns, in order.
+        warnings: what lenient parsing skipped (empty after a clean parse).
+        boundaries: span boundaries that fell inside a merged token (id mode), with the rule
+            applied: the straddling token is trained (no trained character is left out).
+        default_policy: the format's declared default policy (``policy=None``).
+    """
+
+    def __init__(self, *, format: str, mode: str, length: int, turns: list[Turn],
+                 warnings: list[Issue], boundaries: list[Issue], default_policy: MaskPolicy,
+                 text: str | None = None):
+        self.format = format
+        self.mode = mode
+        self.length = length
+        self.turns = turns
+        self.warnings = warnings
+        self.boundaries = boundaries
+        self.default_policy = default_policy
+        self.text = text
+
+    def __repr__(self) -> str:
+        roles = ",".join(t.role for t in self.turns[:8]) + ("…" if len(self.turns) > 8 else "")
+        return (f"Conversation(format={self.format!r}, mode={self.mode!r}, length={self.length}, "
+                f"turns=[{roles}], warnings={len(self.warnings)})")
+
+    def spans(self, policy: MaskPolicy | None = None) -> list[Span]:
+        """The trained spans under ``policy`` (None: the format's default): sorted and
+        non-overlapping.
+
+        Example:
+            >>> conv.spans(cg.MaskPolicy(thinking=False))  # doctest: +SKIP
+            [Span(start=120, end=133, role='assistant', kind='content', turn=3)]
+        """
+        policy = policy or self.default_policy
+        roles = set(policy.roles)
+        chosen = [(i, t) for i, t in enumerate(self.turns)
+                  if t.role in roles and t.valid and not t.generation_prompt
+                  and (t.complete or policy.truncated)]
+        if policy.last_turn_only:
+            chosen = chosen[-1:]
+        out: list[Span] = []
+        for i, t in chosen:
+            b = t.block
+            if b.body_start is None:
+                continue
+            base = b.kind or "content"
+            cur = b.body_start
+            for c in b.children:
+                if c.start > cur and policy.allows(base):
+                    out.append(Span(cur, c.start, t.role, base, i))
+                k = c.kind or "content"
+                if c.end > c.start and policy.allows(k):
+                    out.append(Span(c.start, c.end, t.role, k, i))
+                cur = max(cur, c.end)
+            if b.body_end is not None and b.body_end > cur and policy.allows(base):
+                out.append(Span(cur, b.body_end, t.role, base, i))
+            if (policy.end_marker and t.complete and b.close_start is not None
+                    and b.close_end > b.close_start):
+                out.append(Span(b.close_start, b.close_end, t.role, "end", i))
+        return out
+
+    def mask_array(self, policy: MaskPolicy | None = None) -> np.ndarray:
+        """The mask as a numpy int8 array of length :attr:`length`."""
+        m = np.zeros(self.length, dtype=np.int8)
+        for s in self.spans(policy):
+            m[s.start:s.end] = 1
+        return m
+
+    def mask(self, policy: MaskPolicy | None = None) -> list[int]:
+        """One 0/1 value per char (text mode) or per id (id mode)."""
+        return self.mask_array(policy).tolist()
+
+    def trained_text(self, policy: MaskPolicy | None = None) -> list[str]:
+        """Text mode only: the text of each trained span (handy in tests and docs)."""
+        if self.text is None:
+            raise ValueError("trained_text() needs a text-mode conversation")
+        return [self.text[s.start:s.end] for s in self.spans(policy)]

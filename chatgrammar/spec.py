@@ -1,0 +1,257 @@
+"""Stage 1 — YAML format specs → validated ``FormatSpec`` models.
+
+YAML is read with ``yaml.SafeLoader`` only (a ``!!python/...`` tag is a SpecError, nothing
+executes). Every error names ``file:line:col`` and the YAML path, found by composing the YAML
+node tree alongside the data so pydantic's error locations map back to source positions.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import SpecError
+
+ROLE_NAMES = ("system", "user", "assistant", "tool", "developer")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class Marker(_Model):
+    """A literal string the grammar treats as one terminal.
+
+    ``special: true`` (default): in id mode it must be one special/added id of the tokenizer;
+    ordinary ids spelling it are text. ``special: false`` (a *soft* marker such as ``<think>``):
+    recognised as one id when the tokenizer has one, otherwise found in the decoded text.
+    """
+
+    text: str = Field(min_length=1)
+    special: bool = True
+    description: Optional[str] = None
+
+
+class Header(_Model):
+    """How an element's header (role name, tag and attributes, channel…) is delimited and read.
+
+    Exactly one of ``until`` (a marker ends the header: ``<|im_middle|>``, ``<|sep|>``) or
+    ``until_text`` (a literal inside the text run after the opener ends it, e.g. ``"\\n"``).
+    """
+
+    until: Optional[str] = None
+    until_text: Optional[str] = None
+    markers: list[str] = Field(default_factory=list)
+    pattern: Optional[str] = None
+    attributes: Optional[Literal["xtml"]] = None
+    required: bool = True
+    max_tokens: int = Field(default=64, ge=1, le=4096)
+
+
+class Close(_Model):
+    """The terminator of an element: alternatives of markers, an optional header after the
+    marker (XTML ``<|close|>tag<|sep|>``) and optional markers that follow and still belong
+    to the element's end (``<|end_of_msg|>``)."""
+
+    markers: list[str] = Field(min_length=1)
+    header: Optional[Header] = None
+    after: list[str] = Field(default_factory=list)
+
+
+class Element(_Model):
+    """A turn (top level) or a nested block (think, tool call, channel, XTML element)."""
+
+    open: list[str] = Field(default_factory=list)
+    header: Optional[Header] = None
+    close: Optional[Close] = None
+    children: list[str] = Field(default_factory=list)
+    inner_markers: list[str] = Field(default_factory=list)
+    text: bool = True
+    role: Optional[str] = None
+    role_by_marker: dict[str, str] = Field(default_factory=dict)
+    kind: Optional[str] = None
+    kind_by_tag: dict[str, str] = Field(default_factory=dict)
+    kind_by_attr: Optional[dict[str, dict[str, str]]] = None
+    tag: Optional[str] = None
+    follow: Optional[str] = None
+    description: Optional[str] = None
+
+    @field_validator("open", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+
+class Policy(_Model):
+    roles: list[str] = Field(default_factory=lambda: ["assistant"])
+    thinking: bool = True
+    tool_calls: bool = True
+    end_marker: bool = False
+    last_turn_only: bool = False
+    truncated: bool = True
+
+
+class Detector(_Model):
+    """Evidence that a tokenizer / chat template belongs to this format."""
+
+    require: list[str] = Field(default_factory=list)
+    require_any: list[str] = Field(default_factory=list)
+    absent: list[str] = Field(default_factory=list)
+    template: list[str] = Field(default_factory=list)
+    template_absent: list[str] = Field(default_factory=list)
+    precedence_over: list[str] = Field(default_factory=list)
+
+
+class Example(_Model):
+    """Embedded example: rendered text with the expected trained text marked ``⟦…⟧``."""
+
+    name: Optional[str] = None
+    text: str
+    policy: Optional[dict[str, Any]] = None
+    error: Optional[str] = None
+
+
+class FormatSpec(_Model):
+    """A whole chat format."""
+
+    name: str
+    description: Optional[str] = None
+    covers: list[str] = Field(default_factory=list)
+    extends: Optional[str] = None
+    markers: dict[str, Marker]
+    elements: dict[str, Element]
+    top: list[str] = Field(min_length=1)
+    preamble: list[str] = Field(default_factory=list)
+    between: Optional[str] = None
+    between_markers: list[str] = Field(default_factory=list)
+    role_aliases: dict[str, str] = Field(default_factory=dict)
+    generation_prompt: list[str] = Field(default_factory=list)
+    policy: Policy = Field(default_factory=Policy)
+    detect: Detector = Field(default_factory=Detector)
+    examples: list[Example] = Field(default_factory=list)
+
+    @field_validator("name")
+    @classmethod
+    def _kebab(cls, v: str) -> str:
+        if not re.fullmatch(r"[a-z0-9]+(?:[-.][a-z0-9]+)*", v):
+            raise ValueError(f"format names are kebab-case ([a-z0-9-]), got {v!r}")
+        return v
+
+
+# --------------------------------------------------------------------------- YAML + positions
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader: only plain YAML types; any ``!!python`` tag fails to construct."""
+
+
+def _node_marks(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dict:
+    """Map every YAML path (tuple of keys/indices) to its node's start mark (iteratively)."""
+    out = {} if out is None else out
+    stack = [(node, path)]
+    while stack:
+        n, p = stack.pop()
+        out[p] = n.start_mark
+        if isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                key = k.value if isinstance(k, yaml.ScalarNode) else str(k)
+                out[p + (key, "__key__")] = k.start_mark
+                stack.append((v, p + (key,)))
+        elif isinstance(n, yaml.SequenceNode):
+            for i, v in enumerate(n.value):
+                stack.append((v, p + (i,)))
+    return out
+
+
+def format_path(loc: tuple) -> str:
+    parts: list[str] = []
+    for x in loc:
+        if isinstance(x, int):
+            parts.append(f"[{x}]")
+        else:
+            parts.append(("." if parts else "") + str(x))
+    return "".join(parts)
+
+
+class SpecSource:
+    """Where a spec came from, so later stages can locate their errors too."""
+
+    def __init__(self, file: str, marks: dict):
+        self.file = file
+        self.marks = marks
+
+    def locate(self, loc: tuple, key: bool = False) -> tuple[int | None, int | None]:
+        loc = tuple(loc)
+        probe = loc + ("__key__",) if key else loc
+        while probe:
+            m = self.marks.get(probe)
+            if m is not None:
+                return m.line + 1, m.column + 1
+            probe = probe[:-1]
+        m = self.marks.get(())
+        return (m.line + 1, m.column + 1) if m else (None, None)
+
+    def error(self, message: str, loc: tuple = (), cls=SpecError, key: bool = False) -> SpecError:
+        line, col = self.locate(loc, key=key)
+        return cls(message, file=self.file, line=line, col=col, path=format_path(loc) or None)
+
+
+def load_yaml(text: str, file: str) -> tuple[Any, dict]:
+    """Parse YAML safely; returns (data, marks). Raises SpecError with a position."""
+    try:
+        node = yaml.compose(text, Loader=_Loader)
+        if node is None:
+            raise SpecError("empty spec", file=file, line=1, col=1)
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        msg = " ".join(x for x in (exc.context, exc.problem) if x) or str(exc)
+        raise SpecError(f"YAML error: {msg}", file=file,
+                        line=mark.line + 1 if mark else None,
+                        col=mark.column + 1 if mark else None) from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"YAML error: {exc}", file=file) from None
+    return data, _node_marks(node)
+
+
+def parse_spec(text: str, file: str = "<string>") -> tuple[FormatSpec, SpecSource]:
+    """Parse and schema-check a spec. Semantic checks happen in :mod:`chatgrammar.compile`.
+
+    Raises:
+        SpecError: YAML syntax or schema violations, located ``file:line:col`` + YAML path.
+    """
+    data, marks = load_yaml(text, file)
+    src = SpecSource(file, marks)
+    if not isinstance(data, dict):
+        raise src.error("a format spec must be a YAML mapping")
+    try:
+        spec = FormatSpec.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = tuple(err["loc"])
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            msg = f"unknown key {loc[-1]!r}"
+            raise src.error(msg, loc, key=True) from None
+        if kind == "missing":
+            raise src.error(f"missing required key {loc[-1]!r}", loc[:-1]) from None
+        msg = err["msg"]
+        more = len(exc.errors()) - 1
+        if more:
+            msg += f" (+{more} more problem{'s' if more > 1 else ''})"
+        raise src.error(msg, loc) from None
+    return spec, src
+
+
+def read_spec(path: str | Path) -> tuple[FormatSpec, SpecSource]:
+    """Read a spec file. Raises SpecError for unreadable files too."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError("no such file", file=str(p)) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"cannot read: {exc}", file=str(p)) from None
+    return parse_spec(text, str(p))

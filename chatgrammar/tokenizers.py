@@ -1,0 +1,201 @@
+"""Tokenizer adapters: one small interface over the tokenizers trainers actually use.
+
+Accepted:
+- transformers tokenizers, fast and slow (including remote-code slow ones such as Kimi's
+  tiktoken-backed ``TikTokenTokenizer``);
+- a bare ``tiktoken.Encoding``;
+- any object with ``convert_tokens_to_ids(str) -> int`` and ``decode(list[int]) -> str``
+  (the *minimal protocol*).
+
+A marker counts only where the tokenizer maps its text to ONE special/added id; ordinary
+ids that happen to spell a marker are text. Nothing here imports transformers or tiktoken:
+objects are recognised by duck typing.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Sequence
+
+
+class TokenizerAdapter:
+    """Uniform view of a tokenizer: marker ids, decoding, vocabulary evidence.
+
+    Args:
+        tokenizer: a transformers tokenizer, a ``tiktoken.Encoding`` or a minimal-protocol object.
+
+    Raises:
+        TypeError: the object offers neither protocol.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._encoding = _tiktoken_encoding(tokenizer)
+        if self._encoding is None and not (hasattr(tokenizer, "convert_tokens_to_ids")
+                                           and hasattr(tokenizer, "decode")):
+            raise TypeError(
+                f"unsupported tokenizer {type(tokenizer).__name__}: need a transformers "
+                "tokenizer, a tiktoken.Encoding, or an object with convert_tokens_to_ids() "
+                "and decode()")
+        self.kind = ("tiktoken" if self._encoding is tokenizer else
+                     "transformers" if hasattr(tokenizer, "get_added_vocab") else
+                     "tiktoken-wrapper" if self._encoding is not None else "minimal")
+        self._special_cache: dict[str, int | None] = {}
+        self._soft_cache: dict[str, int | None] = {}
+        self._added: dict[str, int] | None = None
+
+    # ------------------------------------------------------------------ evidence
+    def added_vocab(self) -> dict[str, int]:
+        """Special and added tokens (text → id) as far as the tokenizer tells."""
+        if self._added is None:
+            out: dict[str, int] = {}
+            t = self.tokenizer
+            if self._encoding is not None:
+                enc = self._encoding
+                for s in enc.special_tokens_set:
+                    out[s] = enc.encode_single_token(s)
+            for attr in ("special_tokens", "added_tokens_encoder"):
+                d = getattr(t, attr, None)
+                if isinstance(d, dict):
+                    out.update({k: v for k, v in d.items() if isinstance(v, int)})
+            get_added = getattr(t, "get_added_vocab", None)
+            if callable(get_added):
+                try:
+                    out.update(get_added())
+                except Exception:  # some remote-code tokenizers do not implement it
+                    pass
+            self._added = out
+        return self._added
+
+    def _special_ids(self) -> set[int]:
+        ids = getattr(self.tokenizer, "all_special_ids", None)
+        try:
+            return set(ids or ())
+        except TypeError:
+            return set()
+
+    def token_id(self, text: str, special: bool = True) -> int | None:
+        """The single id the tokenizer gives ``text`` as a marker, or None.
+
+        Args:
+            text: the marker string.
+            special: True — only special/added ids count (ordinary BPE pieces that spell the
+                string are text); False (soft markers) — any single id whose decode is ``text``.
+        """
+        cache = self._special_cache if special else self._soft_cache
+        if text in cache:
+            return cache[text]
+        tid = self._lookup(text, special)
+        cache[text] = tid
+        return tid
+
+    def _lookup(self, text: str, special: bool) -> int | None:
+        added = self.added_vocab()
+        if text in added:
+            return int(added[text])
+        t = self.tokenizer
+        if self._encoding is not None and self._encoding is t:
+            if special:
+                return None
+            try:
+                tid = self._encoding.encode_single_token(text)
+            except KeyError:
+                return None
+            return int(tid)
+        conv = getattr(t, "convert_tokens_to_ids", None)
+        if conv is None:
+            return None
+        try:
+            tid = conv(text)
+        except Exception:
+            return None
+        if isinstance(tid, list) or tid is None or not isinstance(tid, int) or tid < 0:
+            return None
+        unk = getattr(t, "unk_token_id", None)
+        if unk is not None and tid == unk and text != getattr(t, "unk_token", None):
+            return None
+        # The id must really be this string (not an unk fallback or a normalised piece).
+        try:
+            if self.decode([tid]) != text:
+                back = getattr(t, "convert_ids_to_tokens", None)
+                if back is None or back(tid) != text:
+                    return None
+        except Exception:
+            return None
+        if not special:
+            return tid
+        if tid in self._special_ids():
+            return tid
+        sp = getattr(t, "sp_model", None)
+        if sp is not None:
+            try:  # SentencePiece control / user-defined pieces ([INST], <|user|>, …)
+                if sp.IsControl(tid) or sp.IsUserDefined(tid):
+                    return tid
+            except Exception:
+                pass
+        if self.kind == "minimal":
+            # The minimal protocol cannot say "special": a single id decoding to the exact
+            # marker string is accepted (documented).
+            return tid
+        return None
+
+    # ------------------------------------------------------------------ decoding
+    def decode(self, ids: Sequence[int]) -> str:
+        """Decode ids to text without dropping special tokens or cleaning spaces."""
+        ids = [int(i) for i in ids]
+        if self._encoding is not None and self._encoding is self.tokenizer:
+            return self._encoding.decode(ids, errors="replace")
+        t = self.tokenizer
+        try:
+            return t.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        except TypeError:
+            return t.decode(ids)
+
+    def decode_offsets(self, ids: Sequence[int]) -> tuple[str, list[int]]:
+        """Decode ``ids`` and return (text, start char of each token)."""
+        ids = [int(i) for i in ids]
+        enc = self._encoding
+        if enc is not None and enc is self.tokenizer:
+            try:
+                text, offsets = enc.decode_with_offsets(ids)
+                return text, list(offsets)
+            except Exception:
+                pass
+        pieces = [self.decode([i]) for i in ids]
+        starts, pos = [], 0
+        for p in pieces:
+            starts.append(pos)
+            pos += len(p)
+        return "".join(pieces), starts
+
+
+def _tiktoken_encoding(tok: Any) -> Any:
+    """The tiktoken.Encoding behind ``tok`` (itself, or the ``.model`` of Kimi-style wrappers)."""
+    for cand in (tok, getattr(tok, "model", None), getattr(tok, "encoding", None)):
+        if cand is not None and type(cand).__name__ == "Encoding" and \
+                hasattr(cand, "encode_single_token") and hasattr(cand, "special_tokens_set"):
+            return cand
+    return None
+
+
+_ADAPTERS: "weakref.WeakKeyDictionary[Any, TokenizerAdapter]" = weakref.WeakKeyDictionary()
+_ADAPTERS_BY_ID: dict[int, tuple[Any, TokenizerAdapter]] = {}
+
+
+def adapt(tokenizer: Any) -> TokenizerAdapter:
+    """Cached :class:`TokenizerAdapter` for a tokenizer object."""
+    if isinstance(tokenizer, TokenizerAdapter):
+        return tokenizer
+    try:
+        a = _ADAPTERS.get(tokenizer)
+        if a is None:
+            a = _ADAPTERS[tokenizer] = TokenizerAdapter(tokenizer)
+        return a
+    except TypeError:  # not weak-referenceable / not hashable
+        hit = _ADAPTERS_BY_ID.get(id(tokenizer))
+        if hit is not None and hit[0] is tokenizer:
+            return hit[1]
+        a = TokenizerAdapter(tokenizer)
+        if len(_ADAPTERS_BY_ID) > 64:
+            _ADAPTERS_BY_ID.clear()
+        _ADAPTERS_BY_ID[id(tokenizer)] = (tokenizer, a)
+        return a
