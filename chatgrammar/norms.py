@@ -275,9 +275,11 @@ def validate_norms(path: str | os.PathLike[str] | None = None, *,
     p = Path(path) if path is not None else norms_path()
     file = str(p)
     try:
-        text = _read_text(p)
-    except NormError as exc:
-        return [NormProblem(str(exc).split(": ", 1)[-1], file)]
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return [NormProblem("no such norms file", file)]
+    except (OSError, UnicodeDecodeError) as exc:
+        return [NormProblem(f"cannot read norms file: {exc}", file)]
     problems, _ = _check(text, file, use_transformers=use_transformers)
     return problems
 
@@ -496,7 +498,7 @@ def _check(text: str, file: str, *, use_transformers: bool) -> tuple[list[NormPr
             pairs = ck.mapping(vnode, path, f"kind {name!r}")
             if pairs is None:
                 continue
-            got = ck.keys(pairs, _KIND_KEYS, _KIND_REQUIRED, vnode, path, f"kind {name!r}")
+            got = ck.keys(pairs, _KIND_KEYS, _KIND_REQUIRED, knode, path, f"kind {name!r}")
             vals: dict[str, Any] = {}
             ok = all(r in got for r in _KIND_REQUIRED)
             for key, types in (("formula", (str,)), ("description", (str,)),
@@ -545,7 +547,7 @@ def _check(text: str, file: str, *, use_transformers: bool) -> tuple[list[NormPr
             pairs = ck.mapping(vnode, path, f"outer type {name!r}")
             if pairs is None:
                 continue
-            got = ck.keys(pairs, _OUTER_KEYS, _OUTER_REQUIRED, vnode, path,
+            got = ck.keys(pairs, _OUTER_KEYS, _OUTER_REQUIRED, knode, path,
                           f"outer type {name!r}")
             vals = {k: _scalar(ck, got[k][1], f"{path}.{k}", (str,), k) for k in got}
             if vals.get("text_key") is not None and vals["text_key"] not in TEXT_CONFIG_KEYS:
@@ -581,7 +583,7 @@ def _check(text: str, file: str, *, use_transformers: bool) -> tuple[list[NormPr
             pairs = ck.mapping(vnode, path, f"backbone {name!r}")
             if pairs is None:
                 continue
-            got = ck.keys(pairs, _BACKBONE_KEYS, _BACKBONE_REQUIRED, vnode, path,
+            got = ck.keys(pairs, _BACKBONE_KEYS, _BACKBONE_REQUIRED, knode, path,
                           f"backbone {name!r}")
             kind = check_kind(got["kind"][1], f"{path}.kind") if "kind" in got else None
             eps = _str_list(ck, got["eps"][1], f"{path}.eps", "eps") if "eps" in got else None
@@ -628,7 +630,7 @@ def _check(text: str, file: str, *, use_transformers: bool) -> tuple[list[NormPr
             pairs = ck.mapping(vnode, path, f"override {flag!r}")
             if pairs is None:
                 continue
-            got = ck.keys(pairs, _OVERRIDE_KEYS, _OVERRIDE_REQUIRED, vnode, path,
+            got = ck.keys(pairs, _OVERRIDE_KEYS, _OVERRIDE_REQUIRED, knode, path,
                           f"override {flag!r}")
             kind = check_kind(got["kind"][1], f"{path}.kind") if "kind" in got else None
             when = None
@@ -757,8 +759,9 @@ def explain_final_norm(config: Any, *, table: NormsTable | None = None
         table: a :class:`NormsTable` to use instead of the bundled one.
 
     Returns:
-        ``(FinalNorm, reason)`` when resolved, ``(None, reason)`` when the backbone is unknown;
-        the reason is one line and always includes the resolution path.
+        ``(FinalNorm, reason)`` when resolved, ``(None, reason)`` when the backbone is unknown.
+        The reason is one line, ``"<resolution path>: <why>"``, so it names the path even when
+        there is no FinalNorm.
 
     Raises:
         NormError: the config file cannot be read, or the argument is not a config.
@@ -769,8 +772,15 @@ def explain_final_norm(config: Any, *, table: NormsTable | None = None
         >>> norm, why = explain_final_norm(cfg)
         >>> norm.path
         'kimi_k3 → text_config → kimi_linear'
+        >>> explain_final_norm({"model_type": "kimi_k3"})[1]  # doctest: +ELLIPSIS
+        'kimi_k3: kimi_k3 is an outer multimodal model_type ...'
     """
-    table = table or load_norms()
+    norm, path, why = _explain(config, table or load_norms())
+    return norm, f"{path}: {why}"
+
+
+def _explain(config: Any, table: NormsTable) -> tuple[FinalNorm | None, str, str]:
+    """(FinalNorm or None, resolution path, why)."""
     node = _as_config(config)
     chain = [node]
     steps: list[str] = []
@@ -783,7 +793,7 @@ def explain_final_norm(config: Any, *, table: NormsTable | None = None
             break
         node, via = sub
         if id(node) in seen or len(chain) >= _MAX_DEPTH:
-            return None, f"{ARROW.join(steps)}: text sub-configs nest in a cycle or too deep"
+            return None, ARROW.join(steps), "text sub-configs nest in a cycle or too deep"
         seen.add(id(node))
         chain.append(node)
         steps.append(via)
@@ -801,33 +811,33 @@ def explain_final_norm(config: Any, *, table: NormsTable | None = None
                 eps, eps_name = _eps_of(node, names)
                 if eps is None and entry is not None:
                     eps = entry.eps_default
-                flag_step = f"{override.flag}: {json.dumps(override.when)}"
-                path = ARROW.join([*steps, flag_step])
+                flag_step = f"{override.flag}={json.dumps(override.when)}"
                 mt_name = model_type or "<no model_type>"
-                return (FinalNorm(override.kind, mt_name, eps, path),
-                        f"{path}: the flag {flag_step} overrides the model_type "
-                        f"({mt_name}) → kind {override.kind}; {_eps_reason(eps, eps_name)}")
+                return (FinalNorm(override.kind, mt_name, eps, ARROW.join([*steps, flag_step])),
+                        ARROW.join([*steps, flag_step]),
+                        f"the flag {flag_step} overrides the model_type ({mt_name}) → kind "
+                        f"{override.kind}; {_eps_reason(eps, eps_name, entry)}")
 
     path = ARROW.join(steps)
     if model_type is None:
-        return None, f"{path}: the {'text backbone ' if len(chain) > 1 else ''}config has no " \
-                     "model_type"
+        where = "text backbone config" if len(chain) > 1 else "config"
+        return None, path, f"the {where} has no model_type"
     entry = table.backbones.get(model_type)
     if entry is not None:
         eps, eps_name = _eps_of(node, entry.eps)
         if eps is None:
             eps = entry.eps_default
-        return (FinalNorm(entry.kind, model_type, eps, path),
-                f"{path}: {model_type} is a text backbone in norms.yaml → kind {entry.kind}; "
+        return (FinalNorm(entry.kind, model_type, eps, path), path,
+                f"{model_type} is a text backbone in norms.yaml → kind {entry.kind}; "
                 f"{_eps_reason(eps, eps_name, entry)}")
     if model_type in table.outer_types:
         o = table.outer_types[model_type]
-        return None, (f"{path}: {model_type} is an outer multimodal model_type whose final norm "
-                      f"belongs to its text backbone under {o.text_key}, but this config has no "
-                      f"{o.text_key}")
-    return None, (f"{path}: model_type {model_type!r} is not a text backbone in norms.yaml"
-                  f"{_did_you_mean(model_type, table.backbones)}; refusing to guess its "
-                  "final norm")
+        return None, path, (f"{model_type} is an outer multimodal model_type whose final norm "
+                            f"belongs to its text backbone under {o.text_key}, but this config "
+                            f"has no {o.text_key}")
+    return None, path, (f"model_type {model_type!r} is not a text backbone in norms.yaml"
+                        f"{_did_you_mean(model_type, table.backbones)}; refusing to guess its "
+                        "final norm")
 
 
 def _eps_reason(eps: float | None, name: str | None, entry: Backbone | None = None) -> str:

@@ -1,0 +1,89 @@
+"""``chatgrammar norm CONFIG`` — the final norm of a model's text backbone.
+
+Prints how the config was resolved (``kimi_k3 → text_config → kimi_linear``), the norm kind
+with its formula, and eps. Exit codes: 0 resolved; 1 the backbone is not in the table (the reason
+is printed); 2 the config file is missing or unreadable (one line, no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ..errors import NormError
+from ..norms import ARROW, _explain, load_norms, read_config
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``norm`` subcommand to the ``chatgrammar`` parser.
+
+    Args:
+        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
+    """
+    parser = subparsers.add_parser(
+        "norm",
+        help="resolve the final norm of a model's text backbone from its config.json",
+        description="Resolve the final norm (kind, eps) of a model's text backbone: the config "
+                    "is followed through text_config / llm_config / language_config to the "
+                    "backbone, whose model_type is looked up in norms.yaml.",
+    )
+    parser.add_argument("config", metavar="CONFIG",
+                        help="a config.json, or a model directory containing one")
+    parser.add_argument("--output", choices=("text", "json"), default="text",
+                        help="output format (default: text)")
+    parser.add_argument("--norms", metavar="NORMS_YAML", default=None,
+                        help="use this norms table instead of the bundled formats/norms.yaml")
+    parser.set_defaults(func=run)
+
+
+def _write(text: str, stream: Any) -> None:
+    # the path arrow is not encodable everywhere (e.g. a latin-1 terminal): degrade, never crash
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+    except (UnicodeEncodeError, LookupError):
+        text = text.replace(ARROW, " -> ").encode(encoding, "replace").decode(encoding)
+    print(text, file=stream)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``chatgrammar norm``; returns the exit code."""
+    try:
+        config = read_config(args.config)
+    except NormError as exc:
+        _write(f"chatgrammar norm: error: {exc}", sys.stderr)
+        return 2
+    try:
+        table = load_norms(args.norms)
+    except NormError as exc:
+        _write(f"chatgrammar norm: error: {exc}", sys.stderr)
+        return 2
+    norm, path, why = _explain(config, table)
+
+    if args.output == "json":
+        payload = {
+            "config": str(args.config),
+            "resolved": norm is not None,
+            "kind": norm.kind if norm else None,
+            "model_type": norm.model_type if norm else None,
+            "eps": norm.eps if norm else None,
+            "path": path,
+            "formula": table.kinds[norm.kind].formula if norm else None,
+            "reason": why,
+        }
+        _write(json.dumps(payload, ensure_ascii=False, indent=2), sys.stdout)
+        return 0 if norm else 1
+
+    if norm is None:
+        _write(f"path:    {path}", sys.stdout)
+        _write("kind:    unknown", sys.stdout)
+        _write(f"chatgrammar norm: unknown final norm: {why}", sys.stderr)
+        return 1
+    kind = table.kinds[norm.kind]
+    eps = "unknown" if norm.eps is None else f"{norm.eps:g}"
+    _write(f"path:    {norm.path}", sys.stdout)
+    _write(f"kind:    {norm.kind}    {kind.formula}", sys.stdout)
+    _write(f"eps:     {eps}", sys.stdout)
+    _write(f"why:     {why}", sys.stdout)
+    return 0
