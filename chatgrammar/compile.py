@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import hashlib
 import re
-import sre_parse
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 from lark import Lark
+
+try:  # Python 3.11+: the regex parser moved; the old module name warns
+    import re._parser as sre_parse  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover
+    import sre_parse  # type: ignore[no-redef]
 from lark.exceptions import GrammarError
 from lark.lexer import Lexer
 

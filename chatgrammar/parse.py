@@ -166,6 +166,10 @@ class Driver:
                 raise err
             warnings.append(Issue(tok[1], f"skipped malformed input: {err.message}; expected "
                                           f"{', '.join(err.expected[:6])}"))
+            if self._can_feed(state_stack, "$END"):
+                # everything before the bad token is complete: flush its pending reductions
+                # so finished turns are kept
+                self._feed(ctx, state_stack, value_stack, ("$END", tok[1], tok[1], SYNTH))
             state_stack = [start_state]
             value_stack = []
             if ttype in self.tables.starters and resync_at != i:
