@@ -140,8 +140,33 @@ class TokenizerAdapter:
 
     # ------------------------------------------------------------------ decoding
     def decode(self, ids: Sequence[int]) -> str:
-        """Decode ids to text without dropping special tokens or cleaning spaces."""
+        """Decode ids to text without dropping special tokens or cleaning spaces.
+
+        An id the tokenizer cannot decode (negative, beyond its vocabulary) becomes U+FFFD
+        instead of raising: hostile or corrupt id sequences must not crash a parse.
+        """
         ids = [int(i) for i in ids]
+        try:
+            return self._decode(ids)
+        except Exception:  # noqa: BLE001 - tokenizers raise KeyError, OverflowError, ...
+            pass
+        out: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            try:
+                self._decode([i])
+            except Exception:  # noqa: BLE001
+                if run:
+                    out.append(self._decode(run))
+                    run = []
+                out.append("\ufffd")
+            else:
+                run.append(i)
+        if run:
+            out.append(self._decode(run))
+        return "".join(out)
+
+    def _decode(self, ids: list[int]) -> str:
         if self._encoding is not None and self._encoding is self.tokenizer:
             return self._encoding.decode(ids, errors="replace")
         t = self.tokenizer
