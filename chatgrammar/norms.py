@@ -34,7 +34,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
@@ -426,36 +426,27 @@ def _str_list(ck: _Checker, node: Any, path: str, what: str) -> tuple[str, ...] 
     return tuple(out)
 
 
-def _transformers_wrappers() -> Mapping[str, tuple[str, str | None]] | None:
-    """Types transformers declares with a text sub-config: type → (sub-config key, text type).
-
-    None when transformers is not importable.
-    """
+def _transformers_wrappers() -> Callable[[str], tuple[str, str | None] | None] | None:
+    """A lookup: type → (text sub-config key, its model_type or None) when transformers declares
+    that type with a text sub-config, else None. None itself when transformers is missing."""
     try:
-        from transformers import CONFIG_MAPPING  # noqa: PLC0415 - optional and slow
+        from transformers import CONFIG_MAPPING  # optional, and slow to import
     except Exception:  # pragma: no cover - depends on the environment
         return None
 
-    class _Lazy(Mapping[str, tuple[str, "str | None"]]):
-        def __getitem__(self, key: str) -> tuple[str, str | None]:
-            try:
-                cls = CONFIG_MAPPING[key]
-            except Exception:
-                raise KeyError(key) from None
-            subs = getattr(cls, "sub_configs", None) or {}
-            for text_key in TEXT_CONFIG_KEYS:
-                if text_key in subs:
-                    inner = getattr(subs[text_key], "model_type", None)
-                    return text_key, inner if isinstance(inner, str) and inner else None
-            raise KeyError(key)
+    def lookup(model_type: str) -> tuple[str, str | None] | None:
+        try:
+            cls = CONFIG_MAPPING[model_type]
+        except Exception:
+            return None
+        subs = getattr(cls, "sub_configs", None) or {}
+        for text_key in TEXT_CONFIG_KEYS:
+            if text_key in subs:
+                inner = getattr(subs[text_key], "model_type", None)
+                return text_key, inner if isinstance(inner, str) and inner else None
+        return None
 
-        def __iter__(self) -> Iterator[str]:  # pragma: no cover - never iterated
-            return iter(())
-
-        def __len__(self) -> int:  # pragma: no cover
-            return 0
-
-    return _Lazy()
+    return lookup
 
 
 def _check(text: str, file: str, *, use_transformers: bool) -> tuple[list[NormProblem],
@@ -573,8 +564,8 @@ def _check(text: str, file: str, *, use_transformers: bool) -> tuple[list[NormPr
                 ck.add(f"{name!r} is an outer multimodal model_type, listed in outer_types"
                        f"{inner}; key the table on the text backbone", knode, path)
                 outer_problem = True
-            elif wrappers is not None and name in wrappers:
-                text_key, inner_type = wrappers[name]
+            elif wrappers is not None and wrappers(name) is not None:
+                text_key, inner_type = wrappers(name)
                 hint = f"; key it on {inner_type!r}" if inner_type else \
                     "; key the table on the text backbone"
                 ck.add(f"{name!r} is an outer multimodal model_type: transformers declares its "

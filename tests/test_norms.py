@@ -594,6 +594,18 @@ def test_kinds_are_distinguishable_by_the_truth_criterion(a, b, dtype):
     assert not match(ya, yb)
 
 
+def test_apply_norm_takes_a_kind_object():
+    # MiniMax-M3's remote-code norm: 1 + w, but multiplied after the cast (see norms.yaml)
+    remote = NormKind("remote_one_plus", "y = (1 + w) · cast(x̂)", center=False, offset=1,
+                      bias=False, multiply="after_cast", weight_dtype="model")
+    rng = np.random.default_rng(3)
+    x, w = rng.normal(size=(32, 64)), rng.normal(size=64) * 0.5
+    ours = apply_norm(remote, x, w, 1e-6, dtype="float32")
+    np.testing.assert_allclose(ours, apply_norm("rmsnorm_one_plus", x, w, 1e-6), rtol=1e-6)
+    bf16 = apply_norm(remote, x, w, 1e-6, dtype="bfloat16")
+    assert not _bf16_match(bf16, apply_norm("rmsnorm_one_plus", x, w, 1e-6, dtype="bfloat16"))
+
+
 def test_apply_norm_rejects_unknown_kind_and_dtype():
     with pytest.raises(NormError, match="unknown norm kind 'rms_norm'"):
         apply_norm("rms_norm", np.ones((1, 4)))
