@@ -16,16 +16,14 @@ from .registry import list_formats, load_format
 from .spans import Block, Conversation, Issue, Span, Turn
 from .detect import detect_format
 
-try:  # the norms table is its own stage; see docs/norms.md
-    from .norms import FinalNorm, final_norm_kind, resolve_final_norm
-except ImportError:  # pragma: no cover - only while norms.py is being written
-    pass
+from .norms import FinalNorm, explain_final_norm, final_norm_kind, resolve_final_norm
 
 __version__ = "0.1.0"
 
 __all__ = [
     "list_formats", "load_format", "detect_format", "Format", "Conversation", "Turn", "Span",
     "Block", "Issue", "MaskPolicy", "resolve_final_norm", "final_norm_kind", "FinalNorm",
+    "explain_final_norm",
     "ChatGrammarError", "SpecError", "CompileError", "ParseError", "DetectionError",
     "NormError",
 ]
