@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .compile import ParseTables, compile_spec
+from .compile import ParseTables, compile_spec, term_name
 from .errors import ParseError
 from .lexers import IdLexer, LexConfig, as_id_array, lex_text
 from .parse import Driver, Source
@@ -113,8 +113,6 @@ class Format:
     def missing_markers(self, tokenizer: Any) -> list[str]:
         """Special markers of this format the tokenizer has no single special id for."""
         lx = self.id_lexer(tokenizer)
-        names = {f"M_{n}".upper(): n for n in self.spec.markers}
-        from .compile import term_name
         by_term = {term_name(n): n for n in self.spec.markers}
         return [by_term[t] for t in lx.missing if self.spec.markers[by_term[t]].special]
 
