@@ -216,32 +216,71 @@ def load_yaml(text: str, file: str) -> tuple[Any, dict]:
     return data, _node_marks(node)
 
 
+def _schema_error(err: dict, src: SpecSource) -> SpecError:
+    """One pydantic error → a located SpecError, in spec terms."""
+    loc = tuple(err["loc"])
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return src.error(f"unknown key {loc[-1]!r}", loc, key=True)
+    if kind == "missing":
+        return src.error(f"missing required key {loc[-1]!r}", loc[:-1])
+    msg = err["msg"]
+    if kind == "value_error":  # our own validators: the message already names the value
+        return src.error(msg.removeprefix("Value error, "), loc)
+    if "input" in err and not isinstance(err["input"], (dict, list)):
+        got = repr(err["input"])
+        msg += f" (got {got if len(got) <= 60 else got[:57] + '...'})"
+    return src.error(msg, loc)
+
+
+def spec_errors(text: str, file: str = "<string>"
+                ) -> tuple[FormatSpec | None, SpecSource | None, list[SpecError]]:
+    """Parse and schema-check a spec, collecting EVERY schema problem instead of raising.
+
+    Used by ``chatgrammar validate``, which reports all problems of a file at once.
+
+    Args:
+        text: the YAML source.
+        file: the name errors are reported against.
+
+    Returns:
+        ``(spec, source, errors)``: ``spec`` is None when ``errors`` is non-empty; ``source``
+        is None only when the YAML itself does not parse (then ``errors`` holds that one error).
+
+    Example:
+        >>> spec, src, errs = spec_errors("name: x\nmarkers: {}\nelements: {}\ntop: [t]\nfoo: 1")
+        >>> [e.message for e in errs]
+        ["unknown key 'foo'"]
+    """
+    try:
+        data, marks = load_yaml(text, file)
+    except SpecError as exc:
+        return None, None, [exc]
+    src = SpecSource(file, marks)
+    if not isinstance(data, dict):
+        return None, src, [src.error("a format spec must be a YAML mapping")]
+    try:
+        spec = FormatSpec.model_validate(data)
+    except ValidationError as exc:
+        return None, src, [_schema_error(e, src) for e in exc.errors()]
+    return spec, src, []
+
+
 def parse_spec(text: str, file: str = "<string>") -> tuple[FormatSpec, SpecSource]:
     """Parse and schema-check a spec. Semantic checks happen in :mod:`chatgrammar.compile`.
 
     Raises:
-        SpecError: YAML syntax or schema violations, located ``file:line:col`` + YAML path.
+        SpecError: YAML syntax or schema violations, located ``file:line:col`` + YAML path
+            (the first one; :func:`spec_errors` collects them all).
     """
-    data, marks = load_yaml(text, file)
-    src = SpecSource(file, marks)
-    if not isinstance(data, dict):
-        raise src.error("a format spec must be a YAML mapping")
-    try:
-        spec = FormatSpec.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = tuple(err["loc"])
-        kind = err["type"]
-        if kind == "extra_forbidden":
-            msg = f"unknown key {loc[-1]!r}"
-            raise src.error(msg, loc, key=True) from None
-        if kind == "missing":
-            raise src.error(f"missing required key {loc[-1]!r}", loc[:-1]) from None
-        msg = err["msg"]
-        more = len(exc.errors()) - 1
+    spec, src, errors = spec_errors(text, file)
+    if errors:
+        first = errors[0]
+        more = len(errors) - 1
         if more:
-            msg += f" (+{more} more problem{'s' if more > 1 else ''})"
-        raise src.error(msg, loc) from None
+            first = SpecError(f"{first.message} (+{more} more problem{'s' if more > 1 else ''})",
+                              file=first.file, line=first.line, col=first.col, path=first.path)
+        raise first
     return spec, src
 
 
