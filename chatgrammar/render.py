@@ -30,13 +30,14 @@ transformers' quirk: a generation block nested inside a macro, a ``{% set %}`` b
 Time limit (chat templates are untrusted code; nested ``range`` loops can run for hours):
 
 1. In the main thread, on platforms with ``signal.setitimer`` and when no ``ITIMER_REAL`` timer
-   is already armed, the render runs under ``SIGALRM``; the handler raises inside the template
-   code, at the next bytecode boundary. The timer re-fires every 50 ms after the deadline in case
-   something swallowed the first interrupt, the previous handler is restored afterwards, and a
-   signal arriving after the render finished is ignored.
+   is already armed, the render runs under ``SIGALRM``; the handler raises only when it
+   interrupts template (or Jinja) code, so never inside chatgrammar's own bookkeeping or other
+   code. The timer re-fires every 50 ms after the deadline until it lands; afterwards it is
+   disarmed and the previous handler restored. Cost: two ``setitimer`` calls per render.
 2. Otherwise (another thread, a caller's own timer, no ``setitimer``) the render runs in a daemon
    worker thread; at the deadline the caller stops waiting and raises, and the worker is stopped
    with ``PyThreadState_SetAsyncExc`` (CPython), injected repeatedly for up to a second.
+   Cost: one thread start per render (tens of microseconds).
 3. In both cases the sandbox's ``call`` / ``getattr`` / ``getitem`` hooks and every emitted
    output block check the deadline as well (cheap, and the only stop that works where 1 and 2
    cannot).
@@ -50,11 +51,12 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import json
+import os
 import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -86,6 +88,7 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # How often the SIGALRM timer re-fires once the deadline has passed.
 _REFIRE_SECONDS = 0.05
 _GENERATION_TAG_RE = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
+_JINJA_DIR = os.path.dirname(jinja2.__file__) + os.sep
 
 
 # --------------------------------------------------------------------------------------- errors
@@ -368,7 +371,8 @@ def _normalize_messages(messages: Any) -> list[dict]:
     for message in converted:
         if not isinstance(message, dict):
             raise TypeError(
-                f"Chat messages should be dicts, dataclasses or pydantic models, but got {message!r}."
+                "Chat messages should be dicts, dataclasses or pydantic models, "
+                f"but got {message!r}."
             )
         out.append({key: value for key, value in message.items() if value is not None})
     return out
@@ -465,25 +469,32 @@ def _can_use_sigalrm() -> bool:
     )
 
 
+def _is_template_frame(frame: Any) -> bool:
+    filename = frame.f_code.co_filename
+    return filename == "<template>" or filename.startswith(_JINJA_DIR)
+
+
 def _render_with_sigalrm(compiled: jinja2.Template, variables: dict, timeout: float
                          ) -> tuple[str, list[tuple[int, int]]]:
     active = [True]
 
     def on_alarm(signum: int, frame: Any) -> None:
-        # A signal delivered after the render ended (or swallowed and re-fired) must be a no-op.
-        if active[0]:
+        # Raise only while the render is active AND inside template (or Jinja) code: never in
+        # our own bookkeeping, which must run to disarm the timer, nor in unrelated code that
+        # happens to run when the signal is handled. A miss is retried by the timer's re-fire
+        # interval (and by the cooperative checks).
+        if active[0] and frame is not None and _is_template_frame(frame):
             raise _Deadline()
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     try:
         signal.setitimer(signal.ITIMER_REAL, timeout, _REFIRE_SECONDS)
-        try:
-            return _render_once(compiled, variables, time.monotonic() + timeout)
-        finally:
-            active[0] = False
-            signal.setitimer(signal.ITIMER_REAL, 0.0, 0.0)
+        return _render_once(compiled, variables, time.monotonic() + timeout)
     finally:
-        signal.signal(signal.SIGALRM, previous)
+        active[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0.0, 0.0)
+        # getsignal() is None for a handler installed outside Python: restore the default then.
+        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _inject(thread: threading.Thread) -> bool:
@@ -514,10 +525,11 @@ def _render_in_worker(compiled: jinja2.Template, variables: dict, timeout: float
     worker = threading.Thread(target=work, name="chatgrammar-render", daemon=True)
     worker.start()
     worker.join(timeout)
-    if worker.is_alive():
+    if worker.is_alive() and not outcome:
         # Stop the runaway worker: re-inject until it dies, in case something swallowed it.
         stop_by = time.monotonic() + 1.0
-        while worker.is_alive() and time.monotonic() < stop_by:
+        # (``not outcome``: never inject into a worker that already caught one and is finishing.)
+        while worker.is_alive() and not outcome and time.monotonic() < stop_by:
             if not _inject(worker):
                 break
             worker.join(_REFIRE_SECONDS)
