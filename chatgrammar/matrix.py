@@ -6,8 +6,8 @@ and trains exactly the assistant output. The matrix covers the shapes real data 
 without a system message, single and multi-turn, tools declared, assistant tool calls (arguments
 as a dict and as a JSON string, parallel calls) and tool results, reasoning
 (``reasoning_content``) with thinking switched on and off, unicode (CJK, emoji, right-to-left),
-empty assistant content, content as a list of text parts, markup-like characters (``"`` ``&`` ``<`` ``>`` ``'``), multi-line
-content, and a trailing generation prompt.
+empty assistant content, content as a list of text parts, markup-like characters (``"`` ``&``
+``<`` ``>`` ``'``), multi-line content, and a trailing generation prompt.
 
 Conventions every case follows, so that one matrix fits many templates:
 
@@ -103,7 +103,9 @@ class ToolCallOutput:
     @property
     def argument_dict(self) -> dict:
         """The arguments as a dict (a JSON-string argument is decoded)."""
-        return json.loads(self.arguments) if isinstance(self.arguments, str) else dict(self.arguments)
+        if isinstance(self.arguments, str):
+            return json.loads(self.arguments)
+        return dict(self.arguments)
 
     def strings(self) -> list[str]:
         """The name and every leaf argument value, as text a rendering must contain."""
@@ -366,7 +368,8 @@ def _build() -> list[MatrixCase]:
         ),
         MatrixCase(
             "content-parts", "content as a list of text parts (the multimodal message layout)",
-            [{"role": "system", "content": [{"type": "text", "text": "You are a helpful assistant."}]},
+            [{"role": "system",
+              "content": [{"type": "text", "text": "You are a helpful assistant."}]},
              {"role": "user", "content": [{"type": "text", "text": "Describe the sky."}]},
              {"role": "assistant", "content": [{"type": "text", "text": "The sky is blue."}]}],
             tags=frozenset({"system", "content-parts"}),
@@ -511,7 +514,8 @@ def iter_renderable(template: str, cases: Iterable[MatrixCase] | None = None, *,
         TemplateError: ``kind="syntax"``, once, when the template does not compile.
 
     Example:
-        >>> tpl = "{% if messages[0].role == 'system' %}{{ raise_exception('no system') }}{% endif %}ok"
+        >>> tpl = ("{% if messages[0].role == 'system' %}{{ raise_exception('no system') }}"
+        ...        "{% endif %}ok")
         >>> [(r.case.name, r.text, r.reason) for r in iter_renderable(
         ...     tpl, [get_case("basic"), get_case("no-system")])]
         [('basic', None, '[raised] no system'), ('no-system', 'ok', None)]

@@ -1,7 +1,7 @@
 """Offline builders for the real tokenizers the tests use (cached: each is built once per process).
 
-Every builder reads only files under ``tests/data/tokenizers`` (provenance: ``tests/data/README.md``)
-and never touches the network. The returned objects are shared between callers: treat them as
+Every builder reads only files under ``tests/data/tokenizers`` (provenance:
+``tests/data/README.md``) and never touches the network. The returned objects are shared between callers: treat them as
 read-only (``copy.deepcopy`` one before changing its attributes).
 
 - :func:`qwen_fast_tokenizer` / :func:`qwen_tiktoken_encoding`: Qwen2/2.5/3 byte-level BPE from
@@ -26,8 +26,10 @@ TOKENIZERS = DATA / "tokenizers"
 
 QWEN_TIKTOKEN = TOKENIZERS / "Qwen-Qwen2.5" / "qwen.tiktoken"
 MISTRAL_MODELS = {
-    "v3": TOKENIZERS / "mistralai-Mistral-7B-Instruct-v0.3" / "mistral_instruct_tokenizer_240323.model.v3",
-    "v7": TOKENIZERS / "mistralai-Mistral-Large-Instruct-2411" / "mistral_instruct_tokenizer_241114.model.v7",
+    "v3": (TOKENIZERS / "mistralai-Mistral-7B-Instruct-v0.3"
+           / "mistral_instruct_tokenizer_240323.model.v3"),
+    "v7": (TOKENIZERS / "mistralai-Mistral-Large-Instruct-2411"
+           / "mistral_instruct_tokenizer_241114.model.v7"),
 }
 PHI3_DIR = TOKENIZERS / "microsoft-Phi-3-mini-4k-instruct"
 PHI3_GGUF = "ggml-vocab-phi-3.gguf"
