@@ -86,7 +86,21 @@ class ParseError(ChatGrammarError):
 
 class DetectionError(ChatGrammarError):
     """No bundled or plugin format matches a tokenizer / chat template, or the match
-    is ambiguous."""
+    is ambiguous.
+
+    Attributes:
+        message: what went wrong (its first line is a one-line summary).
+        candidates: the nearest formats, best first (no match), or the formats in conflict.
+        evidence: per format name, what was looked for and what was found
+            (the ``evidence`` of :class:`chatgrammar.detect.Detection`).
+    """
+
+    def __init__(self, message: str, *, candidates: Sequence[str] = (),
+                 evidence: dict | None = None):
+        self.message = message
+        self.candidates = list(candidates)
+        self.evidence = dict(evidence or {})
+        super().__init__(message)
 
 
 class NormError(ChatGrammarError):
