@@ -149,6 +149,25 @@ def check_spec(spec: FormatSpec, src: SpecSource) -> None:
                                 CompileError)
         if not el.open and el.close is None:
             raise src.error("an element needs an opener or a close marker", base, CompileError)
+        if el.ends_with_parent:
+            if el.close is not None or not el.open or el.follow:
+                raise src.error("an `ends_with_parent` element needs an opener and neither a "
+                                "close marker nor a follow element", base, CompileError)
+            if ename in spec.top or ename in spec.preamble:
+                raise src.error("an `ends_with_parent` element must be a child, not a top-level "
+                                "item", base, CompileError)
+            for pname, pel in spec.elements.items():
+                if ename in pel.children and pel.close is None:
+                    raise src.error(f"`ends_with_parent` element {ename!r} is a child of "
+                                    f"{pname!r}, which has no close marker",
+                                    base, CompileError)
+        if el.lead is not None:
+            if not el.lead:
+                raise src.error("empty `lead`", base + ("lead",), CompileError)
+            inside = [mn for mn, m in markers.items() if m.text in el.lead]
+            if inside:
+                raise src.error(f"`lead` {el.lead!r} contains marker {inside[0]!r}; a lead is "
+                                "plain text", base + ("lead",), CompileError)
         for hloc, h in ((base + ("header",), el.header),
                         (base + ("close", "header"), el.close.header if el.close else None)):
             if h is None:
@@ -195,13 +214,16 @@ def check_spec(spec: FormatSpec, src: SpecSource) -> None:
 
 # ----------------------------------------------------------------------------- grammar
 
-def _element_rule(name: str, el: Element) -> list[str]:
+def _element_rule(name: str, el: Element, elements: dict[str, Element]) -> list[str]:
     alts: list[str] = []
     opens = " | ".join(term_name(o) for o in el.open)
     open_part = f"({opens})" if len(el.open) > 1 else opens
-    body_items = ([TEXT] + [rule_name(c) for c in el.children]
+    tails = [c for c in el.children if elements[c].ends_with_parent]
+    body_items = ([TEXT] + [rule_name(c) for c in el.children if c not in tails]
                   + [term_name(m) for m in el.inner_markers])
     body = "(" + " | ".join(body_items) + ")*"
+    if tails:  # children that run to this element's close can only come last
+        body += " (" + " | ".join(rule_name(c) for c in tails) + ")?"
     close = ""
     if el.close:
         cm = " | ".join(term_name(c) for c in el.close.markers)
@@ -255,7 +277,7 @@ def build_grammar(spec: FormatSpec) -> str:
         if el.follow:
             todo.append(el.follow)
     for n in seen:
-        lines.extend(_element_rule(n, spec.elements[n]))
+        lines.extend(_element_rule(n, spec.elements[n], spec.elements))
     return "\n".join(lines) + "\n"
 
 

@@ -140,7 +140,7 @@ class Format:
         lx = self.id_lexer(tokenizer)
         warnings: list[Issue] = []
         boundaries: list = []
-        src = Source("ids", len(arr), arr=arr, adapter=lx.adapter)
+        src = Source("ids", len(arr), arr=arr, adapter=lx.adapter, boundaries=boundaries)
         toks = lx.lex(arr, boundaries)
         turns = self._driver.run(toks, src, strict, warnings)
         return Conversation(format=self.name, mode="ids", length=len(arr), turns=turns,

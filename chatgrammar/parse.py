@@ -51,8 +51,38 @@ class Source:
     """Access to the input for the few places that must read text (headers, between-text,
     generation prompt)."""
 
-    def __init__(self, mode: str, n: int, text: str | None = None, arr=None, adapter=None):
+    def __init__(self, mode: str, n: int, text: str | None = None, arr=None, adapter=None,
+                 boundaries: list | None = None):
         self.mode, self.n, self.text, self.arr, self.adapter = mode, n, text, arr, adapter
+        # (token index, note) of span boundaries inside a merged token (id mode)
+        self.boundaries = boundaries if boundaries is not None else []
+
+    def match_lead(self, s: int, e: int, lead: str) -> tuple[int, str]:
+        """How much of the run ``[s, e)`` an element's ``lead`` literal covers.
+
+        Returns ``(units, status)``: ``"whole"`` (the run starts with the lead, which ends at
+        ``s + units``), ``"straddle"`` (id mode: the lead ends inside token ``s + units``),
+        ``"partial"`` (the whole run is a proper prefix of the lead) or ``"absent"``.
+        """
+        if e <= s:
+            return 0, "absent"
+        if self.mode == "text":
+            t = self.text[s:e]
+            if t.startswith(lead):
+                return len(lead), "whole"
+            return (e - s, "partial") if lead.startswith(t) else (0, "absent")
+        txt = ""
+        # a token decodes to at least one char (or a replacement char): len(lead) + a few
+        # tokens always suffice
+        for k in range(1, min(e - s, len(lead) + 4) + 1):
+            txt = self.adapter.decode(self.arr[s:s + k].tolist())
+            if len(txt) >= len(lead):
+                if not txt.startswith(lead):
+                    return 0, "absent"
+                return (k, "whole") if len(txt) == len(lead) else (k - 1, "straddle")
+            if not lead.startswith(txt):
+                return 0, "absent"
+        return e - s, "partial"
 
     def read(self, s: int, e: int, limit: int = 64) -> str | None:
         if self.mode == "text":
@@ -394,8 +424,12 @@ class _Ctx:
                     i += 1
                 else:
                     b.header = ""
+        lead_run = None
         if has_body:
             b.body_start = pos
+            if el.lead and i < n and not isinstance(ch[i], Block) and ch[i][0] == TEXT \
+                    and ch[i][1] == pos:
+                lead_run = ch[i][2]
             kids = b.children
             follow_rule = rule_name(el.follow) if el.follow else None
             while i < n:
@@ -445,6 +479,8 @@ class _Ctx:
         b.complete = complete and all(c.complete for c in b.children)
         if h is not None:
             self._read_header(b, el, complete and has_body)
+        if lead_run is not None and b.body_end > b.body_start:
+            self._skip_lead(b, el.lead, lead_run)
         # kind: declared, by tag, or by attribute
         kind = el.kind
         if kind is None and b.tag is not None:
@@ -493,6 +529,16 @@ class _Ctx:
             if b.complete and h.required:
                 self.problem(b.header_start, f"header does not end with {h.until_text!r}", b)
             b.body_start = b.body_end
+
+    def _skip_lead(self, b: Block, lead: str, run_end: int) -> None:
+        """Move the body start past the element's ``lead`` (it belongs to the header)."""
+        units, status = self.src.match_lead(b.body_start, min(run_end, b.body_end), lead)
+        if status == "absent":
+            return
+        b.body_start += units  # "partial": a run cut inside the lead trains nothing of it
+        if status == "straddle":
+            self.src.boundaries.append(
+                (b.body_start, f"lead {lead!r} ends inside a merged token (trained)"))
 
     def _check_close_tag(self, b: Block, ctext: str, offset: int) -> None:
         tag = ctext.strip()

@@ -62,7 +62,18 @@ class Close(_Model):
 
 
 class Element(_Model):
-    """A turn (top level) or a nested block (think, tool call, channel, XTML element)."""
+    """A turn (top level) or a nested block (think, tool call, channel, XTML element).
+
+    ``lead``: a literal that still belongs to the header when the body starts with it — the
+    ``"\\n\\n"`` after Llama 3's ``<|end_header_id|>``, the ``"\\n"`` after Phi-3's
+    ``<|assistant|>`` (part of the generation prompt, so never trained). Optional: a body that
+    does not start with it keeps all its text. In id mode, when the lead ends inside a merged
+    token, that token is assigned to the body (trained) and the boundary is reported.
+
+    ``ends_with_parent``: the element has no terminator of its own and runs to its parent's
+    close marker (Llama 3's ``<|python_tag|>…`` call runs to ``<|eom_id|>``); it can only be
+    the last child of a body, so the grammar stays unambiguous.
+    """
 
     open: list[str] = Field(default_factory=list)
     header: Optional[Header] = None
@@ -77,6 +88,8 @@ class Element(_Model):
     kind_by_attr: Optional[dict[str, dict[str, str]]] = None
     tag: Optional[str] = None
     follow: Optional[str] = None
+    lead: Optional[str] = None
+    ends_with_parent: bool = False
     description: Optional[str] = None
 
     @field_validator("open", mode="before")
