@@ -196,6 +196,10 @@ def check_spec(spec: FormatSpec, src: SpecSource) -> None:
         if el.close:
             for i, c in enumerate(el.close.markers):
                 need_marker(c, base + ("close", "markers", i))
+            if not el.close.required and ename not in spec.top:
+                raise src.error("`close.required: false` is for top-level elements (they end "
+                                "where the next one opens)", base + ("close", "required"),
+                                CompileError)
             for i, c in enumerate(el.close.after):
                 need_marker(c, base + ("close", "after", i))
     # markers opening until_text headers must not open other elements with marker headers

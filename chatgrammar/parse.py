@@ -141,6 +141,10 @@ class Driver:
             cuntil = term_name(ch.until) if ch is not None else None
             after = frozenset(term_name(a) for a in el.close.after) if el.close else frozenset()
             self.el_info[n] = (until, hmarks, closes, cuntil, after)
+        # close markers that may be missing: the element then ends at the next top-level opener
+        self.implicit_closes = tuple(dict.fromkeys(
+            term_name(c) for n in spec.top for c in spec.elements[n].close.markers
+            if spec.elements[n].close is not None and not spec.elements[n].close.required))
 
     # ------------------------------------------------------------------ naming for errors
     def describe(self, term: str) -> str:
@@ -171,6 +175,7 @@ class Driver:
         value_stack: list[Any] = []
         i, n = 0, len(toks)
         resync_at = -1
+        implicit_at = -1
         while i < n:
             tok = toks[i]
             ttype = tok[0]
@@ -188,6 +193,16 @@ class Driver:
             if action is not None:
                 i += 1
                 continue
+            if self.implicit_closes and ttype in self.tables.starters and implicit_at != i:
+                # a top-level element whose close may be missing ends where the next one opens
+                c = next((c for c in self.implicit_closes if self._can_feed(state_stack, c)),
+                         None)
+                if c is not None:
+                    implicit_at = i
+                    warnings.append(Issue(tok[1], f"missing {self.describe(c)}: the element "
+                                                  "ends where the next one opens"))
+                    self._feed(ctx, state_stack, value_stack, (c, tok[1], tok[1], SYNTH))
+                    continue
             # ---- structure error
             err = ParseError("unexpected " + self.describe(ttype), offset=tok[1],
                              expected=self.expected(state_stack[-1]), mode=src.mode,

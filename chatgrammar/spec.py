@@ -54,11 +54,18 @@ class Header(_Model):
 class Close(_Model):
     """The terminator of an element: alternatives of markers, an optional header after the
     marker (XTML ``<|close|>tag<|sep|>``) and optional markers that follow and still belong
-    to the element's end (``<|end_of_msg|>``)."""
+    to the element's end (``<|end_of_msg|>``).
+
+    ``required: false`` (top-level elements only): when the close marker is missing, the
+    element ends where the next top-level element opens (Falcon-H1's tool system prompt has
+    no ``<|im_end|>``). Such an element is reported like a truncated one (``complete`` False:
+    its content trains under ``truncated=True``, no end marker trains) and a warning says so.
+    """
 
     markers: list[str] = Field(min_length=1)
     header: Optional[Header] = None
     after: list[str] = Field(default_factory=list)
+    required: bool = True
 
 
 class Element(_Model):
