@@ -143,8 +143,9 @@ class Driver:
             self.el_info[n] = (until, hmarks, closes, cuntil, after)
         # close markers that may be missing: the element then ends at the next top-level opener
         self.implicit_closes = tuple(dict.fromkeys(
-            term_name(c) for n in spec.top for c in spec.elements[n].close.markers
-            if spec.elements[n].close is not None and not spec.elements[n].close.required))
+            term_name(c) for n in spec.top
+            if spec.elements[n].close is not None and not spec.elements[n].close.required
+            for c in spec.elements[n].close.markers))
 
     # ------------------------------------------------------------------ naming for errors
     def describe(self, term: str) -> str:
