@@ -1,129 +1,721 @@
 """Format detection with declared precedence.
 
-Each spec's ``detect`` says which tokens must be single special/added ids (``require``,
-``require_any``), which must not (``absent``), and which literals a chat template of the
-family emits (``template`` / ``template_absent``). Among matching formats, declared
-``precedence_over`` decides; never file or import order.
+Each spec's ``detect:`` section is its detector:
+
+- ``require`` / ``require_any``: strings the tokenizer must map to ONE special or added id
+  (all of ``require``, at least one of ``require_any``); ordinary BPE pieces that happen to spell
+  a marker do not count;
+- ``absent``: strings that must NOT be single special/added ids;
+- ``template`` / ``template_absent``: literals a chat template of the family contains / never
+  contains (checked on the template's source);
+- ``precedence_over``: the formats this one wins against when both match.
+
+Precedence is declared, never derived from file or import order, and the registry *proves* it is
+total where it matters before anything is detected (:func:`check_precedence`): two detectors
+that can both match one input (tokenizer or template) must be ordered, directly or through a
+chain of declarations; a cycle, an unknown name or two files claiming one format name are
+errors too. Bundled formats and plugins (entry-point group ``chatgrammar.formats``) take part
+in the same proof.
+
+Which evidence decides (see docs/detection.md):
+
+1. ``detect_format(tokenizer)``: the tokenizer's special ids decide. If the tokenizer carries a
+   ``chat_template``, it is extra evidence that can only *rule out*: among the formats whose
+   tokens match, those whose template detector fails on it are dropped, unless that drops them
+   all, in which case the template is ignored (token evidence wins; ids are what gets parsed)
+   and the detection says so in its notes.
+2. ``detect_format(chat_template=...)``: the template's literals decide.
+3. ``detect_format(tokenizer, chat_template=...)``: both must agree (a format must match the
+   tokens and not be ruled out by the template); if they disagree, :class:`DetectionError`.
+
+Among the remaining candidates, declared precedence picks exactly one.
 """
 from __future__ import annotations
 
-from typing import Any
+import difflib
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
 
-from .errors import DetectionError
+from .errors import DetectionError, SpecError
 from .format import Format
-from .registry import all_formats
 from .tokenizers import adapt
 
+__all__ = ["Detection", "PrecedenceError", "check_precedence", "detect_format",
+           "detection_formats", "explain_detection", "prove_precedence"]
 
-def _tokenizer_evidence(fmt: Format, adapter) -> tuple[bool, list[str], list[str]]:
-    d = fmt.spec.detect
-    have, miss = [], []
-    for t in d.require:
-        (have if adapter.token_id(t, special=True) is not None else miss).append(t)
-    if d.require_any:
-        hit = [t for t in d.require_any if adapter.token_id(t, special=True) is not None]
-        if hit:
-            have.extend(hit)
+
+class PrecedenceError(SpecError, DetectionError):
+    """The precedence declared across a set of formats is not a total order where detectors
+    overlap: two formats can match one input without an order, a cycle, an unknown format
+    name in ``precedence_over``, or two spec files claiming one format name.
+
+    Both a :class:`SpecError` (it is a validation problem of the spec files; ``file``,
+    ``line``, ``col`` and ``path`` point at the ``detect`` section of the first one) and a
+    :class:`DetectionError` (``detect_format`` refuses to pick by order).
+
+    Attributes:
+        files: every spec file involved (all named in the message).
+        formats: the format names involved.
+    """
+
+    def __init__(self, message: str, *, files: Sequence[str], formats: Sequence[str],
+                 file: str | None = None, line: int | None = None, col: int | None = None,
+                 path: str | None = None):
+        self.files = list(files)
+        self.formats = list(formats)
+        SpecError.__init__(self, message, file=file, line=line, col=col, path=path)
+        # DetectionError's fields (SpecError's __init__ reached it with the rendered text).
+        self.message = message
+        self.candidates = list(formats)
+        self.evidence = {}
+
+
+# --------------------------------------------------------------------------- the proof
+
+@dataclass
+class _Entry:
+    """One spec in the proof: a compiled Format, or a (FormatSpec, SpecSource) pair (specs that
+    do not compile can still be checked by ``chatgrammar validate``)."""
+
+    name: str
+    spec: Any
+    src: Any
+    file: str
+
+
+def _entries(formats: Iterable[Any]) -> list[_Entry]:
+    out = []
+    for f in formats:
+        if isinstance(f, tuple):
+            spec, src = f
+            out.append(_Entry(spec.name, spec, src, str(getattr(src, "file", "<spec>"))))
         else:
-            miss.append("one of " + ", ".join(d.require_any))
-    bad = [t for t in d.absent if adapter.token_id(t, special=True) is not None]
-    ok = not miss and not bad and bool(d.require or d.require_any)
-    return ok, have, miss + [f"(absent) {t}" for t in bad]
+            out.append(_Entry(f.name, f.spec, getattr(f, "source", None), str(f.path)))
+    return out
 
 
-def _template_evidence(fmt: Format, template: str) -> tuple[bool, list[str], list[str]]:
-    d = fmt.spec.detect
-    have = [t for t in d.template if t in template]
-    miss = [t for t in d.template if t not in template]
-    bad = [t for t in d.template_absent if t in template]
-    ok = bool(d.template) and not miss and not bad
-    return ok, have, miss + [f"(absent) {t}" for t in bad]
+def _token_detector(d) -> bool:
+    return bool(d.require or d.require_any)
 
 
-def _template_of(tokenizer: Any) -> str | None:
-    t = getattr(tokenizer, "chat_template", None)
-    if isinstance(t, dict):
-        t = t.get("default") or next(iter(t.values()), None)
-    return t if isinstance(t, str) else None
+def _token_witness(a, b) -> list[str] | None:
+    """Strings that, as the special tokens of one tokenizer, make both detectors match; None
+    when no tokenizer can match both (any set of strings can be a tokenizer's specials: a real
+    Kimi-K3 tokenizer carries K2's markers)."""
+    if not (_token_detector(a) and _token_detector(b)):
+        return None  # a detector without token evidence never matches a tokenizer
+    forbidden = set(a.absent) | set(b.absent)
+    need = list(dict.fromkeys([*a.require, *b.require]))
+    if forbidden & set(need):
+        return None
+    for any_of in (a.require_any, b.require_any):
+        if not any_of or any(t in need for t in any_of):
+            continue
+        pick = next((t for t in any_of if t not in forbidden), None)
+        if pick is None:
+            return None
+        need.append(pick)
+    return need
 
 
-def resolve_precedence(names: list[str], formats: dict[str, Format]) -> list[str]:
-    """Drop every candidate that another candidate declares (transitively) precedence over."""
-    beats: dict[str, set[str]] = {n: set(formats[n].spec.detect.precedence_over) for n in names}
-    changed = True
-    while changed:  # transitive closure over a small set
-        changed = False
-        for a in names:
-            for b in list(beats[a]):
-                extra = beats.get(b, set()) - beats[a]
-                if extra:
-                    beats[a] |= extra
-                    changed = True
-    return [n for n in names if not any(n in beats[m] for m in names if m != n)]
+def _template_witness(a, b) -> list[str] | None:
+    """Literals that, in one template, make both template detectors match; None if impossible.
+
+    A template containing each required literal once, separated by a character that occurs in
+    no forbidden literal, contains a forbidden literal only inside a required one; so both can
+    match exactly when no forbidden literal is a substring of a required one.
+    """
+    if not (a.template and b.template):
+        return None
+    need = list(dict.fromkeys([*a.template, *b.template]))
+    forbidden = [*a.template_absent, *b.template_absent]
+    if any(f in r for f in forbidden for r in need):
+        return None
+    return need
 
 
-def explain_detection(tokenizer: Any = None, *, chat_template: str | None = None) -> dict:
-    """Detection with its reasons: ``{"format", "matched", "evidence", "decided_by"}``."""
-    if tokenizer is None and chat_template is None:
-        raise DetectionError("detect_format() needs a tokenizer, a chat_template, or both")
-    if chat_template is None and tokenizer is not None:
-        chat_template = None  # the tokenizer's ids are the evidence; its template is a bonus
-    formats = {f.name: f for f in all_formats()}
-    adapter = adapt(tokenizer) if tokenizer is not None else None
-    evidence: dict[str, dict] = {}
-    matched: list[str] = []
-    for name, fmt in formats.items():
-        ok = True
-        ev: dict = {}
-        if adapter is not None:
-            t_ok, have, miss = _tokenizer_evidence(fmt, adapter)
-            ev["tokens_found"], ev["tokens_missing"] = have, miss
-            ok = ok and t_ok
-        if chat_template is not None:
-            c_ok, have, miss = _template_evidence(fmt, chat_template)
-            ev["template_found"], ev["template_missing"] = have, miss
-            ok = ok and c_ok
-        evidence[name] = ev
-        if ok:
-            matched.append(name)
-    if not matched:
-        def score(n):
-            ev = evidence[n]
-            f = len(ev.get("tokens_found", [])) + len(ev.get("template_found", []))
-            m = len(ev.get("tokens_missing", [])) + len(ev.get("template_missing", []))
-            return f / (f + m) if f + m else 0.0
-        near = sorted(formats, key=score, reverse=True)[:3]
-        lines = [f"  {n}: found {evidence[n].get('tokens_found', []) + evidence[n].get('template_found', [])}, "
-                 f"missing {evidence[n].get('tokens_missing', []) + evidence[n].get('template_missing', [])}"
-                 for n in near]
-        raise DetectionError("no format matches; nearest candidates:\n" + "\n".join(lines))
-    winners = resolve_precedence(matched, formats)
-    if len(winners) != 1:
-        raise DetectionError(f"ambiguous: {', '.join(sorted(matched))} all match and declare no "
-                             "precedence between them")
-    decided = ("only match" if len(matched) == 1 else
-               f"{winners[0]} takes precedence over {', '.join(m for m in matched if m != winners[0])}")
-    return {"format": winners[0], "matched": matched, "evidence": evidence, "decided_by": decided}
+def _problem(e: _Entry, message: str, loc: tuple, *, files: Sequence[str],
+             formats: Sequence[str]) -> "PrecedenceError":
+    line = col = None
+    if e.src is not None:
+        line, col = e.src.locate(loc)
+    path = "".join(f"[{x}]" if isinstance(x, int) else ("." if i else "") + str(x)
+                   for i, x in enumerate(loc)) or None
+    return PrecedenceError(message, files=files, formats=formats, file=e.file, line=line,
+                           col=col, path=path)
 
 
-def detect_format(tokenizer: Any = None, *, chat_template: str | None = None) -> Format:
-    """Which format a tokenizer (and/or chat template) speaks.
+def _graph(entries: Sequence[Any]) -> dict[str, set[str]]:
+    names = {e.name for e in entries}
+    return {e.name: {n for n in e.spec.detect.precedence_over if n in names} for e in entries}
+
+
+def _closure(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Transitive closure (who beats whom, directly or through a chain), iteratively."""
+    out: dict[str, set[str]] = {}
+    for start in graph:
+        seen: set[str] = set()
+        stack = list(graph[start])
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(graph.get(n, ()))
+        out[start] = seen
+    return out
+
+
+def _chain(graph: dict[str, set[str]], a: str, b: str) -> list[str]:
+    """Shortest declared chain a > … > b (breadth-first, deterministic); [] if none."""
+    prev: dict[str, str | None] = {a: None}
+    frontier = [a]
+    while frontier and b not in prev:
+        nxt = []
+        for n in frontier:
+            for m in sorted(graph.get(n, ())):
+                if m not in prev:
+                    prev[m] = n
+                    nxt.append(m)
+        frontier = nxt
+    if b not in prev or a == b:
+        return []
+    path = [b]
+    while prev[path[-1]] is not None:
+        path.append(prev[path[-1]])  # type: ignore[arg-type]
+    return path[::-1]
+
+
+def _cycle_through(graph: dict[str, set[str]], n: str) -> list[str]:
+    """A shortest declared cycle n > … > n."""
+    best: list[str] = []
+    for m in sorted(graph.get(n, ())):
+        back = [n] if m == n else _chain(graph, m, n)
+        if back and (not best or len(back) + 1 < len(best)):
+            best = [n] + back if m != n else [n, n]
+    return best
+
+
+def _quote(items: Iterable[str]) -> str:
+    return ", ".join(items)
+
+
+def check_precedence(formats: Iterable[Any]) -> list["PrecedenceError"]:
+    """Prove that detection over a set of formats is never a coin flip.
+
+    Checks, over the whole set: format names are unique; every name in a ``precedence_over``
+    is a format of the set and not the format itself; the declarations have no cycle; and every
+    pair of formats whose detectors can both match one input is ordered, directly or through a
+    chain of declarations. "Can both match" is decided exactly: one tokenizer whose special
+    tokens satisfy both token detectors exists unless a required token of one is ``absent`` in
+    the other (or a ``require_any`` list is entirely absent); one chat template satisfying both
+    template detectors exists unless a ``template_absent`` literal is a substring of a required
+    literal. Any string can be a tokenizer's special token, so disjoint marker sets are NOT
+    enough (a real Kimi-K3 tokenizer carries Kimi-K2's ``<|im_*|>`` strings).
 
     Args:
-        tokenizer: a transformers tokenizer, ``tiktoken.Encoding`` or minimal-protocol object;
-            its markers must be single special/added ids.
+        formats: :class:`~chatgrammar.format.Format` objects, or ``(FormatSpec, SpecSource)``
+            pairs (specs that do not compile can still be checked).
+
+    Returns:
+        Every problem found (empty: detection is decided), each a :class:`PrecedenceError`
+        (a :class:`SpecError` located at the ``detect`` section concerned) whose message names
+        every file involved.
+
+    Example:
+        >>> check_precedence(all_formats())   # doctest: +SKIP
+        []
+    """
+    entries = sorted(_entries(formats), key=lambda e: (e.name, e.file))
+    problems: list[PrecedenceError] = []
+
+    by_name: dict[str, list[_Entry]] = {}
+    for e in entries:
+        by_name.setdefault(e.name, []).append(e)
+    for name, group in by_name.items():
+        if len(group) > 1:
+            files = [e.file for e in group]
+            problems.append(_problem(
+                group[1], f"format name {name!r} is declared by {len(group)} spec files: "
+                f"{_quote(files)}; detection would pick one by lookup order (rename one)",
+                ("name",), files=files, formats=[name]))
+    unique = [g[0] for g in by_name.values()]
+    names = sorted(by_name)
+
+    for e in unique:
+        for i, other in enumerate(e.spec.detect.precedence_over):
+            loc = ("detect", "precedence_over", i)
+            if other == e.name:
+                problems.append(_problem(e, f"{e.name} declares precedence over itself", loc,
+                                         files=[e.file], formats=[e.name]))
+            elif other not in by_name:
+                close = difflib.get_close_matches(other, names, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                problems.append(_problem(
+                    e, f"{e.name} declares precedence over {other!r}, which is not a format of "
+                    f"the checked set ({_quote(names)}).{hint}", loc,
+                    files=[e.file], formats=[e.name]))
+
+    graph = _graph(unique)
+    files_of = {e.name: e.file for e in unique}
+    beats = _closure(graph)
+    cyclic = sorted(n for n in names if n in beats[n] and n != "")
+    reported: set[frozenset] = set()
+    for n in cyclic:
+        if any(x == n for x in graph[n]):
+            continue  # already reported as "over itself"
+        comp = frozenset(m for m in names if n in beats[m] and m in beats[n])
+        if comp in reported:
+            continue
+        reported.add(comp)
+        loop = _cycle_through(graph, n)
+        problems.append(_problem(
+            by_name[n][0], "precedence cycle: " + " > ".join(loop) + " ("
+            + _quote(f"{m}: {files_of[m]}" for m in sorted(comp))
+            + "); none can win: remove one of these precedence_over entries",
+            ("detect", "precedence_over"), files=[files_of[m] for m in sorted(comp)],
+            formats=sorted(comp)))
+
+    in_cycle = {n for n in names if n in beats[n]}
+    for i, a in enumerate(unique):
+        for b in unique[i + 1:]:
+            if a.name in in_cycle and b.name in in_cycle:
+                continue  # the cycle is the problem to fix first
+            if b.name in beats[a.name] or a.name in beats[b.name]:
+                continue
+            da, db = a.spec.detect, b.spec.detect
+            tok = _token_witness(da, db)
+            tpl = _template_witness(da, db)
+            if tok is None and tpl is None:
+                continue
+            how = []
+            if tok is not None:
+                how.append(f"one tokenizer (e.g. one with special tokens {_quote(tok)})")
+            if tpl is not None:
+                how.append(f"one chat template (e.g. one containing {_quote(tpl)})")
+            fix = []
+            only_b = [t for t in db.require if t not in da.require]
+            if tok is not None and only_b:
+                fix.append(f"`absent: [\"{only_b[0]}\"]` to {a.name}")
+            problems.append(_problem(
+                b, f"{a.name} ({a.file}) and {b.name} ({b.file}) can both match "
+                + " and ".join(how) + ", and neither declares precedence over the other: add "
+                f"`precedence_over: [{a.name}]` to {b.name}'s detect (or [{b.name}] to "
+                f"{a.name}'s), or make the detectors exclusive with `absent` / `template_absent`"
+                + (f" (e.g. {fix[0]})" if fix else ""), ("detect",),
+                files=[a.file, b.file], formats=[a.name, b.name]))
+    return problems
+
+
+def prove_precedence(formats: Iterable[Format]) -> list[Format]:
+    """:func:`check_precedence`, raising the problems instead of returning them.
+
+    Returns:
+        The formats (a list), when the proof holds.
+
+    Raises:
+        PrecedenceError: the first problem; its message counts the others and
+            ``.problems`` lists them all.
+    """
+    fmts = list(formats)
+    problems = check_precedence(fmts)
+    if problems:
+        first = problems[0]
+        if len(problems) > 1:
+            more = len(problems) - 1
+            first = PrecedenceError(
+                f"{first.message} (+{more} more precedence problem{'s' if more > 1 else ''})",
+                files=sorted({f for p in problems for f in p.files}),
+                formats=sorted({n for p in problems for n in p.formats}),
+                file=first.file, line=first.line, col=first.col, path=first.path)
+        first.problems = problems  # type: ignore[attr-defined]
+        raise first
+    return fmts
+
+
+_proof_lock = threading.Lock()
+_proof_cache: dict[tuple, list[Format]] = {}
+
+
+def detection_formats() -> list[Format]:
+    """Every format the registry sees (bundled and plugins), loaded and proven.
+
+    The precedence proof runs here, each time the set of spec files (or one of them) changes,
+    so a broken set never reaches detection.
+
+    Raises:
+        PrecedenceError: the declared precedence is not total where detectors overlap.
+        SpecError: a spec file does not load.
+    """
+    from .registry import load_format, spec_sources
+
+    sources = spec_sources()
+    key = []
+    for p, _origin in sources:
+        try:
+            key.append((str(Path(p).resolve()), Path(p).stat().st_mtime))
+        except OSError:
+            key.append((str(p), None))
+    key_t = tuple(key)
+    with _proof_lock:
+        hit = _proof_cache.get(key_t)
+        if hit is not None:
+            return hit
+    fmts = [load_format(str(p)) for p, _ in sources]
+    prove_precedence(fmts)
+    with _proof_lock:
+        if len(_proof_cache) > 16:
+            _proof_cache.clear()
+        _proof_cache[key_t] = fmts
+    return fmts
+
+
+# --------------------------------------------------------------------------- evidence
+
+def _template_text(t: Any) -> str | None:
+    """A chat template's source: a string, a dict of named templates (``default`` first, else
+    all of them), or transformers' older list of ``{"name", "template"}``."""
+    if isinstance(t, str):
+        return t
+    if isinstance(t, dict):
+        if isinstance(t.get("default"), str):
+            return t["default"]
+        parts = [v for v in t.values() if isinstance(v, str)]
+        return "\n".join(parts) if parts else None
+    if isinstance(t, (list, tuple)):
+        parts = [d.get("template") for d in t if isinstance(d, dict)]
+        parts = [p for p in parts if isinstance(p, str)]
+        if parts:
+            named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+            if isinstance(named.get("default"), str):
+                return named["default"]
+            return "\n".join(parts)
+    return None
+
+
+def _tokens_evidence(fmt: Format, adapter) -> dict | None:
+    d = fmt.spec.detect
+    if not _token_detector(d):
+        return None
+    found: dict[str, int] = {}
+    missing: list[str] = []
+    for t in d.require:
+        tid = adapter.token_id(t, special=True)
+        if tid is None:
+            missing.append(t)
+        else:
+            found[t] = tid
+    any_hit: dict[str, int] = {}
+    for t in d.require_any:
+        tid = adapter.token_id(t, special=True)
+        if tid is not None:
+            any_hit[t] = tid
+    found.update(any_hit)
+    forbidden = {}
+    for t in d.absent:
+        tid = adapter.token_id(t, special=True)
+        if tid is not None:
+            forbidden[t] = tid
+    ok = not missing and (not d.require_any or bool(any_hit)) and not forbidden
+    return {"require": list(d.require), "require_any": list(d.require_any),
+            "absent": list(d.absent), "found": found, "missing": missing,
+            "missing_any": [] if (any_hit or not d.require_any) else list(d.require_any),
+            "forbidden_present": forbidden, "match": ok}
+
+
+def _template_evidence(fmt: Format, template: str) -> dict:
+    d = fmt.spec.detect
+    found = [t for t in d.template if t in template]
+    missing = [t for t in d.template if t not in template]
+    forbidden = [t for t in d.template_absent if t in template]
+    if forbidden or missing:
+        status = "mismatch"
+    elif d.template:
+        status = "match"
+    else:
+        status = "no-evidence"  # the spec says nothing positive about templates
+    return {"require": list(d.template), "absent": list(d.template_absent), "found": found,
+            "missing": missing, "forbidden_present": forbidden, "status": status,
+            "match": status == "match"}
+
+
+def _score(ev: dict) -> tuple[float, int]:
+    f = m = 0
+    for kind in ("tokens", "template"):
+        e = ev.get(kind)
+        if not e:
+            continue
+        f += len(e["found"])
+        m += len(e["missing"]) + len(e.get("missing_any") and [1] or []) + \
+            len(e["forbidden_present"])
+    return (f / (f + m) if f + m else 0.0, f)
+
+
+def _describe(name: str, ev: dict) -> str:
+    parts = []
+    t = ev.get("tokens")
+    if t is not None:
+        want = list(t["require"])
+        if t["require_any"]:
+            want.append("one of " + "/".join(t["require_any"]))
+        n_want = len(t["require"]) + (1 if t["require_any"] else 0)
+        n_found = n_want - len(t["missing"]) - (1 if t["missing_any"] else 0)
+        s = f"special tokens {_quote(want)} (found {n_found} of {n_want}"
+        if t["missing"] and n_found:
+            s += "; missing " + _quote(t["missing"])
+        s += ")"
+        if t["forbidden_present"]:
+            s += "; must not have " + _quote(t["forbidden_present"])
+        parts.append(s)
+    elif "tokens" in ev:
+        parts.append("no token detector")
+    c = ev.get("template")
+    if c is not None and (c["require"] or c["absent"]):
+        s = f"template literals {_quote(c['require'])} (found {len(c['found'])} of {len(c['require'])})"
+        if c["forbidden_present"]:
+            s += "; must not contain " + _quote(c["forbidden_present"])
+        parts.append(s)
+    return f"{name}: " + "; ".join(parts or ["declares no detector"])
+
+
+@dataclass
+class Detection:
+    """The outcome of detection and its reasons.
+
+    Attributes:
+        format: the detected format's name.
+        path: its spec file.
+        matched: formats whose evidence matched, before the template narrowed them.
+        candidates: the formats precedence chose among.
+        decided_by: one sentence: why this format (only match, or which precedence rule).
+        rule: the same, structured: ``{"kind": "only-match"}`` or ``{"kind": "precedence",
+            "winner", "over", "chains": {loser: [winner, …, loser]}, "declared_in": {name: file}}``.
+        evidence: per format, what was looked for and found (``tokens`` / ``template``).
+        inputs: ``{"tokenizer": type name or None, "tokenizer_kind", "template": "argument" |
+            "tokenizer" | None}``.
+        notes: how the tokenizer's own chat template was used (narrowed, or ignored and why).
+        fmt: the :class:`Format` object.
+    """
+
+    format: str
+    path: str
+    matched: list[str]
+    candidates: list[str]
+    decided_by: str
+    rule: dict
+    evidence: dict[str, dict]
+    inputs: dict
+    notes: list[str] = field(default_factory=list)
+    fmt: Format | None = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (everything but the Format object)."""
+        return _jsonable({k: v for k, v in self.__dict__.items() if k != "fmt"})
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, set)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def _resolve(candidates: list[str], by_name: dict[str, Format]) -> tuple[str, dict, str]:
+    graph = _graph(list(by_name.values()))
+    beats = _closure(graph)
+    winners = [c for c in candidates if not any(c in beats[o] for o in candidates if o != c)]
+    if len(winners) != 1:
+        # Unreachable once the proof holds; kept so a bug can never become a coin flip.
+        raise DetectionError(
+            f"ambiguous: {_quote(sorted(candidates))} all match and declare no precedence "
+            "between them", candidates=sorted(candidates))
+    w = winners[0]
+    if len(candidates) == 1:
+        return w, {"kind": "only-match"}, f"{w} is the only format whose evidence matches"
+    over = sorted(c for c in candidates if c != w)
+    chains = {b: _chain(graph, w, b) for b in over}
+    declared = {}
+    for ch in chains.values():
+        for a in ch[:-1]:
+            declared[a] = str(by_name[a].path)
+    rule = {"kind": "precedence", "winner": w, "over": over, "chains": chains,
+            "declared_in": declared}
+    why = "; ".join(" > ".join(ch) for ch in chains.values())
+    where = _quote(f"{Path(p).name}: detect.precedence_over" for p in declared.values())
+    return w, rule, f"{w} takes precedence over {_quote(over)} ({why}; declared in {where})"
+
+
+def _no_match(what: str, evidence: dict[str, dict], considered: list[str],
+              extra: str = "") -> DetectionError:
+    ranked = sorted(considered, key=lambda n: (-_score(evidence[n])[0], -_score(evidence[n])[1], n))
+    near = [n for n in ranked if _score(evidence[n])[1] > 0][:3] or ranked[:3]
+    head = f"no format matches {what}; nearest: {_quote(near) or '(no formats)'}"
+    if extra:
+        head += f" ({extra})"
+    lines = [head, "looked for:"] + ["  " + _describe(n, evidence[n]) for n in ranked]
+    return DetectionError("\n".join(lines), candidates=near, evidence=evidence)
+
+
+def explain_detection(tokenizer: Any = None, *, chat_template: Any = None,
+                      formats: Iterable[Format] | None = None) -> Detection:
+    """Detect a format and say why (the evidence per format and the deciding rule).
+
+    Args:
+        tokenizer: a transformers tokenizer (fast or slow), a ``tiktoken.Encoding`` or an
+            object with ``convert_tokens_to_ids`` and ``decode``.
+        chat_template: a Jinja chat template's source (or a dict of named templates).
+        formats: the formats to choose from (default: the registry, bundled + plugins); the
+            precedence proof runs on them either way.
+
+    Returns:
+        A :class:`Detection`.
+
+    Raises:
+        DetectionError: nothing matches (message: what was looked for, nearest candidates),
+            or the tokenizer and the given template disagree.
+        PrecedenceError: the format set's declared precedence is not total (also a
+            DetectionError).
+        TypeError: the tokenizer offers no supported protocol.
+
+    Example:
+        >>> explain_detection(k3_tokenizer).decided_by   # doctest: +SKIP
+        'kimi-k3 takes precedence over kimi-k2 (kimi-k3 > kimi-k2; declared in ...)'
+    """
+    if tokenizer is None and chat_template is None:
+        raise DetectionError("detect_format() needs a tokenizer, a chat_template, or both")
+    fmts = detection_formats() if formats is None else prove_precedence(formats)
+    by_name = {f.name: f for f in fmts}
+    adapter = adapt(tokenizer) if tokenizer is not None else None
+
+    template_source = None
+    template = None
+    if chat_template is not None:
+        template = _template_text(chat_template)
+        if template is None:
+            raise TypeError(f"chat_template must be a str (a Jinja template's source), got "
+                            f"{type(chat_template).__name__}")
+        template_source = "argument"
+    elif tokenizer is not None:
+        template = _template_text(getattr(tokenizer, "chat_template", None))
+        if template is not None:
+            template_source = "tokenizer"
+
+    evidence: dict[str, dict] = {}
+    for name in sorted(by_name):
+        fmt = by_name[name]
+        ev: dict = {}
+        if adapter is not None:
+            ev["tokens"] = _tokens_evidence(fmt, adapter)
+        if template is not None:
+            ev["template"] = _template_evidence(fmt, template)
+        evidence[name] = ev
+
+    inputs = {"tokenizer": type(tokenizer).__name__ if tokenizer is not None else None,
+              "tokenizer_kind": adapter.kind if adapter is not None else None,
+              "template": template_source}
+    notes: list[str] = []
+    tok_what = (f"this tokenizer ({inputs['tokenizer']})" if adapter is not None else "")
+
+    if adapter is None:
+        matched = [n for n in sorted(by_name) if evidence[n]["template"]["match"]]
+        if not matched:
+            raise _no_match("this chat template", evidence,
+                            [n for n in sorted(by_name) if by_name[n].spec.detect.template
+                             or by_name[n].spec.detect.template_absent] or sorted(by_name))
+        candidates = matched
+    else:
+        matched = [n for n in sorted(by_name)
+                   if evidence[n]["tokens"] is not None and evidence[n]["tokens"]["match"]]
+        considered = [n for n in sorted(by_name) if evidence[n]["tokens"] is not None]
+        if not matched:
+            extra = ""
+            if template is not None:
+                tpl = [n for n in sorted(by_name) if evidence[n]["template"]["match"]]
+                if tpl:
+                    extra = (f"the {'given' if template_source == 'argument' else 'tokenizer'}"
+                             f"'s chat template looks like {_quote(tpl)}, but the tokenizer "
+                             "lacks its markers as special tokens")
+            raise _no_match(tok_what, evidence, considered or sorted(by_name), extra)
+        if template is None:
+            candidates = matched
+        else:
+            compatible = [n for n in matched if evidence[n]["template"]["status"] != "mismatch"]
+            ruled_out = [n for n in matched if n not in compatible]
+            tpl_says = [n for n in sorted(by_name) if evidence[n]["template"]["match"]]
+            if compatible:
+                candidates = compatible
+                if ruled_out:
+                    whose = "given" if template_source == "argument" else "tokenizer's"
+                    notes.append(
+                        f"the {whose} chat template rules out {_quote(ruled_out)} ("
+                        + "; ".join(f"{n}: " + _template_gap(evidence[n]["template"])
+                                    for n in ruled_out) + ")")
+            elif template_source == "argument":
+                raise DetectionError(
+                    f"the tokenizer and the chat template disagree: the tokenizer's special "
+                    f"tokens match {_quote(matched)}, the chat template "
+                    + (f"matches {_quote(tpl_says)}" if tpl_says else "matches no format")
+                    + " (" + "; ".join(f"{n}: " + _template_gap(evidence[n]["template"])
+                                      for n in matched) + ")",
+                    candidates=matched + [n for n in tpl_says if n not in matched],
+                    evidence=evidence)
+            else:
+                candidates = matched
+                notes.append(
+                    "the tokenizer's own chat template "
+                    + (f"looks like {_quote(tpl_says)}" if tpl_says else "matches no format")
+                    + f", which its special tokens do not support; ignored (token evidence "
+                    "wins: ids are what gets parsed)")
+
+    name, rule, why = _resolve(candidates, by_name)
+    fmt = by_name[name]
+    return Detection(format=name, path=str(fmt.path), matched=matched, candidates=candidates,
+                     decided_by=why, rule=rule, evidence=evidence, inputs=inputs, notes=notes,
+                     fmt=fmt)
+
+
+def _template_gap(ev: dict) -> str:
+    bits = []
+    if ev["missing"]:
+        bits.append("missing " + _quote(ev["missing"]))
+    if ev["forbidden_present"]:
+        bits.append("contains " + _quote(ev["forbidden_present"]))
+    return ", ".join(bits) or "matches"
+
+
+def detect_format(tokenizer: Any = None, *, chat_template: Any = None) -> Format:
+    """Which format a tokenizer (and/or chat template) speaks.
+
+    The tokenizer's special ids are the evidence that counts (they are what gets parsed); a
+    ``chat_template`` the tokenizer carries can only rule candidates out (when it rules out all
+    of them it is ignored); a ``chat_template`` given here must agree with the tokenizer.
+    Among the candidates left, the precedence declared in the specs decides. Before anything is
+    detected, the registry proves that declared precedence is total wherever two detectors
+    overlap. Use :func:`explain_detection` for the reasons.
+
+    Args:
+        tokenizer: a transformers tokenizer (fast or slow, including remote-code slow ones such
+            as Kimi's ``TikTokenTokenizer``), a ``tiktoken.Encoding``, or an object with
+            ``convert_tokens_to_ids`` and ``decode``; markers count only as single
+            special/added ids.
         chat_template: a Jinja chat template's source.
 
     Returns:
         The :class:`Format`.
 
     Raises:
-        DetectionError: nothing matches (with what was looked for and the nearest candidates),
-            or several match without a declared precedence.
+        DetectionError: nothing matches (listing what was looked for and the nearest
+            candidates, also on ``.candidates`` / ``.evidence``), the tokenizer and the template
+            disagree, or the registry's precedence is not total (:class:`PrecedenceError`).
 
     Example:
         >>> cg.detect_format(k3_tokenizer).name   # doctest: +SKIP
         'kimi-k3'
     """
-    from .registry import load_format
-    return load_format(explain_detection(tokenizer, chat_template=chat_template)["format"])
+    det = explain_detection(tokenizer, chat_template=chat_template)
+    return det.fmt  # type: ignore[return-value]

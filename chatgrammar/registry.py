@@ -37,12 +37,12 @@ def bundled_paths() -> dict[str, Path]:
     return out
 
 
-def plugin_paths() -> dict[str, Path]:
-    """Third-party formats: each entry point of group ``chatgrammar.formats`` names a spec
-    file, a directory of specs, or a callable returning either."""
+def _plugin_specs() -> list[tuple[str, Path]]:
+    """Every spec file of every ``chatgrammar.formats`` entry point: (entry-point name, path),
+    duplicates kept."""
     from importlib.metadata import entry_points
 
-    out: dict[str, Path] = {}
+    out: list[tuple[str, Path]] = []
     try:
         eps = entry_points(group=ENTRY_POINT_GROUP)
     except TypeError:  # Python < 3.10 API
@@ -57,9 +57,29 @@ def plugin_paths() -> dict[str, Path]:
             warnings.warn(f"chatgrammar plugin {ep.name!r} failed to load: {exc}")
             continue
         paths = sorted(p.glob("*.yaml")) if p.is_dir() else [p]
-        for q in paths:
-            if q.stem != "norms":
-                out.setdefault(q.stem, q)
+        out.extend((ep.name, q) for q in paths if q.stem != "norms")
+    return out
+
+
+def plugin_paths() -> dict[str, Path]:
+    """Third-party formats: each entry point of group ``chatgrammar.formats`` names a spec
+    file, a directory of specs, or a callable returning either."""
+    out: dict[str, Path] = {}
+    for _, q in _plugin_specs():
+        out.setdefault(q.stem, q)
+    return out
+
+
+def spec_sources() -> list[tuple[Path, str]]:
+    """Every spec file the registry sees, with its origin (``"bundled"`` or
+    ``"plugin <entry point>"``), bundled first; nothing deduplicated.
+
+    Detection loads this list (not :func:`list_formats`, where a plugin file named like a
+    bundled one is shadowed) so that the precedence proof sees, and reports, two specs claiming
+    one format name instead of letting one of them win by lookup order.
+    """
+    out = [(p, "bundled") for p in bundled_paths().values()]
+    out += [(q, f"plugin {name}") for name, q in _plugin_specs()]
     return out
 
 
