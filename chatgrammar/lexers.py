@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .compile import HEADER, TEXT, term_name
+from .compile import HEADER, HEADER_CHARS_PER_TOKEN, TEXT, term_name
 from .spec import FormatSpec
 from .tokenizers import TokenizerAdapter
 
@@ -78,29 +78,39 @@ def lex_text(text: str, cfg: LexConfig) -> list[Tok]:
     prev = None
     by_text = cfg.by_text
     split_after, decode_after = cfg.split_after, cfg.decode_after
+    split_max = cfg.split_max
     for m in cfg.regex.finditer(text):
         s, e = m.span()
         if s > pos:
-            _text_gap(text, pos, s, prev, toks, split_after, decode_after)
+            _text_gap(text, pos, s, prev, toks, split_after, decode_after, split_max)
         mt = m.group()
         prev = by_text[mt]
         append((prev, s, e, mt))
         pos = e
     if pos < len(text):
-        _text_gap(text, pos, len(text), prev, toks, split_after, decode_after)
+        _text_gap(text, pos, len(text), prev, toks, split_after, decode_after, split_max)
     return toks
 
 
-def _text_gap(text, s, e, prev, toks, split_after, decode_after) -> None:
+def _text_gap(text, s, e, prev, toks, split_after, decode_after, split_max) -> None:
+    # Headers are read within max_tokens * HEADER_CHARS_PER_TOKEN chars (id mode: max_tokens
+    # tokens), so a spec's header pattern only ever runs on a bounded string; an over-long
+    # header is cut at the budget and marked with "…", which fails its checks.
     if prev in split_after:
         d = split_after[prev]
-        k = text.find(d, s, e)
-        h_end = e if k < 0 else k + len(d)
-        toks.append((HEADER, s, h_end, text[s:h_end]))
+        cap = split_max.get(prev, 64) * HEADER_CHARS_PER_TOKEN
+        k = text.find(d, s, min(e, s + cap + len(d)))
+        if k >= 0:
+            h_end = k + len(d)
+            toks.append((HEADER, s, h_end, text[s:h_end]))
+        else:  # the header does not end within its budget: the whole run is header
+            h_end = e
+            toks.append((HEADER, s, e, text[s:e] if e - s <= cap else text[s:s + cap] + "…"))
         if h_end < e:
             toks.append((TEXT, h_end, e, None))
     elif prev in decode_after:
-        toks.append((TEXT, s, e, text[s:e]))
+        cap = decode_after[prev] * HEADER_CHARS_PER_TOKEN
+        toks.append((TEXT, s, e, text[s:e] if e - s <= cap else text[s:s + cap] + "…"))
     else:
         toks.append((TEXT, s, e, None))
 
@@ -208,6 +218,8 @@ class IdLexer:
                 boundary.append((h_end - 1, f"header end {d!r} falls inside a merged token"))
                 h_end -= 1
                 toks.append((HEADER, s, h_end, head))
+            elif head is None and h_end > limit:  # over-long: decode only the budget
+                toks.append((HEADER, s, h_end, dec(arr[s:limit].tolist()) + "…"))
             else:
                 toks.append((HEADER, s, h_end, head if head is not None
                              else dec(arr[s:h_end].tolist())))

@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from .compile import HEADER, TEXT, ParseTables, rule_name, term_name
+from .compile import (HEADER, HEADER_CHARS_PER_TOKEN, TEXT, ParseTables, rule_name,
+                      term_name)
 from .errors import ParseError
 from .spans import Block, Issue, Turn
 from .spec import Element, FormatSpec
@@ -85,8 +86,10 @@ class Source:
         return e - s, "partial"
 
     def read(self, s: int, e: int, limit: int = 64) -> str | None:
+        """The text of ``[s, e)``, or None when longer than ``limit`` tokens (text mode:
+        ``limit * HEADER_CHARS_PER_TOKEN`` chars): spec patterns only see bounded strings."""
         if self.mode == "text":
-            return self.text[s:e]
+            return self.text[s:e] if e - s <= limit * HEADER_CHARS_PER_TOKEN else None
         if e - s > limit:
             return None
         return self.adapter.decode(self.arr[s:e].tolist())
