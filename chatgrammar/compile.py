@@ -363,7 +363,14 @@ def check_spec(spec: FormatSpec, src: SpecSource) -> None:
                 raise src.error("a follow element needs a close marker", base + ("follow",),
                                 CompileError)
         if not el.open and el.close is None:
-            raise src.error("an element needs an opener or a close marker", base, CompileError)
+            # the one exception: a leading text element of the preamble (DeepSeek's bare
+            # system text after BOS), which runs to the first top-level opener
+            if ename not in spec.preamble or ename in spec.top or any(
+                    ename in pel.children or pel.follow == ename
+                    for pel in spec.elements.values()):
+                raise src.error("an element needs an opener or a close marker (only a "
+                                "preamble element may have neither: leading text)", base,
+                                CompileError)
         if el.ends_with_parent:
             if el.close is not None or not el.open or el.follow:
                 raise src.error("an `ends_with_parent` element needs an opener and neither a "
@@ -440,7 +447,8 @@ def _element_rule(name: str, el: Element, elements: dict[str, Element]) -> list[
     tails = [c for c in el.children if elements[c].ends_with_parent]
     body_items = ([TEXT] + [rule_name(c) for c in el.children if c not in tails]
                   + [term_name(m) for m in el.inner_markers])
-    body = "(" + " | ".join(body_items) + ")*"
+    # leading text of the preamble (no opener, no close): never empty, or `start` is ambiguous
+    body = "(" + " | ".join(body_items) + (")+" if not el.open and not el.close else ")*")
     if tails:  # children that run to this element's close can only come last
         body += " (" + " | ".join(rule_name(c) for c in tails) + ")?"
     close = ""

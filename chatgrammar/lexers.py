@@ -36,6 +36,7 @@ class LexConfig:
     by_text: dict[str, str] = field(default_factory=dict)
     marker_prefixes: frozenset = frozenset()
     longest_marker: int = 0
+    lstrip: frozenset = frozenset()          # terminals that absorb whitespace before them
 
     @classmethod
     def from_spec(cls, spec: FormatSpec) -> "LexConfig":
@@ -64,8 +65,10 @@ class LexConfig:
         regex = re.compile("|".join(re.escape(t) for t in texts)) if texts else None
         by_text = {v: k for k, v in marker_text.items()}
         prefixes = frozenset(t[:k] for t in texts for k in range(1, len(t)))
-        return cls(marker_text, special, split_after, decode_after, split_max, regex, by_text,
-                   prefixes, max((len(t) for t in texts), default=0))
+        cfg = cls(marker_text, special, split_after, decode_after, split_max, regex, by_text,
+                  prefixes, max((len(t) for t in texts), default=0))
+        cfg.lstrip = frozenset(term_name(n) for n, m in spec.markers.items() if m.lstrip)
+        return cfg
 
 
 # ----------------------------------------------------------------------------- text mode
@@ -89,7 +92,27 @@ def lex_text(text: str, cfg: LexConfig) -> list[Tok]:
         pos = e
     if pos < len(text):
         _text_gap(text, pos, len(text), prev, toks, split_after, decode_after, split_max)
+    if cfg.lstrip:
+        absorb_lstrip(toks, cfg.lstrip, lambda s, e: text[s:e].isspace())
     return toks
+
+
+def absorb_lstrip(toks: list[Tok], lstrip: frozenset, is_space) -> None:
+    """Merge a whitespace-only text run into the ``lstrip`` marker right after it (in place).
+
+    ``is_space(s, e)`` says whether the run ``[s, e)`` is whitespace; only plain content runs
+    are candidates (a header's text is never absorbed). Python loops over markers only.
+    """
+    out = 0
+    for tok in list(toks):
+        if (tok[0] in lstrip and out and toks[out - 1][0] == TEXT
+                and toks[out - 1][2] == tok[1] and is_space(toks[out - 1][1], tok[1])):
+            prev = toks[out - 1]
+            toks[out - 1] = (tok[0], prev[1], tok[2], tok[3])
+            continue
+        toks[out] = tok
+        out += 1
+    del toks[out:]
 
 
 def _text_gap(text, s, e, prev, toks, split_after, decode_after, split_max) -> None:
@@ -193,6 +216,11 @@ class IdLexer:
             last = p + 1
         if last < n:
             self._gap(arr, last, n, prev, toks, boundary, split_after, decode_after, soft)
+        if cfg.lstrip:
+            dec = self.adapter.decode
+            # a whitespace run is a few tokens at most; a longer run is left as text
+            absorb_lstrip(toks, cfg.lstrip,
+                          lambda s, e: e - s <= 16 and dec(arr[s:e].tolist()).isspace())
         return toks
 
     def _gap(self, arr, s, e, prev, toks, boundary, split_after, decode_after, soft) -> None:
@@ -250,9 +278,20 @@ class IdLexer:
             cs, ce = m.span()
             t0 = int(np.searchsorted(starts_a, cs, side="right")) - 1
             t1 = int(np.searchsorted(starts_a, ce, side="left"))
-            if starts_a[t0] != cs or starts_a[t1] != ce:
-                boundary.append((s + t0, f"soft marker {m.group()!r} is not token-aligned"))
-            a, b = s + t0, s + max(t1, t0 + 1)
+            a, b = t0, max(t1, t0 + 1)
+            # A token that straddles the marker's edge also carries the neighbouring text: it
+            # stays with that text (the marker keeps at least one token), so no character of
+            # the text is left out when the marker's block does not train (``</think>`` +
+            # ``"\n\n"`` merged into ``">\n\n"``); the boundary is reported on that token.
+            if starts_a[t0] != cs:
+                boundary.append((s + t0, f"soft marker {m.group()!r} starts inside a token"))
+                if b - a > 1:
+                    a += 1
+            if starts_a[t1] != ce:
+                boundary.append((s + b - 1, f"soft marker {m.group()!r} ends inside a token"))
+                if b - a > 1:
+                    b -= 1
+            a, b = s + a, s + b
             if a < last:
                 continue
             if a > last:

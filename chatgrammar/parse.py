@@ -13,6 +13,7 @@ parsing resumes at the next token that can start a turn.
 """
 from __future__ import annotations
 
+import fnmatch
 import re
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ from .compile import (HEADER, HEADER_CHARS_PER_TOKEN, TEXT, ParseTables, rule_na
                       term_name)
 from .errors import ParseError
 from .spans import Block, Issue, Turn
-from .spec import Element, FormatSpec
+from .spec import ROLE_NAMES, Element, FormatSpec
 
 SYNTH = object()  # value of zero-width synthetic terminators added at end of input
 
@@ -124,8 +125,12 @@ class Driver:
         self.elements = {rule_name(n): (n, el) for n, el in spec.elements.items()}
         self.preamble_rules = {rule_name(p) for p in spec.preamble if p in spec.elements}
         self.top_rules = {rule_name(t) for t in spec.top}
+        self.ambiguous_terms = frozenset(term_name(m) for el in spec.elements.values()
+                                         for m in el.inner_markers + el.open)
         self.between = re.compile(spec.between, re.S) if spec.between is not None else None
-        self.aliases = spec.role_aliases
+        self.aliases = {k: v for k, v in spec.role_aliases.items() if not _is_glob(k)}
+        # glob keys ("functions.*", "*") name roles no exact key and no canonical role matches
+        self.alias_globs = [(k, v) for k, v in spec.role_aliases.items() if _is_glob(k)]
         self.gen_prompts = set(spec.generation_prompt)
         self.max_gen = max((len(g) for g in spec.generation_prompt), default=0)
         self.patterns = {}
@@ -149,6 +154,17 @@ class Driver:
             term_name(c) for n in spec.top
             if spec.elements[n].close is not None and not spec.elements[n].close.required
             for c in spec.elements[n].close.markers))
+
+    def alias(self, role: str) -> str:
+        """The canonical role: an exact ``role_aliases`` key, else (for a role that is not
+        canonical already) the first glob key that matches, else the role itself."""
+        if role in self.aliases:
+            return self.aliases[role]
+        if self.alias_globs and role not in ROLE_NAMES:
+            for pat, target in self.alias_globs:
+                if fnmatch.fnmatchcase(role, pat):
+                    return target
+        return role
 
     # ------------------------------------------------------------------ naming for errors
     def describe(self, term: str) -> str:
@@ -229,7 +245,7 @@ class Driver:
                 i += 1
             resync_at = i
         self._finish(ctx, state_stack, value_stack, src, strict, warnings)
-        self._mark_generation_prompt(turns, src)
+        self._mark_generation_prompt(turns, src, toks)
         return turns
 
     def _finish(self, ctx, state_stack, value_stack, src, strict, warnings) -> None:
@@ -237,15 +253,27 @@ class Driver:
         states, shift = self.states, self.shift
         end = src.n
         prefs = (self.tables.close_terms, self.tables.until_terms)
+        tried: set = set()
         for _ in range(4 * len(state_stack) + 16):
             if self._can_feed(state_stack, "$END"):
                 self._feed(ctx, state_stack, value_stack, ("$END", end, end, SYNTH))
                 return
             acts = states[state_stack[-1]]
-            cands = [k for k in acts if k in prefs[0]] + [k for k in acts if k in prefs[1]] + \
+            # A close marker that also opens an element or is some body's inner marker
+            # (DeepSeek's `</think>` / `<think>`) may be shifted into a body instead of
+            # closing anything: try it after the pure closers, and never twice from the same
+            # configuration (that would cycle).
+            amb = self.ambiguous_terms
+            cands = [k for k in acts if k in prefs[0] and k not in amb] + \
+                    [k for k in acts if k in prefs[0] and k in amb] + \
+                    [k for k in acts if k in prefs[1]] + \
                     sorted(k for k in acts if k.startswith("M_") and k not in prefs[0]
                            and k not in prefs[1])
             for c in cands:
+                key = (state_stack[-1], len(state_stack), c)
+                if key in tried:
+                    continue
+                tried.add(key)
                 if self._can_feed(state_stack, c):
                     self._feed(ctx, state_stack, value_stack, (c, end, end, SYNTH))
                     break
@@ -299,7 +327,7 @@ class Driver:
             if tok[0] == "$END" and arg.origin.name == "start":
                 return
 
-    def _mark_generation_prompt(self, turns: list[Turn], src: Source) -> None:
+    def _mark_generation_prompt(self, turns: list[Turn], src: Source, toks: list) -> None:
         if not turns or not self.gen_prompts:
             return
         last = turns[-1]
@@ -308,7 +336,10 @@ class Driver:
                 tail = src.text[last.start:]
                 last.generation_prompt = tail in self.gen_prompts
         elif src.n - last.start <= 64:
-            tail = src.read(last.start, src.n)
+            # Each lexer token (a marker, a run between markers) decoded on its own, as the
+            # lexer reads headers: decoding across a special id can add text (SentencePiece
+            # writes "<|assistant|> \n" for <|assistant|> ▁ \n, and "\n" for ▁ \n alone).
+            tail = "".join(src.read(t[1], t[2]) or "" for t in toks if t[1] >= last.start)
             last.generation_prompt = tail in self.gen_prompts
 
 
@@ -387,7 +418,7 @@ class _Ctx:
             role = "unknown"
             if b.valid and b.complete and b.body_start is not None:
                 self.problem(b.start, "cannot tell the role of this turn", b)
-        role = self.drv.aliases.get(role, role)
+        role = self.drv.alias(role)
         return Turn(role=role, start=b.start, end=b.end, complete=b.complete, block=b,
                     valid=b.valid)
 
@@ -507,8 +538,8 @@ class _Ctx:
         if kind is None and el.kind_by_attr:
             for attr, table in el.kind_by_attr.items():
                 v = b.attrs.get(attr)
-                if v is not None and v in table:
-                    kind = table[v]
+                if v is not None and (v in table or "*" in table):
+                    kind = table[v] if v in table else table["*"]  # "*": any other value
                     break
         b.kind = kind
         if rname in drv.preamble_rules:
@@ -564,6 +595,10 @@ class _Ctx:
         parsed = parse_xtml_head(b.header or "")
         if parsed and tag != parsed[0]:
             self.problem(offset, f"close tag {tag!r} does not match open tag {parsed[0]!r}", b)
+
+
+def _is_glob(key: str) -> bool:
+    return any(c in key for c in "*?[")
 
 
 def _flatten(vals: list) -> list:

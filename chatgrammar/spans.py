@@ -170,8 +170,10 @@ class Conversation:
                 cur = max(cur, c.end)
             if b.body_end is not None and b.body_end > cur and policy.allows(base):
                 out.append(Span(cur, b.body_end, t.role, base, i))
+            # a turn whose own kind the policy drops (a Harmony analysis message under
+            # thinking=False) does not train its terminator either
             if (policy.end_marker and t.complete and b.close_start is not None
-                    and b.close_end > b.close_start):
+                    and b.close_end > b.close_start and policy.allows(base)):
                 out.append(Span(b.close_start, b.close_end, t.role, "end", i))
         return out
 

@@ -28,10 +28,14 @@ class Marker(_Model):
     ``special: true`` (default): in id mode it must be one special/added id of the tokenizer;
     ordinary ids spelling it are text. ``special: false`` (a *soft* marker such as ``<think>``):
     recognised as one id when the tokenizer has one, otherwise found in the decoded text.
+    ``lstrip: true``: a run of whitespace alone right before the marker belongs to it (like a
+    tokenizer's ``AddedToken(lstrip=True)``; e.g. the ``"\\n"`` R1-Distill writes between two
+    tool outputs), so it is neither content nor the start of an element.
     """
 
     text: str = Field(min_length=1)
     special: bool = True
+    lstrip: bool = False
     description: Optional[str] = None
 
 
