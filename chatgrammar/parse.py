@@ -457,11 +457,13 @@ class _Ctx:
                     ut = ch[i]
                     if ut[3] is SYNTH:
                         complete = False
+                    header_whole = ut[3] is not SYNTH
                     b.header_end = ut[1]
                     pos = ut[2]
                     i += 1
                 else:
                     has_body = False
+                    header_whole = i < n and _real(ch[i])
                     if parts:
                         b.header_end = parts[-1][2]
                     pos = b.header_end
@@ -474,6 +476,7 @@ class _Ctx:
                     i += 1
                 else:
                     b.header = ""
+                header_whole = b.header.endswith(h.until_text) or (i < n and _real(ch[i]))
         lead_run = None
         if has_body:
             b.body_start = pos
@@ -528,7 +531,7 @@ class _Ctx:
         b.end = end
         b.complete = complete and all(c.complete for c in b.children)
         if h is not None:
-            self._read_header(b, el, complete and has_body)
+            self._read_header(b, el, header_whole)
         if lead_run is not None and b.body_end > b.body_start:
             self._skip_lead(b, el.lead, lead_run)
         # kind: declared, by tag, or by attribute
@@ -547,6 +550,10 @@ class _Ctx:
         return b
 
     def _read_header(self, b: Block, el: Element, must_be_whole: bool) -> None:
+        """Check and read a header. ``must_be_whole``: something real follows it (its
+        terminator, a marker, a block), so it is checked even when the input ends later in
+        the element; only a header cut by the end of input escapes the checks (and then
+        nothing of the element trains)."""
         h = el.header
         text = b.header or ""
         if h.attributes == "xtml":
@@ -566,7 +573,7 @@ class _Ctx:
             rx = self.drv.patterns[id(h)]
             m = rx.fullmatch(text)
             if m is None:
-                if b.body_start is not None and b.complete:
+                if b.body_start is not None and must_be_whole:
                     self.problem(b.header_start, f"header {text[:60]!r} does not match "
                                                  f"{h.pattern!r}", b)
                 elif b.body_start is not None:
@@ -576,7 +583,7 @@ class _Ctx:
         if h.until_text is not None and b.body_start is not None and \
                 not text.endswith(h.until_text):
             # header cut off by the end of input (or missing): nothing of the body trains
-            if b.complete and h.required:
+            if must_be_whole and h.required:
                 self.problem(b.header_start, f"header does not end with {h.until_text!r}", b)
             b.body_start = b.body_end
 
@@ -609,6 +616,11 @@ def _flatten(vals: list) -> list:
         elif v is not None:
             out.append(v)
     return out
+
+
+def _real(x) -> bool:
+    """A block, or a token that is in the input (not a synthetic end-of-input terminator)."""
+    return isinstance(x, Block) or x[3] is not SYNTH
 
 
 def _start_of(x) -> int:
