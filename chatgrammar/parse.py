@@ -372,6 +372,8 @@ class _Ctx:
         drv = self.drv
         if name in drv.elements:
             value = self.element(name, _flatten(vals))
+            if name in drv.preamble_rules and self._at_top(value_stack):
+                self.emit(value)
         elif name == "_item":
             self.item(_flatten(vals))
             value = None
@@ -545,9 +547,15 @@ class _Ctx:
                     kind = table[v] if v in table else table["*"]  # "*": any other value
                     break
         b.kind = kind
-        if rname in drv.preamble_rules:
-            self.emit(b)
         return b
+
+    def _at_top(self, value_stack: list) -> bool:
+        """Only preamble items below: a preamble element reduced at the top of the input, not
+        the same element nested in a turn (whose opener is below it)."""
+        pre = self.drv.spec.preamble
+        by_term = self.drv.marker_by_term
+        return all(v.name in pre if isinstance(v, Block) else
+                   type(v) is tuple and by_term.get(v[0]) in pre for v in value_stack)
 
     def _read_header(self, b: Block, el: Element, must_be_whole: bool) -> None:
         """Check and read a header. ``must_be_whole``: something real follows it (its

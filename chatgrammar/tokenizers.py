@@ -52,7 +52,10 @@ class TokenizerAdapter:
             if self._encoding is not None:
                 enc = self._encoding
                 for s in enc.special_tokens_set:
-                    out[s] = enc.encode_single_token(s)
+                    # encode_single_token prefers an ordinary BPE piece spelling the same
+                    # string (Qwen's ranks hold "<s>"); the special id is what encode() emits
+                    ids = enc.encode(s, allowed_special={s})
+                    out[s] = ids[0] if len(ids) == 1 else enc.encode_single_token(s)
             for attr in ("special_tokens", "added_tokens_encoder"):
                 d = getattr(t, attr, None)
                 if isinstance(d, dict):

@@ -46,7 +46,14 @@ def _expand(raw, mode: str, enc):
         return raw
     if isinstance(raw, str):
         raw = [raw]
-    return [i if isinstance(i, int) else enc.encode_single_token(i) for i in raw]
+    out = []
+    for i in raw:
+        if isinstance(i, int):
+            out.append(i)
+        else:  # a marker: its special id (encode_single_token may give an ordinary piece)
+            (tid,) = enc.encode(i, allowed_special={i})
+            out.append(tid)
+    return out
 
 
 @pytest.mark.parametrize("path", CASES, ids=[f"{p.parent.name}/{p.stem}" for p in CASES])
