@@ -355,3 +355,40 @@ def test_a_header_cut_by_the_end_of_input_is_not_an_error(fmts, name, text, mode
     r = run(fmts[name], text, mode)
     assert r.conv.warnings == [] and r.spans() == []
     assert not r.conv.turns[0].complete
+
+
+# --------------------------------------------------------------------------- preamble
+
+PREAMBLE_CHILD = r'''
+    name: eng-preamble-child
+    markers:
+      s: {text: "<s>"}
+      e: {text: "</s>"}
+      tools: {text: "<tools>"}
+      tools_end: {text: "</tools>"}
+    elements:
+      turn:
+        open: s
+        header: {until_text: "\n", pattern: "(?P<role>\\w+)\n"}
+        close: {markers: [e]}
+        children: [decl]
+      decl: {open: tools, close: {markers: [tools_end]}, kind: tools, role: system}
+    top: [turn]
+    preamble: [decl]
+'''
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_preamble_element_nested_in_a_turn_is_not_a_turn(make, mode):
+    """An element listed in the preamble and also used as a child: only the occurrence at the
+    top of the input is a (preamble) turn; nested occurrences stay blocks of their turn."""
+    fmt = make(PREAMBLE_CHILD)
+    text = "<tools>T</tools><s>system\nx<tools>U</tools></s><s>assistant\nyo</s>"
+    r = run(fmt, text, mode)
+    assert r.turns() == [("system", 0, 16, True), ("system", 16, 47, True),
+                         ("assistant", 47, 66, True)]
+    assert [c.kind for c in r.conv.turns[1].block.children] == ["tools"]
+    assert r.trained() == ["yo"]
+    # without the preamble occurrence: no phantom turn either
+    r = run(fmt, text[16:], mode)
+    assert r.roles() == ["system", "assistant"]
