@@ -143,6 +143,11 @@ class Conversation:
         """The trained spans under ``policy`` (None: the format's default): sorted and
         non-overlapping.
 
+        A turn's body trains as its own kind (``"content"`` unless the element declares one);
+        each nested block at any depth is a span of its own kind (a block without a kind takes
+        its parent's), and a block whose kind the policy drops is left out whole, tags and
+        nested blocks included.
+
         Example:
             >>> conv.spans(cg.MaskPolicy(thinking=False))  # doctest: +SKIP
             [Span(start=120, end=133, role='assistant', kind='content', turn=3)]
@@ -162,11 +167,13 @@ class Conversation:
             base = b.kind or "content"
             cur = b.body_start
             for c in b.children:
+                if c.start < b.body_start:
+                    continue  # before the body (a header that never ended): not trained
                 if c.start > cur and policy.allows(base):
                     out.append(Span(cur, c.start, t.role, base, i))
-                k = c.kind or "content"
+                k = c.kind or base
                 if c.end > c.start and policy.allows(k):
-                    out.append(Span(c.start, c.end, t.role, k, i))
+                    out.extend(Span(s, e, t.role, kk, i) for s, e, kk in _segments(c, k, policy))
                 cur = max(cur, c.end)
             if b.body_end is not None and b.body_end > cur and policy.allows(base):
                 out.append(Span(cur, b.body_end, t.role, base, i))
@@ -193,3 +200,35 @@ class Conversation:
         if self.text is None:
             raise ValueError("trained_text() needs a text-mode conversation")
         return [self.text[s.start:s.end] for s in self.spans(policy)]
+
+
+def _segments(block: Block, kind: str, policy: MaskPolicy) -> list[tuple[int, int, str]]:
+    """``(start, end, kind)`` pieces of a trained block, in order: a nested block with a kind
+    of its own is its own piece (a block without one takes its parent's kind), a nested block
+    whose kind the policy drops is left out whole; equal neighbours are merged. Iterative, so
+    deep nesting costs no recursion."""
+    out: list[tuple[int, int, str]] = []
+    stack = [[block, kind, 0, block.start]]  # frames: block, its kind, next child, cursor
+    while stack:
+        fr = stack[-1]
+        blk, k, j, cur = fr
+        if j < len(blk.children):
+            g = blk.children[j]
+            fr[2] = j + 1
+            if g.start > cur:
+                out.append((cur, g.start, k))
+            fr[3] = max(cur, g.end)
+            gk = g.kind or k
+            if g.end > g.start and policy.allows(gk):
+                stack.append([g, gk, 0, g.start])
+            continue
+        if blk.end > cur:
+            out.append((cur, blk.end, k))
+        stack.pop()
+    merged: list[tuple[int, int, str]] = []
+    for s, e, k in out:
+        if merged and merged[-1][1] == s and merged[-1][2] == k:
+            merged[-1] = (merged[-1][0], e, k)
+        else:
+            merged.append((s, e, k))
+    return merged

@@ -392,3 +392,66 @@ def test_a_preamble_element_nested_in_a_turn_is_not_a_turn(make, mode):
     # without the preamble occurrence: no phantom turn either
     r = run(fmt, text[16:], mode)
     assert r.roles() == ["system", "assistant"]
+
+
+# --------------------------------------------------------------------------- spans of nested blocks
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nested_blocks_keep_their_own_kind_at_any_depth(fmts, mode):
+    """A block's kind holds at any depth: a think element inside a response element is think
+    (dropped whole by thinking=False), an image inside a tool call is media (dropped by
+    exclude_kinds); a block with no kind of its own takes its parent's."""
+    text = ('<|open|>message role="assistant"<|sep|>'
+            '<|open|>response<|sep|>A<|open|>think<|sep|>T<|close|>think<|sep|>B'
+            '<|close|>response<|sep|>'
+            '<|open|>tools<|sep|>C<|open|>x type="image"<|sep|>I<|close|>x<|sep|>'
+            '<|open|>arg<|sep|>D<|close|>arg<|sep|><|close|>tools<|sep|>'
+            '<|close|>message<|sep|><|eom|>')
+    r = run(fmts["xtml"], text, mode)
+    think = "<|open|>think<|sep|>T<|close|>think<|sep|>"
+    image = '<|open|>x type="image"<|sep|>I<|close|>x<|sep|>'
+    assert r.kinds() == [
+        ("<|open|>response<|sep|>A", "content"), (think, "think"),
+        ("B<|close|>response<|sep|>", "content"),
+        ("<|open|>tools<|sep|>C", "tool_call"), (image, "media"),
+        ("<|open|>arg<|sep|>D<|close|>arg<|sep|><|close|>tools<|sep|>", "tool_call")]
+    assert r.kinds(cg.MaskPolicy(thinking=False, exclude_kinds=("media",))) == [
+        ("<|open|>response<|sep|>A", "content"), ("B<|close|>response<|sep|>", "content"),
+        ("<|open|>tools<|sep|>C", "tool_call"),
+        ("<|open|>arg<|sep|>D<|close|>arg<|sep|><|close|>tools<|sep|>", "tool_call")]
+    # a dropped block is dropped whole, whatever it holds
+    assert r.trained(cg.MaskPolicy(tool_calls=False)) == [
+        "<|open|>response<|sep|>A", think, "B<|close|>response<|sep|>"]
+    check_spans(r.conv)
+
+
+UNTERMINATED_HEADER = r'''
+    name: eng-unterminated-header
+    markers:
+      a: {text: "<A>"}
+      e: {text: "<E>"}
+      th: {text: "<think>"}
+      the: {text: "</think>"}
+    elements:
+      turn:
+        open: a
+        role: assistant
+        header: {until_text: "\n", required: false}
+        close: {markers: [e]}
+        children: [think]
+      think: {open: th, close: {markers: [the]}, kind: think}
+    top: [turn]
+'''
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_header_without_its_terminator_trains_nothing_of_the_body(make, mode):
+    """`required: false` + a header that never reaches its `until_text`: the whole run is
+    header, the element has no body, and its blocks do not train either."""
+    fmt = make(UNTERMINATED_HEADER)
+    for text in ["<A>hdr<think>x</think>y<E>", "<A>hdr<think>x</think>y"]:
+        r = run(fmt, text, mode)
+        assert r.conv.turns[0].header == "hdr"
+        assert r.spans() == [] and r.conv.warnings == []
+    r = run(fmt, "<A>hdr\n<think>x</think>y<E>", mode)
+    assert r.kinds() == [("<think>x</think>", "think"), ("y", "content")]
