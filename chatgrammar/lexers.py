@@ -293,7 +293,10 @@ class IdLexer:
                     b -= 1
             a, b = s + a, s + b
             if a < last:
-                continue
+                # it starts inside the token that ended the previous marker: it still is a
+                # marker (zero-width when that token holds all of it), never silently text
+                a = last
+                b = max(b, a)
             if a > last:
                 toks.append((TEXT, last, a, None))
             toks.append((self.cfg.by_text[m.group()], a, b, m.group()))

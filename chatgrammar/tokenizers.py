@@ -188,12 +188,41 @@ class TokenizerAdapter:
                 return text, list(offsets)
             except Exception:
                 pass
-        pieces = [self.decode([i]) for i in ids]
+        pieces = self._stream_pieces(ids)
+        if pieces is None:
+            # Each token decoded after its predecessor: decoders that strip a leading space
+            # (SentencePiece's "▁ok" alone is "ok") keep it once the token is not first.
+            pieces, prev = [], None
+            for i in ids:
+                one = self.decode([i])
+                if prev is not None:
+                    pair, head = self.decode([prev, i]), self.decode([prev])
+                    if pair.startswith(head):
+                        one = pair[len(head):]
+                pieces.append(one)
+                prev = i
         starts, pos = [], 0
         for p in pieces:
             starts.append(pos)
             pos += len(p)
         return "".join(pieces), starts
+
+    def _stream_pieces(self, ids: list[int]) -> list[str] | None:
+        """The text each id adds, from the Rust streaming decoder of a fast tokenizer (exact:
+        a token that completes a multi-byte character carries it, the ones before carry
+        ""); None when the tokenizer has none."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        try:
+            from tokenizers.decoders import DecodeStream
+        except ImportError:  # tokenizers < 0.21
+            return None
+        stream = DecodeStream(skip_special_tokens=False)
+        try:
+            return [stream.step(backend, i) or "" for i in ids]
+        except Exception:
+            return None
 
 
 def _tiktoken_encoding(tok: Any) -> Any:
