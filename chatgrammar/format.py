@@ -90,7 +90,12 @@ class Format:
 
     def _partial_marker_tail(self, text: str) -> int | None:
         longest = self._lexcfg.longest_marker
-        for k in range(min(len(text), longest - 1), 0, -1):
+        # The fragment must lie after the last whole marker: "]~!b[" ends with "[", a prefix
+        # of "[e~[", but that "[" belongs to the complete marker before it.
+        done = 0
+        for m in self._lexcfg.regex.finditer(text, max(0, len(text) - 2 * longest)):
+            done = m.end()
+        for k in range(min(len(text) - done, longest - 1), 0, -1):
             frag = text[-k:]
             if frag in self._lexcfg.marker_prefixes:
                 return len(text) - k
