@@ -455,3 +455,16 @@ def test_a_header_without_its_terminator_trains_nothing_of_the_body(make, mode):
         assert r.spans() == [] and r.conv.warnings == []
     r = run(fmt, "<A>hdr\n<think>x</think>y<E>", mode)
     assert r.kinds() == [("<think>x</think>", "think"), ("y", "content")]
+
+
+@pytest.mark.parametrize("merge", ["<think></think>", "k></think>"])
+def test_two_soft_markers_in_one_token_are_both_seen(fmts, merge):
+    """Soft markers found in decoded text (no single id): when one ordinary token holds the
+    end of one marker and all of the next, the second is still a marker (zero-width at the
+    token boundary) instead of silently becoming text."""
+    fmt = fmts["chatml"]
+    text = "<|im_start|>assistant\n<think></think>yo<|im_end|>"
+    r = run(fmt, text, "ids-soft-decoded", merges=[merge])
+    assert r.kinds() == [("<think></think>", "think"), ("yo", "content")]
+    assert r.conv.boundaries  # the marker edges inside a token are reported
+    assert r.trained(cg.MaskPolicy(thinking=False)) == ["yo"]
