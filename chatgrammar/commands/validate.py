@@ -1,0 +1,299 @@
+"""``chatgrammar validate [PATH…]`` — check format specs (and norms.yaml) before anyone trains.
+
+Every check runs and every problem is collected before anything is reported
+(check-jsonschema style): one line ``file:line:col::yaml.path: message`` per problem in text,
+the same content with ``--output json``. See :mod:`chatgrammar.validate` for the checks.
+
+Exit codes: 0 no errors (warnings allowed); 1 problems found; 2 usage error (a missing or
+unreadable file, a bad option).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import ChatGrammarError
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``validate`` subcommand to the ``chatgrammar`` parser.
+
+    Args:
+        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
+    """
+    p = subparsers.add_parser(
+        "validate",
+        help="check format specs: schema, strict LALR compile, examples, precedence; "
+             "optionally against a real chat template",
+        description="Check format specs and norms.yaml. With no PATH: every bundled format and "
+                    "norms.yaml. Checks YAML syntax, the schema (every unknown key and wrong "
+                    "type, located file:line:col), content patterns vs markers, the strict "
+                    "LALR(1) compile, the embedded examples (text and id mode), and detector "
+                    "precedence across the whole set. --template renders the built-in "
+                    "conversation matrix with a real chat template and checks that the format "
+                    "parses every rendering and trains exactly the assistant output.",
+        epilog="exit codes: 0 ok, 1 problems found, 2 usage error")
+    p.add_argument("paths", nargs="*", metavar="PATH",
+                   help="spec files, directories of specs, bundled format names, or norms.yaml")
+    p.add_argument("--template", action="append", default=[], metavar="FILE",
+                   help="a Jinja chat template to check against its format (repeatable)")
+    p.add_argument("-f", "--format", dest="format", metavar="NAME|PATH",
+                   help="the format the --template / --tokenizer belong to (default: the only "
+                        "spec given, else detected from the template / tokenizer)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="a local transformers tokenizer directory: every special marker must be "
+                        "one special id, and id mode must agree with text mode")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let --tokenizer run the directory's own tokenizer code (e.g. Kimi's)")
+    p.add_argument("--var", action="append", default=[], metavar="KEY=VALUE",
+                   help="a template variable for --template (bos_token=<s>); VALUE is JSON if "
+                        "it parses as JSON, else a string (repeatable)")
+    p.add_argument("--case", action="append", default=[], metavar="NAME",
+                   help="only these matrix cases (repeatable; default: all)")
+    p.add_argument("--isolated", action="store_true",
+                   help="prove detector precedence among the given specs only (default: together "
+                        "with the bundled and plugin formats, the set detection chooses from)")
+    p.add_argument("--output", choices=("text", "json"), default="text",
+                   help="output format (default: text)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also list the files and template cases that pass")
+    p.set_defaults(func=run)
+
+
+class _Usage(Exception):
+    """A usage error: reported on one line, exit code 2."""
+
+
+def _vars(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise _Usage(f"--var takes KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            out[k] = v
+    return out
+
+
+def _read_template(path: str) -> str:
+    p = Path(path)
+    try:
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise _Usage(f"no such file: {path}") from None
+    except IsADirectoryError:
+        raise _Usage(f"is a directory: {path}") from None
+    except UnicodeDecodeError:
+        raise _Usage(f"cannot read {path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise _Usage(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _beaten(cands: list, formats: dict) -> list:
+    """Drop candidates another candidate takes (transitive) precedence over."""
+    beats = {n: set(formats[n].spec.detect.precedence_over) for n in cands}
+    changed = True
+    while changed:
+        changed = False
+        for a in cands:
+            for b in list(beats[a]):
+                extra = beats.get(b, set()) - beats[a]
+                if extra:
+                    beats[a] |= extra
+                    changed = True
+    return [n for n in cands if not any(n in beats[m] for m in cands if m != n)]
+
+
+def _pick_for_template(src: str, formats: dict) -> tuple[Any, str | None]:
+    cands = [n for n, f in formats.items() if f.spec.detect.template
+             and all(t in src for t in f.spec.detect.template)
+             and not any(t in src for t in f.spec.detect.template_absent)]
+    win = _beaten(cands, formats)
+    if len(win) == 1:
+        return formats[win[0]], None
+    if not cands:
+        return None, "no checked format's template detector matches it"
+    return None, f"several formats match it ({', '.join(sorted(cands))})"
+
+
+def _pick_for_tokenizer(tok: Any, formats: dict) -> tuple[Any, str | None]:
+    from ..tokenizers import adapt
+
+    ad = adapt(tok)
+    cands = []
+    for n, f in formats.items():
+        d = f.spec.detect
+        if not (d.require or d.require_any):
+            continue
+        has = lambda t: ad.token_id(t, special=True) is not None  # noqa: E731
+        if all(has(t) for t in d.require) and (not d.require_any or any(
+                has(t) for t in d.require_any)) and not any(has(t) for t in d.absent):
+            cands.append(n)
+    win = _beaten(cands, formats)
+    if len(win) == 1:
+        return formats[win[0]], None
+    if not cands:
+        return None, "no checked format's token detector matches it"
+    return None, f"several formats match it ({', '.join(sorted(cands))})"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``chatgrammar validate``; returns the exit code."""
+    try:
+        return _run(args)
+    except _Usage as exc:
+        print(f"chatgrammar validate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..conformance import check_template, load_tokenizer
+    from ..matrix import default_matrix
+    from ..registry import load_format
+    from ..validate import Problem, check_tokenizer, validate_paths
+
+    variables = _vars(args.var)
+    templates = [(t, _read_template(t)) for t in args.template]
+    cases = None
+    if args.case:
+        known = {c.name: c for c in default_matrix()}
+        bad = [c for c in args.case if c not in known]
+        if bad:
+            raise _Usage(f"unknown matrix case(s) {', '.join(bad)}; known: {', '.join(known)}")
+        cases = [known[c] for c in args.case]
+    try:
+        report = validate_paths(args.paths, precedence_with_bundled=not args.isolated)
+    except ChatGrammarError as exc:
+        raise _Usage(str(exc)) from None
+    formats: dict = dict(getattr(report, "formats", {}))
+
+    pinned = None
+    if args.format:
+        if args.format in formats:
+            pinned = formats[args.format]
+        else:
+            try:
+                pinned = load_format(args.format)
+            except ChatGrammarError as exc:
+                raise _Usage(f"--format: {exc}") from None
+    elif (templates or args.tokenizer):
+        given = [f for f in report.files if f.kind == "format"]
+        if args.paths and len(given) == 1 and given[0].name in formats:
+            pinned = formats[given[0].name]
+        elif args.paths and len(given) == 1:
+            # the one spec given does not compile: nothing to check the template against
+            report.notes.append("the template / tokenizer checks did not run: the spec does "
+                                "not compile")
+            templates = []
+            args.tokenizer = None
+
+    tokenizer = None
+    if args.tokenizer:
+        try:
+            tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+        except ChatGrammarError as exc:
+            raise _Usage(str(exc)) from None
+
+    pool = formats
+    if not pool:
+        from ..registry import all_formats
+        try:
+            pool = {f.name: f for f in all_formats()}
+        except ChatGrammarError:
+            pool = {}
+    tok_formats: list = []
+    for tpath, tsrc in templates:
+        fmt, why = (pinned, None) if pinned is not None else _pick_for_template(tsrc, pool)
+        if fmt is None:
+            report.problems.append(Problem(tpath, f"cannot tell which format this template is "
+                                                  f"for: {why}; pass -f NAME", "template"))
+            continue
+        res = check_template(fmt, tsrc, name=tpath, cases=cases, tokenizer=tokenizer,
+                             tokenizer_name=args.tokenizer, variables=variables)
+        report.conformance.append(res)
+        if res.error:
+            report.problems.append(Problem(tpath, res.error, "template"))
+        for c in res.cases:
+            if c.status == "fail":
+                report.problems.append(Problem(
+                    tpath, f"{fmt.name}: {c.reason}\n{c.details}", "template", path=c.case))
+        if fmt not in tok_formats:
+            tok_formats.append(fmt)
+    if tokenizer is not None:
+        if pinned is not None and pinned not in tok_formats:
+            tok_formats.append(pinned)
+        if not tok_formats:
+            fmt, why = _pick_for_tokenizer(tokenizer, pool)
+            if fmt is None:
+                report.problems.append(Problem(args.tokenizer, f"cannot tell which format this "
+                                                               f"tokenizer is for: {why}; pass "
+                                                               "-f NAME", "tokenizer"))
+            else:
+                tok_formats.append(fmt)
+        for fmt in tok_formats:
+            report.problems += check_tokenizer(fmt, tokenizer, args.tokenizer)
+
+    if args.output == "json":
+        data = report.to_dict()
+        data["summary"] = _summary(report)
+        print(json.dumps(data, ensure_ascii=False, indent=2))
+    else:
+        _print_text(report, args.verbose)
+    return 0 if report.ok else 1
+
+
+def _summary(report) -> str:
+    n_err = len(report.errors)
+    n_warn = len(report.problems) - n_err
+    kinds = [f for f in report.files if f.kind == "format"]
+    norms = [f for f in report.files if f.kind == "norms"]
+    what = f"{len(kinds)} format spec{'s' if len(kinds) != 1 else ''}"
+    if norms:
+        what += f", {len(norms)} norms table{'s' if len(norms) != 1 else ''}"
+    for c in report.conformance:
+        what += f", template {Path(c.template).name}"
+    if n_err:
+        files = len({p.file for p in report.errors})
+        head = (f"{n_err} error{'s' if n_err > 1 else ''} in {files} "
+                f"file{'s' if files > 1 else ''}")
+    else:
+        head = "ok"
+    warn = f", {n_warn} warning{'s' if n_warn > 1 else ''}" if n_warn else ""
+    return f"validate: {head}{warn} ({what} checked)"
+
+
+def _write(text: str) -> None:
+    enc = getattr(sys.stdout, "encoding", None) or "utf-8"
+    try:
+        text.encode(enc)
+    except (UnicodeEncodeError, LookupError):
+        text = text.encode(enc, "backslashreplace").decode(enc)
+    print(text)
+
+
+def _print_text(report, verbose: bool) -> None:
+    for p in report.problems:
+        _write(p.render())
+    for c in report.conformance:
+        _write(c.summary())
+        for case in c.cases:
+            if case.status == "skip":
+                _write(f"  skipped {case.case}: {case.reason}")
+            elif case.status == "fail":
+                _write(f"  FAIL {case.case}: {case.reason}")
+            elif verbose:
+                _write(f"  pass {case.case}" + (f" ({'; '.join(case.notes)})"
+                                                 if case.notes else ""))
+    if verbose:
+        for f in report.files:
+            bad = any(p.file == f.file and p.severity == "error" for p in report.problems)
+            _write(f"{'FAIL' if bad else 'ok  '} {f.file}"
+                   + (f" ({f.name})" if f.name else "") + f": {', '.join(f.checks)}")
+    for n in report.notes:
+        _write(f"note: {n}")
+    _write(_summary(report))

@@ -1,0 +1,767 @@
+"""Template conformance: does a format parse what a real chat template renders, and train
+exactly the assistant output?
+
+:func:`check_template` renders every conversation of the built-in matrix
+(:mod:`chatgrammar.matrix`) with a real Jinja chat template (:mod:`chatgrammar.render`, byte for
+byte as transformers renders), parses each rendering with the format, and compares what the
+format trains with what the template says the assistant produced. Shapes the template rejects
+(it raises on them) are skipped and reported with the template's reason.
+
+The expected spans come from the template alone, by render-diffing (never from the spec):
+
+- message ``i`` occupies ``[len(B_i), len(B_i+1))`` of the full rendering ``R``, where ``B_k``
+  is the rendering of the first ``k`` messages (when ``R`` starts with it; a template that
+  renders a message differently once later messages exist — Kimi-K2-Thinking drops history
+  reasoning — falls back to the parsed turn's extent, and says so in the case's notes);
+- the assistant output starts after the template's generation prompt ``g_i`` (the difference
+  between ``B_i`` rendered with and without ``add_generation_prompt``; where the message is
+  rendered with less than that — a prefilled ``<think>\n`` that history turns do not repeat —
+  the part they share). A format may start training earlier only at a marker of ``g_i`` that
+  opens a block of the body (a think block, Kimi-K3's ``<|open|>think<|sep|>``): that tail of
+  the prompt is a *prefill* of the assistant's own structure. Training the role header fails;
+- the output runs to the end of the message's region, trailing whitespace excluded, with the
+  end-of-turn terminator included when the policy trains it (``end_marker``); with the default
+  policy the terminator is the format's ``end`` span, which must lie at the very end of the
+  region and contain none of the assistant's words;
+- nothing outside the assistant messages trains (system, user and tool messages, text the
+  template adds before the first message, a trailing generation prompt).
+
+Every case also runs in id mode with :class:`MarkerTokenizer` (each marker one id, every other
+character one id), and with a real tokenizer when one is given: both must agree with text mode.
+
+Example:
+    >>> from chatgrammar.registry import load_format
+    >>> res = check_template(load_format("kimi-k2"), open("moonshotai-Kimi-K2.jinja").read())
+    ... # doctest: +SKIP
+    >>> res.ok, res.counts()                                         # doctest: +SKIP
+    (True, {'pass': 20, 'fail': 0, 'skip': 0})
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from .errors import ChatGrammarError, ParseError
+from .format import Format
+from .matrix import MatrixCase, default_matrix
+from .policy import MaskPolicy
+from .render import TemplateError, compile_template, render_chat
+
+__all__ = ["MarkerTokenizer", "CaseResult", "ConformanceResult", "check_template",
+           "load_tokenizer", "encode_text", "marked", "OUTPUT_POLICY"]
+
+OPEN_MARK, CLOSE_MARK = "\u27e6", "\u27e7"   # ⟦ ⟧, as in embedded examples
+
+#: What "the assistant output" means here: every assistant block (reasoning and tool calls
+#: included), terminator excluded — whatever the format's own default policy says.
+OUTPUT_POLICY = MaskPolicy(roles=("assistant",), thinking=True, tool_calls=True,
+                           end_marker=False, last_turn_only=False, truncated=True)
+_WITH_END = OUTPUT_POLICY.replace(end_marker=True)
+
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+class MarkerTokenizer:
+    """A minimal-protocol tokenizer built from a spec's markers, so that id mode can be checked
+    without a real tokenizer: each marker string is one id (ids ``0..k-1``), every other
+    character is one id (``k + ord(char)``).
+
+    Args:
+        markers: the marker strings (a spec's ``markers[*].text``).
+
+    Example:
+        >>> tok = MarkerTokenizer(["<a>", "<b>"])
+        >>> ids, starts = tok.encode_with_offsets("<a>hi<b>")
+        >>> tok.decode(ids), starts
+        ('<a>hi<b>', [0, 3, 4, 5])
+    """
+
+    def __init__(self, markers: Iterable[str]):
+        texts = sorted(set(markers))
+        self.marker_ids = {t: i for i, t in enumerate(texts)}
+        self.by_id = {i: t for t, i in self.marker_ids.items()}
+        self.base = len(texts)
+        by_len = sorted(texts, key=len, reverse=True)
+        self._rx = re.compile("|".join(re.escape(t) for t in by_len)) if texts else None
+
+    @classmethod
+    def for_format(cls, fmt: Format) -> "MarkerTokenizer":
+        """The tokenizer for a format's markers."""
+        return cls(m.text for m in fmt.spec.markers.values())
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        """The id of a marker string or of one character; None otherwise."""
+        if token in self.marker_ids:
+            return self.marker_ids[token]
+        if len(token) == 1:
+            return self.base + ord(token)
+        return None
+
+    def decode(self, ids: Sequence[int], **_: Any) -> str:
+        """Ids back to text (exact inverse of :meth:`encode`)."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i < self.base:
+                out.append(self.by_id.get(i, "\ufffd"))
+            else:
+                try:
+                    out.append(chr(i - self.base))
+                except (ValueError, OverflowError):
+                    out.append("\ufffd")
+        return "".join(out)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """``(ids, start char of each id)``; marker strings anywhere in ``text`` become marker
+        ids (as a tokenizer splitting special tokens out of the text does)."""
+        ids: list[int] = []
+        starts: list[int] = []
+        pos = 0
+        matches = self._rx.finditer(text) if self._rx else ()
+        for m in list(matches) + [None]:
+            end = m.start() if m is not None else len(text)
+            for k in range(pos, end):
+                ids.append(self.base + ord(text[k]))
+                starts.append(k)
+            if m is not None:
+                ids.append(self.marker_ids[m.group()])
+                starts.append(m.start())
+                pos = m.end()
+        return ids, starts
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of ``text``."""
+        return self.encode_with_offsets(text)[0]
+
+
+def load_tokenizer(path: str | os.PathLike, *, trust_remote_code: bool = False) -> Any:
+    """Load a local transformers tokenizer directory (never the network).
+
+    Args:
+        path: a directory with ``tokenizer.json`` / ``tokenizer_config.json`` (or a slow
+            tokenizer's files).
+        trust_remote_code: allow the directory's own tokenizer code (Kimi's
+            ``tokenization_kimi.py``); off by default, as in transformers.
+
+    Returns:
+        The tokenizer.
+
+    Raises:
+        ChatGrammarError: the directory is missing or transformers cannot load it.
+    """
+    p = os.fspath(path)
+    if not os.path.isdir(p):
+        raise ChatGrammarError(f"tokenizer directory not found: {p}")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:  # pragma: no cover - transformers is an optional dependency
+        raise ChatGrammarError(f"--tokenizer needs transformers: {exc}") from None
+    try:
+        return AutoTokenizer.from_pretrained(p, local_files_only=True,
+                                             trust_remote_code=trust_remote_code)
+    except Exception as exc:  # transformers raises many kinds; one clear line is what we owe
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ChatGrammarError(f"cannot load tokenizer from {p}: {msg}") from None
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Tokenise a rendered conversation the way training pipelines do: special tokens written
+    by the template become their special ids, nothing is added (no BOS)."""
+    enc = getattr(tokenizer, "encode", None)
+    if type(tokenizer).__name__ == "Encoding" and hasattr(tokenizer, "special_tokens_set"):
+        return list(tokenizer.encode(text, allowed_special="all"))
+    try:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    except TypeError:
+        return list(enc(text))
+
+
+def _special_vars(tokenizer: Any) -> dict:
+    """Template variables transformers passes: the tokenizer's special tokens map."""
+    m = getattr(tokenizer, "special_tokens_map", None)
+    if not isinstance(m, dict):
+        return {}
+    return {k: v for k, v in m.items() if isinstance(v, str)}
+
+
+# --------------------------------------------------------------------------- results
+
+@dataclass
+class CaseResult:
+    """One matrix case rendered with one template.
+
+    Attributes:
+        case: the case name.
+        status: ``"pass"``, ``"fail"`` or ``"skip"`` (the template rejects this shape).
+        reason: one line: why it failed or was skipped (empty on pass).
+        details: for a failure, the conversation and the rendering with the expected and the
+            found trained spans marked ``⟦…⟧``.
+        text: the rendering (None when skipped).
+        expected: expected trained spans (char offsets, half-open, merged).
+        found: spans the format trains under :data:`OUTPUT_POLICY` (merged).
+        notes: remarks that are not failures (prefill trained, region located by the parse,
+            boundaries inside merged tokens).
+    """
+
+    case: str
+    status: str
+    reason: str = ""
+    details: str = ""
+    text: str | None = None
+    expected: list = field(default_factory=list)
+    found: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return {"case": self.case, "status": self.status, "reason": self.reason,
+                "details": self.details, "text": self.text,
+                "expected": [list(s) for s in self.expected],
+                "found": [list(s) for s in self.found], "notes": list(self.notes)}
+
+
+@dataclass
+class ConformanceResult:
+    """A format checked against one template over the matrix.
+
+    Attributes:
+        format: the format name.
+        template: the template's name (file name).
+        cases: one :class:`CaseResult` per matrix case, in matrix order.
+        tokenizer: the real tokenizer also checked (its path), or None.
+        error: set when nothing could be checked (the template does not compile).
+    """
+
+    format: str
+    template: str
+    cases: list[CaseResult] = field(default_factory=list)
+    tokenizer: str | None = None
+    error: str | None = None
+
+    def counts(self) -> dict[str, int]:
+        """``{"pass": n, "fail": n, "skip": n}``."""
+        out = {"pass": 0, "fail": 0, "skip": 0}
+        for c in self.cases:
+            out[c.status] = out.get(c.status, 0) + 1
+        return out
+
+    @property
+    def ok(self) -> bool:
+        """No case failed and the template compiled."""
+        return self.error is None and all(c.status != "fail" for c in self.cases)
+
+    def summary(self) -> str:
+        """``kimi-k2 × moonshotai-Kimi-K2.jinja: 20 pass, 0 fail, 0 skipped``."""
+        if self.error:
+            return f"{self.format} × {self.template}: {self.error}"
+        c = self.counts()
+        return (f"{self.format} × {self.template}: {c['pass']} pass, {c['fail']} fail, "
+                f"{c['skip']} skipped")
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return {"format": self.format, "template": self.template, "tokenizer": self.tokenizer,
+                "ok": self.ok, "error": self.error, "counts": self.counts(),
+                "cases": [c.to_dict() for c in self.cases]}
+
+
+# --------------------------------------------------------------------------- helpers
+
+def marked(text: str, spans: Iterable[tuple[int, int]], open_: str = OPEN_MARK,
+           close: str = CLOSE_MARK) -> str:
+    """``text`` with each span wrapped in ``⟦ ⟧`` (the embedded-example notation).
+
+    Example:
+        >>> marked("abcdef", [(1, 3)])
+        'a⟦bc⟧def'
+    """
+    out, pos = [], 0
+    for s, e in sorted(spans):
+        out.append(text[pos:s])
+        out.append(open_ + text[s:e] + close)
+        pos = e
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def _merge(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for s, e in sorted(spans):
+        if e <= s:
+            continue
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _clip(spans: Sequence[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    return [(max(s, lo), min(e, hi)) for s, e in spans if min(e, hi) > max(s, lo)]
+
+
+def _show(s: str, limit: int = 60) -> str:
+    r = repr(s)
+    return r if len(r) <= limit else r[:limit - 4] + "...'"
+
+
+def _describe_message(i: int, m: dict) -> str:
+    role = m.get("role", "?")
+    content = m.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    parts = []
+    if m.get("reasoning_content"):
+        parts.append(f"reasoning={_show(m['reasoning_content'], 50)}")
+    if content:
+        parts.append(_show(content, 70))
+    for c in m.get("tool_calls") or ():
+        fn = c.get("function", {})
+        args = fn.get("arguments")
+        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        parts.append(f"call {fn.get('name')}({args})")
+    if role == "tool":
+        parts.insert(0, f"[{m.get('tool_call_id')}]")
+    return f"    [{i}] {role}: " + (" ".join(parts) if parts else "(empty)")
+
+
+def _indent(text: str, pad: str = "      ") -> str:
+    return "\n".join(pad + line for line in text.split("\n"))
+
+
+def _mask_of(spans: Iterable[tuple[int, int]], n: int) -> bytearray:
+    m = bytearray(n)
+    for s, e in spans:
+        m[s:e] = b"\x01" * (e - s)
+    return m
+
+
+# --------------------------------------------------------------------------- the oracle
+
+class _Renderer:
+    """Renders prefixes of one case with one template (memoised)."""
+
+    def __init__(self, template: str, case: MatrixCase, variables: dict, timeout: float | None):
+        self.template, self.case, self.variables, self.timeout = template, case, variables, \
+            timeout
+        self._memo: dict = {}
+
+    def __call__(self, k: int, agp: bool = False, extra: dict | None = None) -> str | None:
+        key = (k, agp, tuple(sorted((extra or {}).items())))
+        if key not in self._memo:
+            kwargs = {**self.variables, **self.case.template_kwargs, **(extra or {})}
+            try:
+                self._memo[key] = render_chat(
+                    self.template, self.case.messages[:k], tools=self.case.tools,
+                    add_generation_prompt=agp, timeout=self.timeout, **kwargs)
+            except (TemplateError, ValueError, TypeError):
+                self._memo[key] = None
+        return self._memo[key]
+
+
+def _snap_into_marker(g: str, p: int, marker_rx: re.Pattern | None) -> int:
+    """A cut point inside a marker string moves back to the marker's start."""
+    if marker_rx is not None:
+        for m in marker_rx.finditer(g):
+            if m.start() < p < m.end():
+                return m.start()
+    return p
+
+
+def _generation_prompt(r: _Renderer, i: int, cut: int | None = None) -> str | None:
+    """What ``add_generation_prompt`` appends after the first ``i`` messages (``cut``: where
+    the messages' own rendering ends, when the template closes it with a tail)."""
+    b, g = r(i), r(i, True)
+    if b is None or g is None:
+        return None
+    n = len(b) if cut is None else cut
+    if g.startswith(b[:n]):
+        return g[n:]
+    return None
+
+
+def _prefix_in(b: str | None, R: str, marker_rx: re.Pattern | None,
+               tails: Sequence[str] = (), g: str | None = None) -> tuple[int | None, str]:
+    """How much of ``b`` (a rendering of the first messages) the full rendering ``R`` starts
+    with: all of it, or all but a closing tail a template adds only when no generation prompt
+    follows (Phi-3's EOS). A tail counts only if ``g`` (the same messages rendered with
+    ``add_generation_prompt``) confirms it: ``g`` continues where ``b`` minus the tail ends, and
+    does not contain the tail there. Candidates: ``tails`` (the special-token variables), then
+    any tail ``R`` ends with too. Returns (length or None, the tail)."""
+    if b is None:
+        return None, ""
+    if R.startswith(b):
+        return len(b), ""
+    if g is None or g.startswith(b):
+        return None, ""
+
+    def ok(cut: int) -> bool:
+        if not (R.startswith(b[:cut]) and g.startswith(b[:cut])):
+            return False
+        # never cut inside a marker
+        return marker_rx is None or not any(m.start() < cut < m.end()
+                                            for m in marker_rx.finditer(b))
+
+    for t in tails:
+        if t and b.endswith(t) and ok(len(b) - len(t)):
+            return len(b) - len(t), t
+    n = 0
+    while n < len(b) and n < len(R) and b[-1 - n] == R[-1 - n]:
+        n += 1
+    for L in range(1, n + 1):
+        if ok(len(b) - L):
+            return len(b) - L, b[len(b) - L:]
+    return None, ""
+
+
+class _Openers:
+    """Which marker strings are the role header of a turn (turn openers, header terminators,
+    header markers) and which belong to the body's structure (everything else)."""
+
+    def __init__(self, fmt: Format):
+        spec = fmt.spec
+        self.turn: set[str] = set()
+        self.header: set[str] = set()
+        for t in spec.top:
+            el = spec.elements.get(t)
+            if el is None:
+                continue
+            self.turn |= {spec.markers[o].text for o in el.open if o in spec.markers}
+            h = el.header
+            if h is not None:
+                names = ([h.until] if h.until else []) + list(h.markers)
+                self.header |= {spec.markers[n].text for n in names if n in spec.markers}
+        nested = {c for el in spec.elements.values() for c in el.children}
+        self.block_open = {spec.markers[o].text for n in nested if n in spec.elements
+                           for o in spec.elements[n].open if o in spec.markers}
+        self.all = {m.text for m in spec.markers.values()}
+
+    def prefill_start(self, g: str, marker_rx: re.Pattern | None) -> int:
+        """Where the generation prompt ``g`` stops being the role header: at the first marker,
+        after the turn's own opener, that is not part of a turn header (a think block opening
+        or closing, an XTML ``response`` element), with the whitespace just before it. What
+        follows is a prefill of the assistant's own structure, which a format may train."""
+        if marker_rx is None:
+            return len(g)
+        seen_turn = False
+        for m in marker_rx.finditer(g):
+            t = m.group()
+            if t in self.turn and not seen_turn:
+                seen_turn = True
+                continue
+            if m.start() > 0 and (t not in self.turn and t not in self.header
+                                  or t in self.block_open):
+                k = m.start()
+                while k > 0 and g[k - 1].isspace():
+                    k -= 1
+                return k
+        return len(g)
+
+    def leading_glue(self, text: str, marker_rx: re.Pattern | None) -> int:
+        """Length of the run of markers (and whitespace) a message's rendering starts with,
+        up to the first marker that opens a body block."""
+        if marker_rx is None:
+            return 0
+        k = 0
+        while True:
+            while k < len(text) and text[k].isspace():
+                k += 1
+            m = marker_rx.match(text, k)
+            if m is None or m.group() in self.block_open:
+                return k
+            k = m.end()
+
+
+# --------------------------------------------------------------------------- one case
+
+def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
+                synth: MarkerTokenizer, tokenizer: Any, timeout: float | None) -> CaseResult:
+    r = _Renderer(template, case, variables, timeout)
+    try:
+        full = render_chat(template, case.messages, tools=case.tools,
+                           add_generation_prompt=case.add_generation_prompt, timeout=timeout,
+                           **{**variables, **case.template_kwargs})
+    except TemplateError as exc:
+        m = re.search(r"'(\w*_token)' is undefined", exc.message)
+        if exc.kind == "undefined" and m:
+            # not a shape the template rejects: a tokenizer variable the caller did not pass
+            return CaseResult(case.name, "fail", f"the template needs the variable {m.group(1)!r} "
+                              f"(a tokenizer special token): pass it (--var "
+                              f"{m.group(1)}=...) or a tokenizer")
+        return CaseResult(case.name, "skip", f"template rejects it: [{exc.kind}] {exc.message}")
+    except (ValueError, TypeError) as exc:
+        return CaseResult(case.name, "skip", f"cannot render: {exc}")
+    R = full
+    conversation = "\n".join(_describe_message(i, m) for i, m in enumerate(case.messages))
+    res = CaseResult(case.name, "pass", text=R)
+
+    def fail(reason: str, extra: str = "") -> CaseResult:
+        res.status = "fail"
+        res.reason = reason
+        lines = [f"  conversation ({case.description}):", conversation]
+        if res.expected or res.found or extra == "":
+            lines += ["  rendered, expected trained spans marked ⟦…⟧:",
+                      _indent(marked(R, res.expected)),
+                      "  rendered, spans the format trains marked ⟦…⟧:",
+                      _indent(marked(R, res.found))]
+        if extra:
+            lines.append(extra)
+        res.details = "\n".join(lines)
+        return res
+
+    # ---- 1. text mode
+    try:
+        conv = fmt.parse(R)
+    except ParseError as exc:
+        return fail(f"does not parse (text mode): {exc.message} at char {exc.offset}",
+                    "  rendered:\n" + _indent(R) + "\n  error:\n" + _indent(str(exc)))
+    found = _merge((s.start, s.end) for s in conv.spans(OUTPUT_POLICY))
+    found_end = _merge((s.start, s.end) for s in conv.spans(_WITH_END))
+    end_spans = [(s.start, s.end) for s in conv.spans(_WITH_END) if s.kind == "end"]
+    res.found = found
+
+    # ---- 2. id mode with the marker tokenizer: must agree with text mode exactly
+    ids, starts = synth.encode_with_offsets(R)
+    try:
+        conv_ids = fmt.parse_ids(ids, synth)
+    except ParseError as exc:
+        return fail(f"text mode parses but id mode does not: {exc.message} at token "
+                    f"{exc.offset}")
+    bounds = starts + [len(R)]
+    for pol in (OUTPUT_POLICY, _WITH_END):
+        a = _merge((s.start, s.end) for s in conv.spans(pol))
+        b = _merge((bounds[s.start], bounds[s.end]) for s in conv_ids.spans(pol))
+        if a != b:
+            ma, mb = _mask_of(a, len(R)), _mask_of(b, len(R))
+            at = next(k for k in range(len(R)) if ma[k] != mb[k])
+            return fail(f"id mode (one id per marker) disagrees with text mode at char {at} "
+                        f"({'trained' if mb[at] else 'not trained'} in id mode)")
+
+    # ---- 3. a real tokenizer, when given
+    if tokenizer is not None:
+        problem = _check_real_ids(fmt, tokenizer, R, conv, res)
+        if problem:
+            return fail(problem)
+
+    # ---- 4. expected spans, from the template alone
+    n = len(case.messages)
+    B = {k: r(k) for k in range(1, n + 1)}
+    marker_rx = synth._rx
+    # where message k starts in R: the length of the rendering of the first k messages, less
+    # the closing tail some templates add when no generation prompt follows (Phi-3's EOS)
+    P: dict[int, int | None] = {}
+    tail = ""
+    tails = sorted({v for v in variables.values() if isinstance(v, str) and v}, key=len,
+                   reverse=True)
+    for k in B:
+        P[k], t = _prefix_in(B[k], R, marker_rx, tails, r(k, True))
+        tail = tail or t
+    stable = {k: P[k] is not None for k in P}
+    asst = [i for i, m in enumerate(case.messages) if m.get("role") == "assistant"]
+    turns = [t for t in conv.turns if t.role == "assistant" and not t.generation_prompt]
+    openers = _Openers(fmt)
+    generic_g = None
+    # (message, region start, output start, earliest allowed training start, output end)
+    regions: list[tuple[int, int, int, int, int]] = []
+    problems: list[str] = []
+    for k, i in enumerate(asst):
+        s = P[i] if i >= 1 and stable.get(i) else None
+        e = P[i + 1] if stable.get(i + 1) else None
+        if e is not None and e == len(R) and tail and R.endswith(tail):
+            e -= len(tail)  # the closing tail belongs to no message
+        if s is None or e is None:
+            if len(turns) != len(asst):
+                return fail(f"the template renders {len(asst)} assistant message(s) but the "
+                            f"format parses {len(turns)} assistant turn(s)")
+            t = turns[k]
+            s = t.start if s is None else s
+            e = t.end if e is None else e
+            while e < len(R) and R[e].isspace():
+                e += 1
+            res.notes.append("some messages located by the parse (the template renders them "
+                             "differently once later messages exist)")
+        g = _generation_prompt(r, i, P.get(i)) if i >= 1 else None
+        if g is None:
+            if generic_g is None:
+                probe = MatrixCase("probe", "", [{"role": "user", "content": "x"}])
+                gr = _Renderer(template, probe, variables, timeout)
+                generic_g = _generation_prompt(gr, 1) or ""
+            g = generic_g
+        if not R.startswith(g, s):
+            # The template prompts with more than it renders for this message (a prefilled
+            # "<think>\n" that history turns do not repeat): the header is the common part.
+            common = len(os.path.commonprefix([R[s:s + len(g)], g]))
+            cut = _snap_into_marker(g, common, marker_rx)
+            if cut == 0:
+                # nothing in common (a message glued to the previous one, e.g. opened by the
+                # marker that closes the tool outputs): its leading markers are the header
+                glue = openers.leading_glue(R[s:e], marker_rx)
+                head, p = R[s:s + glue], glue
+            else:
+                head, p = g[:cut], min(openers.prefill_start(g, marker_rx), cut)
+            res.notes.append(f"the template prompts with {_show(g)} but renders the message "
+                             f"with {_show(R[s:s + len(g)])}: header taken as {_show(head)}")
+            g = head
+        else:
+            p = openers.prefill_start(g, marker_rx)
+        out_end = s + len(R[s:e].rstrip())
+        regions.append((i, s, s + len(g), s + p, max(out_end, s + len(g))))
+
+    # expected spans for display: output up to the format's terminator when it sits at the end
+    expected: list[tuple[int, int]] = []
+    for i, _, start, allowed, end in regions:
+        region_found = _clip(found_end, allowed, end)
+        a = region_found[0][0] if region_found and allowed <= region_found[0][0] <= start \
+            else start
+        z = end
+        for es, ee in end_spans:
+            if ee == end and a <= es <= end:
+                z = es
+        expected.append((a, z))
+    res.expected = _merge(expected)
+
+    # nothing outside the assistant outputs trains
+    # (a trained header inside an assistant message is reported with that message, below)
+    allowed_mask = _mask_of(((s0, end) for _, s0, _, _, end in regions), len(R))
+    for s, e in found:
+        bad = [k for k in range(s, e) if not allowed_mask[k]]
+        if bad:
+            k0 = bad[0]
+            k1 = k0
+            while k1 < e and not allowed_mask[k1]:
+                k1 += 1
+            problems.append(f"trains text outside the assistant messages at char {k0}: "
+                            f"{_show(R[k0:k1])}")
+            break
+
+    for (i, s0, start, allowed, end), case_out in zip(regions, case.outputs):
+        with_end = _clip(found_end, s0, end)
+        body = _clip(found, s0, end)
+        if start >= end:
+            continue  # nothing for the assistant to produce (and nothing trained: see above)
+        if not with_end:
+            problems.append(f"message [{i}] (assistant): nothing of it is trained; expected "
+                            f"{_show(R[start:end])}")
+            continue
+        a, z = with_end[0][0], with_end[-1][1]
+        if len(with_end) > 1:
+            gs, ge = with_end[0][1], with_end[1][0]
+            problems.append(f"message [{i}] (assistant): the trained text has a gap at chars "
+                            f"{gs}-{ge}: {_show(R[gs:ge])}")
+        if a > start:
+            problems.append(f"message [{i}] (assistant): training starts at char {a}, expected "
+                            f"{start} (right after the generation prompt); untrained: "
+                            f"{_show(R[start:a])}")
+        elif a < allowed:
+            problems.append(f"message [{i}] (assistant): its header is trained from char {a}: "
+                            f"{_show(R[a:start])} (of the generation prompt, only a prefill of "
+                            "the body's own structure, such as an opened think block, may be)")
+        elif a < start:
+            res.notes.append("trains the thinking prefill of the generation prompt too: "
+                             f"{_show(R[a:start])}")
+        if z != end:
+            what = f"; untrained: {_show(R[z:end])}" if z < end else ""
+            problems.append(f"message [{i}] (assistant): training (with the terminator) ends "
+                            f"at char {z}, expected {end} (the end of the message){what}")
+        # the words of the message must be trained (the terminator must not swallow them)
+        zb = body[-1][1] if body else a
+        for word in case_out.strings(reasoning=True):
+            k = R.find(word, start, end)
+            while k >= 0:
+                if not any(bs <= k and k + len(word) <= be for bs, be in body):
+                    problems.append(f"message [{i}] (assistant): {_show(word)} at char {k} is "
+                                    "not trained")
+                    break
+                k = R.find(word, k + 1, end)
+        if body and zb < end and R[zb:end].strip() and not any(
+                es == zb for es, _ in end_spans):
+            problems.append(f"message [{i}] (assistant): {_show(R[zb:end])} after the trained "
+                            "text is neither trained nor the format's end-of-turn")
+    if problems:
+        uniq = list(dict.fromkeys(problems))
+        more = f" (+{len(uniq) - 1} more)" if len(uniq) > 1 else ""
+        return fail(uniq[0] + more, "  problems:\n" + "\n".join("    - " + p for p in uniq))
+    if conv_ids.boundaries:
+        res.notes.extend(str(b) for b in conv_ids.boundaries)
+    res.notes = list(dict.fromkeys(res.notes))
+    return res
+
+
+def _check_real_ids(fmt: Format, tokenizer: Any, R: str, conv, res: CaseResult) -> str | None:
+    """Id mode with a real tokenizer must train the same text as text mode."""
+    from .tokenizers import adapt
+
+    ids = encode_text(tokenizer, R)
+    try:
+        conv_ids = fmt.parse_ids(ids, tokenizer)
+    except ParseError as exc:
+        return (f"text mode parses but id mode ({type(tokenizer).__name__}) does not: "
+                f"{exc.message} at token {exc.offset}")
+    ad = adapt(tokenizer)
+    by_turn_t: dict[int, str] = {}
+    by_turn_i: dict[int, str] = {}
+    for s in conv.spans(OUTPUT_POLICY):
+        by_turn_t[s.turn] = by_turn_t.get(s.turn, "") + R[s.start:s.end]
+    for s in conv_ids.spans(OUTPUT_POLICY):
+        by_turn_i[s.turn] = by_turn_i.get(s.turn, "") + ad.decode(ids[s.start:s.end])
+    if list(by_turn_t.values()) != list(by_turn_i.values()):
+        ta, ia = list(by_turn_t.values()), list(by_turn_i.values())
+        for k in range(max(len(ta), len(ia))):
+            x = ta[k] if k < len(ta) else None
+            y = ia[k] if k < len(ia) else None
+            if x != y:
+                if conv_ids.boundaries and x is not None and y is not None and x in y:
+                    res.notes.append("id mode trains a merged token across a boundary: "
+                                     f"{_show(y)} vs {_show(x)}")
+                    continue
+                return (f"id mode ({type(tokenizer).__name__}) trains {_show(y or '')} where "
+                        f"text mode trains {_show(x or '')}")
+    res.notes.extend(f"id mode: {b}" for b in conv_ids.boundaries)
+    return None
+
+
+# --------------------------------------------------------------------------- public entry
+
+def check_template(fmt: Format, template: str, *, name: str = "template",
+                   cases: Sequence[MatrixCase] | None = None, tokenizer: Any = None,
+                   tokenizer_name: str | None = None, variables: dict | None = None,
+                   timeout: float | None = 10.0) -> ConformanceResult:
+    """Check one (format, chat template) pair over the conversation matrix.
+
+    Args:
+        fmt: the format (``load_format("kimi-k3")``).
+        template: the Jinja source of the chat template.
+        name: what to call the template in results (its file name).
+        cases: the matrix cases (default: :func:`chatgrammar.matrix.default_matrix`).
+        tokenizer: a real tokenizer to check id mode with as well (optional). Its special
+            tokens map (``bos_token``…) is passed to the template, as transformers does.
+        tokenizer_name: what to call the tokenizer in results.
+        variables: extra template variables (``bos_token="<s>"``…); they override the
+            tokenizer's.
+        timeout: per-render time limit in seconds.
+
+    Returns:
+        A :class:`ConformanceResult`; ``.ok`` is False when a case fails. A template that does
+        not compile gives a result with ``error`` set and no cases.
+
+    Example:
+        >>> res = check_template(load_format("kimi-k3"), k3_template, name="Kimi-K3.jinja")
+        ... # doctest: +SKIP
+        >>> [c.case for c in res.cases if c.status == "fail"]   # doctest: +SKIP
+        []
+    """
+    out = ConformanceResult(fmt.name, name, tokenizer=tokenizer_name)
+    try:
+        compile_template(template)
+    except TemplateError as exc:
+        out.error = f"template does not compile: {exc}"
+        return out
+    vars_ = {**(_special_vars(tokenizer) if tokenizer is not None else {}), **(variables or {})}
+    synth = MarkerTokenizer.for_format(fmt)
+    for case in (default_matrix() if cases is None else cases):
+        out.cases.append(_check_case(fmt, template, case, vars_, synth, tokenizer, timeout))
+    return out
