@@ -314,6 +314,12 @@ def as_id_array(ids: Any) -> np.ndarray:
         arr = arr.reshape(-1) if arr.size == 0 else arr
         if arr.ndim != 1:
             raise ValueError(f"expected a 1-D sequence of token ids, got shape {arr.shape}")
+    if arr.dtype == object and arr.size and all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in arr.tolist()):
+        # Python ints beyond int64 are no token id of any tokenizer: clip them (they lex as
+        # ordinary ids and decode as U+FFFD) rather than refuse a sequence of integers
+        lo, hi = np.iinfo(np.int64).min, np.iinfo(np.int64).max
+        arr = np.array([min(max(int(x), lo), hi) for x in arr.tolist()], dtype=np.int64)
     if arr.dtype.kind not in "iu":
         if arr.size == 0:
             return arr.astype(np.int64)
