@@ -445,10 +445,12 @@ def _element_rule(name: str, el: Element, elements: dict[str, Element]) -> list[
     opens = " | ".join(term_name(o) for o in el.open)
     open_part = f"({opens})" if len(el.open) > 1 else opens
     tails = [c for c in el.children if elements[c].ends_with_parent]
-    body_items = ([TEXT] + [rule_name(c) for c in el.children if c not in tails]
+    body_items = (([TEXT] if el.text else [])
+                  + [rule_name(c) for c in el.children if c not in tails]
                   + [term_name(m) for m in el.inner_markers])
     # leading text of the preamble (no opener, no close): never empty, or `start` is ambiguous
-    body = "(" + " | ".join(body_items) + (")+" if not el.open and not el.close else ")*")
+    body = ("(" + " | ".join(body_items) + (")+" if not el.open and not el.close else ")*")
+            if body_items else "")
     if tails:  # children that run to this element's close can only come last
         body += " (" + " | ".join(rule_name(c) for c in tails) + ")?"
     close = ""

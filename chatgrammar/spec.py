@@ -84,6 +84,9 @@ class Element(_Model):
     ``ends_with_parent``: the element has no terminator of its own and runs to its parent's
     close marker (Llama 3's ``<|python_tag|>…`` call runs to ``<|eom_id|>``); it can only be
     the last child of a body, so the grammar stays unambiguous.
+
+    ``text: false``: the body holds only children and inner markers (a media block of pad
+    markers); text there is a parse error.
     """
 
     open: list[str] = Field(default_factory=list)

@@ -27,11 +27,11 @@ Real special ids, and where they come from:
   ``<think>`` 200050, ``</think>`` 200051, ``<minimax:tool_call>`` 200052,
   ``</minimax:tool_call>`` 200053.
 
-Remapping: a real id below 151,643 collides with one of Qwen's ranks (DeepSeek's and GLM's all
-do), so it is moved to ``151,643 + real id`` (DeepSeek BOS 0 → 151,643, ``<｜User｜>`` 128,803 →
-280,446; GLM ``[gMASK]`` 151,331 → 302,974). gpt-oss's and MiniMax's ids sit past the base
-vocabulary and are kept as they are. :data:`REAL_IDS` keeps the real ids, :func:`encoding_for`
-the remapped ones.
+Every special token keeps its real id. Where real ids fall inside Qwen's rank range (DeepSeek's
+and GLM's do), the ordinary ranks are renumbered around them: rank r gets the r-th id that is
+not a special id. The renumbering is monotone, so BPE merges happen in the same order and every
+text tokenises exactly as with Qwen's ranks (only the ids of ordinary tokens change).
+gpt-oss's and MiniMax's ids lie past Qwen's 151,643 ranks: nothing moves there.
 """
 from __future__ import annotations
 
@@ -78,11 +78,6 @@ SPECIAL_TOKENS: dict[str, dict[str, str]] = {
 }
 
 
-def remapped(real_id: int) -> int:
-    """The id a special token gets here: its real id, or ``151,643 + id`` below Qwen's top."""
-    return real_id if real_id >= QWEN_BASE_VOCAB else QWEN_BASE_VOCAB + real_id
-
-
 @lru_cache(maxsize=None)
 def _ranks() -> dict:
     from tiktoken.load import load_tiktoken_bpe
@@ -100,7 +95,8 @@ def encoding_for(family: str):
         family: ``"harmony"``, ``"deepseek-v3"``, ``"glm4"`` or ``"minimax-m2"``.
 
     Returns:
-        Qwen's BPE ranks plus the family's special tokens (remapped as the module says).
+        Qwen's BPE ranks (renumbered around the specials) plus the family's special tokens at
+        their real ids.
         Encode rendered chats with ``allowed_special="all"``.
 
     Example:
@@ -109,7 +105,14 @@ def encoding_for(family: str):
     """
     import tiktoken
 
-    specials = {text: remapped(i) for text, i in REAL_IDS[family].items()}
-    assert len(set(specials.values())) == len(specials)
+    specials = dict(REAL_IDS[family])
+    taken = set(specials.values())
+    assert len(taken) == len(specials)
+    ranks, next_id = {}, 0
+    for piece, _ in sorted(_ranks().items(), key=lambda kv: kv[1]):
+        while next_id in taken:
+            next_id += 1
+        ranks[piece] = next_id
+        next_id += 1
     return tiktoken.Encoding(name=f"{family}-test", pat_str=QWEN_PATTERN,
-                             mergeable_ranks=_ranks(), special_tokens=specials)
+                             mergeable_ranks=ranks, special_tokens=specials)
