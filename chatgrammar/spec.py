@@ -225,12 +225,53 @@ class SpecSource:
         return cls(message, file=self.file, line=line, col=col, path=format_path(loc) or None)
 
 
+# A spec is a few hundred YAML nodes; aliases can multiply that exponentially (a "billion
+# laughs" file) or make it cyclic, and everything after composition walks the expanded tree.
+MAX_YAML_NODES = 100_000
+
+
+def _check_node_graph(root: yaml.Node, file: str) -> None:
+    """Reject recursive aliases and alias expansions beyond MAX_YAML_NODES (iteratively,
+    counting each shared node once per reference, with memoised subtree sizes)."""
+    size: dict[int, int] = {}
+    open_: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        n, done = stack.pop()
+        kids = ([c for kv in n.value for c in kv] if isinstance(n, yaml.MappingNode) else
+                list(n.value) if isinstance(n, yaml.SequenceNode) else [])
+        if done:
+            open_.discard(id(n))
+            size[id(n)] = min(MAX_YAML_NODES + 1, 1 + sum(size[id(k)] for k in kids))
+            continue
+        if id(n) in size:
+            continue
+        if id(n) in open_:
+            m = n.start_mark
+            raise SpecError("recursive YAML alias (a node contains itself)", file=file,
+                            line=m.line + 1, col=m.column + 1)
+        open_.add(id(n))
+        stack.append((n, True))
+        for k in kids:
+            if id(k) in open_:
+                m = k.start_mark
+                raise SpecError("recursive YAML alias (a node contains itself)", file=file,
+                                line=m.line + 1, col=m.column + 1)
+            if id(k) not in size:
+                stack.append((k, False))
+    if size[id(root)] > MAX_YAML_NODES:
+        raise SpecError(f"YAML aliases expand to more than {MAX_YAML_NODES} nodes", file=file,
+                        line=1, col=1)
+
+
 def load_yaml(text: str, file: str) -> tuple[Any, dict]:
-    """Parse YAML safely; returns (data, marks). Raises SpecError with a position."""
+    """Parse YAML safely; returns (data, marks). Raises SpecError with a position (also for
+    recursive aliases and alias bombs)."""
     try:
         node = yaml.compose(text, Loader=_Loader)
         if node is None:
             raise SpecError("empty spec", file=file, line=1, col=1)
+        _check_node_graph(node, file)
         data = yaml.load(text, Loader=_Loader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
