@@ -468,3 +468,41 @@ def test_two_soft_markers_in_one_token_are_both_seen(fmts, merge):
     assert r.kinds() == [("<think></think>", "think"), ("yo", "content")]
     assert r.conv.boundaries  # the marker edges inside a token are reported
     assert r.trained(cg.MaskPolicy(thinking=False)) == ["yo"]
+
+
+# --------------------------------------------------------------------------- text: false
+
+TEXTLESS = r'''
+    name: eng-textless
+    markers:
+      s: {text: "<s>"}
+      e: {text: "</s>"}
+      ms: {text: "<|ms|>"}
+      pad: {text: "<|pad|>"}
+      me: {text: "<|me|>"}
+    elements:
+      turn:
+        open: s
+        role: assistant
+        close: {markers: [e]}
+        children: [media]
+      media:
+        open: ms
+        inner_markers: [pad]
+        close: {markers: [me]}
+        text: false
+        kind: media
+    top: [turn]
+'''
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_text_false_body_holds_only_markers_and_children(make, mode):
+    fmt = make(TEXTLESS)
+    r = run(fmt, "<s>a<|ms|><|pad|><|pad|><|me|>b</s>", mode)
+    assert r.kinds() == [("a", "content"), ("<|ms|><|pad|><|pad|><|me|>", "media"),
+                         ("b", "content")]
+    with pytest.raises(ParseError) as info:
+        run(fmt, "<s>a<|ms|><|pad|>x<|me|>b</s>", mode)
+    assert info.value.message == "unexpected text"
+    assert info.value.expected == ["me '<|me|>'", "pad '<|pad|>'"]
