@@ -51,11 +51,19 @@ class TokenizerAdapter:
             t = self.tokenizer
             if self._encoding is not None:
                 enc = self._encoding
-                for s in enc.special_tokens_set:
-                    # encode_single_token prefers an ordinary BPE piece spelling the same
-                    # string (Qwen's ranks hold "<s>"); the special id is what encode() emits
-                    ids = enc.encode(s, allowed_special={s})
-                    out[s] = ids[0] if len(ids) == 1 else enc.encode_single_token(s)
+                table = getattr(enc, "_special_tokens", None)
+                if isinstance(table, dict):
+                    # tiktoken's own special-token table: exact, and O(1) per token
+                    out.update({k: int(v) for k, v in table.items()})
+                else:
+                    for s in enc.special_tokens_set:
+                        # encode_single_token prefers an ordinary BPE piece spelling the same
+                        # string (Qwen's ranks hold "<s>"); the special id is what encode()
+                        # emits. allowed_special="all" keeps one cached special-token regex
+                        # (a per-token set compiles a new regex each time: seconds per
+                        # tokenizer with Kimi's 256 specials).
+                        ids = enc.encode(s, allowed_special="all")
+                        out[s] = ids[0] if len(ids) == 1 else enc.encode_single_token(s)
             for attr in ("special_tokens", "added_tokens_encoder"):
                 d = getattr(t, attr, None)
                 if isinstance(d, dict):
