@@ -613,8 +613,8 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
 
     # expected spans for display: output up to the format's terminator when it sits at the end
     expected: list[tuple[int, int]] = []
-    for i, _, start, allowed, end in regions:
-        region_found = _clip(found_end, allowed, end)
+    for i, s0, start, allowed, end in regions:
+        region_found = _clip(found_end, s0, end)
         a = region_found[0][0] if region_found and allowed <= region_found[0][0] <= start \
             else start
         z = end

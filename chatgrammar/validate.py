@@ -196,8 +196,8 @@ def _check_patterns(spec: FormatSpec, src: SpecSource) -> list[Problem]:
         for mn, m in spec.markers.items():
             if rx.fullmatch(m.text):
                 out.append(Problem.from_error(src.error(
-                    f"content pattern {pat!r} can swallow marker {mn!r} ({m.text!r}): text "
-                    "mode would take the marker as content", loc), "patterns"))
+                    f"content pattern {pat!r} can swallow marker {mn!r} ({m.text!r}); a content "
+                    "pattern must not match a marker string", loc), "patterns"))
     texts = {mn: m.text for mn, m in spec.markers.items()}
     for a, ta in texts.items():
         for b, tb in texts.items():
@@ -321,7 +321,7 @@ def check_examples(fmt: Any, tokenizer: Any = None) -> list[Problem]:
             if spans:
                 problem(i, f"an `error:` example cannot also mark trained text with "
                            f"{OPEN_MARK}{CLOSE_MARK}", ("text",))
-            for mode in ("text", "ids"):
+            for mode in ("text", "id"):
                 try:
                     if mode == "text":
                         fmt.parse(plain)
@@ -517,6 +517,8 @@ def check_tokenizer(fmt: Any, tokenizer: Any, name: str = "tokenizer") -> list[P
                 f"marker {mn!r} ({m.text!r}) is not one special id of {name}: {why}; id mode "
                 "cannot see it (make it `special: false` if it is an ordinary token)",
                 ("markers", mn)), "tokenizer"))
+    if out:
+        return out  # without its markers, id mode cannot parse anything: nothing more to say
     for p in check_examples(fmt, tokenizer):
         if "with the tokenizer" in p.message:
             out.append(Problem(p.file, p.message, "tokenizer", p.line, p.col, p.path))
