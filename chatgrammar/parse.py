@@ -178,8 +178,13 @@ class Driver:
             return f"{self.marker_by_term[term]} {self.marker_text[term]!r}"
         return term
 
-    def expected(self, state: int) -> list[str]:
+    def expected(self, state: int, stack: list | None = None) -> list[str]:
+        """What the parser accepts next, in spec terms. Given the parse stack, only what it
+        really accepts: LALR merges the lookaheads of states that share a repetition, so a
+        state alone can list a sibling element's close marker."""
         keys = [k for k in self.states[state] if k.isupper() or k == "$END"]
+        if stack is not None:
+            keys = [k for k in keys if self._can_feed(stack, k)]
         order = {TEXT: 1, HEADER: 2, "$END": 3}
         return [self.describe(k) for k in sorted(keys, key=lambda k: (order.get(k, 0), k))]
 
@@ -225,7 +230,7 @@ class Driver:
                     continue
             # ---- structure error
             err = ParseError("unexpected " + self.describe(ttype), offset=tok[1],
-                             expected=self.expected(state_stack[-1]), mode=src.mode,
+                             expected=self.expected(state_stack[-1], state_stack), mode=src.mode,
                              format=self.spec.name, excerpt=src.excerpt(tok[1]))
             if strict:
                 raise err
@@ -280,7 +285,7 @@ class Driver:
             else:
                 break
         err = ParseError("unexpected end of input", offset=end,
-                         expected=self.expected(state_stack[-1]), mode=src.mode,
+                         expected=self.expected(state_stack[-1], state_stack), mode=src.mode,
                          format=self.spec.name, excerpt=src.excerpt(end))
         if strict:
             raise err

@@ -159,6 +159,14 @@ class Run:
     def roles(self):
         return [t.role for t in self.conv.turns]
 
+    def facts(self):
+        """Everything but offsets' units: headers, attributes, kinds, flags, warnings."""
+        return ([(t.header, t.attrs, t.block.tag, t.block.kind, t.block.close, t.valid,
+                  t.generation_prompt,
+                  None if t.body_start is None else (self.c(t.body_start), self.c(t.body_end)))
+                 for t in self.conv.turns],
+                [(self.c(w.offset), w.message) for w in self.conv.warnings])
+
     def mask(self, policy=None):
         m = self.conv.mask(policy)
         assert len(m) == (len(self.text) if self.mode == "text" else len(self.ids))
@@ -176,8 +184,9 @@ def run_all(fmt, text, policy=None, **kw) -> Run:
     for r in runs[1:]:
         assert r.turns() == runs[0].turns(), r.mode
         assert r.spans(policy) == runs[0].spans(policy), r.mode
-        assert [t.generation_prompt for t in r.conv.turns] == \
-            [t.generation_prompt for t in runs[0].conv.turns], r.mode
+        assert r.facts() == runs[0].facts(), r.mode
+    for r in runs:
+        check_spans(r.conv)
     return runs[0]
 
 
@@ -252,10 +261,11 @@ SPECS = {
             header:
               until: message
               markers: [channel]
-              pattern: "(?P<role>\\w+)(?:<\\|channel\\|>(?P<channel>\\w+))?(?: to=(?P<to>[\\w.]+))?"
+              pattern: "(?P<role>[\\w.]+)(?:<\\|channel\\|>(?P<channel>\\w+))?(?: to=(?P<to>[\\w.]+))?"
             close: {markers: [end, return, call]}
             kind_by_attr: {channel: {analysis: think, commentary: tool_call}}
         top: [msg]
+        role_aliases: {functions.f: tool}
     ''',
     # XTML: tag + attributes, close header, a marker after the close, nesting
     "xtml": r'''
@@ -506,3 +516,461 @@ def test_text_false_body_holds_only_markers_and_children(make, mode):
         run(fmt, "<s>a<|ms|><|pad|>x<|me|>b</s>", mode)
     assert info.value.message == "unexpected text"
     assert info.value.expected == ["me '<|me|>'", "pad '<|pad|>'"]
+
+
+# =========================================================================== headers
+
+def test_header_until_a_marker(fmts):
+    text = "<|sh|>user<|eh|>hi<|eot|><|sh|>assistant<|eh|>yo<|eom|><|sh|>model<|eh|>m<|eot|>"
+    r = run_all(fmts["llama"], text)
+    assert r.turns() == [("user", 0, 25, True), ("assistant", 25, 55, True),
+                         ("assistant", 55, 80, True)]  # role_aliases: model -> assistant
+    t = r.conv.turns[1]
+    assert (t.header, t.attrs, t.block.close) == ("assistant", {"role": "assistant"}, "eom")
+    assert (t.block.header_start, t.block.header_end, t.body_start, t.body_end) == \
+        (31, 40, 46, 48)
+    assert (t.block.close_start, t.block.close_end) == (48, 55)
+    assert r.trained() == ["yo", "m"]
+    assert r.conv.turns[2].header == "model"  # the header as written; the role is aliased
+
+
+def test_header_until_not_required(fmts):
+    """`required: false`: an element whose header terminator is missing has no body (trains
+    nothing) and is no error; the turns after it train."""
+    text = "<|sh|>assistant<|eot|><|sh|>assistant<|eh|>yo<|eot|>"
+    r = run_all(fmts["llama"], text)
+    assert r.turns() == [("assistant", 0, 22, True), ("assistant", 22, 52, True)]
+    assert r.conv.turns[0].body_start is None and r.conv.turns[0].header == "assistant"
+    assert r.trained() == ["yo"] and r.conv.warnings == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_header_until_required(fmts, make, mode):
+    fmt = make(SPECS["llama"].replace("name: eng-llama", "name: eng-llama-req")
+               .replace(", required: false", ""))
+    with pytest.raises(ParseError) as info:
+        run(fmt, "<|sh|>assistant<|eot|><|sh|>assistant<|eh|>yo<|eot|>", mode)
+    e = info.value
+    r = run(fmt, "<|sh|>assistant<|eot|>", mode, strict=False)
+    assert r.c(e.offset) == 15 and e.expected == ["eh '<|eh|>'"]
+    assert e.message == "unexpected eot '<|eot|>'"
+
+
+def test_header_until_text_with_a_pattern(fmts):
+    """The header is the text run after the opener up to and including `until_text`; the
+    pattern's named groups become Turn.attrs and the `role` group the role."""
+    text = "<|im_start|>user name=bob\nhi<|im_end|>\n<|im_start|>model\nyo<|im_end|>"
+    r = run_all(fmts["chatml"], text)
+    assert r.roles() == ["user", "assistant"]
+    assert [(t.header, t.attrs) for t in r.conv.turns] == [
+        ("user name=bob\n", {"role": "user", "name": "bob"}), ("model\n", {"role": "model"})]
+    t = r.conv.turns[1]
+    assert (t.block.header_start, t.block.header_end, t.body_start, t.body_end) == \
+        (51, 57, 57, 59)
+    assert r.trained() == ["yo"]
+
+
+def test_until_text_straddling_a_merged_token(fmts):
+    """Id mode: when `until_text` ends inside a merged token, that token belongs to the body
+    (it trains: no trained character is left out) and the boundary is reported."""
+    fmt = fmts["chatml"]
+    text = "<|im_start|>user\nhi<|im_end|><|im_start|>assistant\nHello<|im_end|>"
+    assert run(fmt, text, "text").trained() == ["Hello"]
+    for mode in ("ids", "ids-soft-decoded"):
+        r = run(fmt, text, mode, merges=["t\nHe"])
+        k = r.ids.index(r.tok.vocab["t\nHe"])
+        assert r.trained() == ["t\nHello"]
+        assert [(b.offset, b.message) for b in r.conv.boundaries] == \
+            [(k, "header end '\\n' falls inside a merged token")]
+        t = r.conv.turns[1]
+        assert t.header == "assistant\n" and t.role == "assistant" and t.body_start == k
+    # a merged token that ends exactly at the delimiter is no boundary
+    r = run(fmt, text, "ids", merges=["t\n"])
+    assert r.trained() == ["Hello"] and r.conv.boundaries == []
+
+
+def test_markers_inside_a_header(fmts):
+    """`header.markers`: markers that may appear inside a header (Harmony's <|channel|>); the
+    header text spells them, so the pattern reads them."""
+    text = ("<|start|>user<|message|>hi<|end|>"
+            "<|start|>assistant<|channel|>analysis<|message|>think<|end|>"
+            "<|start|>assistant<|channel|>commentary to=functions.f<|message|>{}<|call|>"
+            "<|start|>functions.f to=assistant<|message|>42<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>yo<|return|>")
+    r = run_all(fmts["harmony"], text)
+    assert [(t.header, t.attrs, t.block.kind, t.block.close) for t in r.conv.turns] == [
+        ("user", {"role": "user"}, None, "end"),
+        ("assistant<|channel|>analysis", {"role": "assistant", "channel": "analysis"},
+         "think", "end"),
+        ("assistant<|channel|>commentary to=functions.f",
+         {"role": "assistant", "channel": "commentary", "to": "functions.f"}, "tool_call",
+         "call"),
+        ("functions.f to=assistant", {"role": "functions.f", "to": "assistant"}, None, "end"),
+        ("assistant<|channel|>final", {"role": "assistant", "channel": "final"}, None,
+         "return")]
+    assert r.roles() == ["user", "assistant", "assistant", "tool", "assistant"]
+    assert r.kinds() == [("think", "think"), ("{}", "tool_call"), ("yo", "content")]
+    assert r.trained(cg.MaskPolicy(thinking=False, tool_calls=False)) == ["yo"]
+    # the header pattern is matched whole: a header it does not fit is an error
+    with pytest.raises(ParseError, match="does not match"):
+        fmts["harmony"].parse("<|start|>assistant<|channel|><|channel|>x<|message|>y<|end|>")
+
+
+# =========================================================================== XTML
+
+def test_xtml_tag_and_attributes(fmts):
+    """`attributes: xtml`: the header is `tag key="value" …`; values unescape &amp; and
+    &quot;; the role comes from the parsed `role` attribute, never from a substring."""
+    text = ('<|open|>message role="user" name="assistant"<|sep|>hi<|close|>message<|sep|><|eom|>'
+            '<|open|>message role="assistant" note="a &amp; b &quot;c&quot; &lt;"<|sep|>'
+            'yo<|close|>message<|sep|><|eom|>')
+    r = run_all(fmts["xtml"], text)
+    assert r.roles() == ["user", "assistant"]
+    assert [(t.block.tag, t.attrs) for t in r.conv.turns] == [
+        ("message", {"role": "user", "name": "assistant"}),
+        ("message", {"role": "assistant", "note": 'a & b "c" &lt;'})]
+    assert r.trained() == ["yo"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("text, message", [
+    ('<|open|>message role="user" role="x"<|sep|>hi<|close|>message<|sep|>',
+     "malformed XTML header 'message role=\"user\" role=\"x\"'"),
+    ('<|open|>message role=user<|sep|>hi<|close|>message<|sep|>',
+     "malformed XTML header 'message role=user'"),
+    ('<|open|>message role="user"<|sep|>hi<|close|>mesage<|sep|>',
+     "close tag 'mesage' does not match open tag 'message'"),
+    ('<|open|>msg role="user"<|sep|>hi<|close|>msg<|sep|>',
+     "expected a <message> element, found <msg>"),
+    ('<|open|>message<|sep|>hi<|close|>message<|sep|>', "cannot tell the role of this turn"),
+])
+def test_xtml_errors(fmts, text, message, mode):
+    """Malformed XTML is an error (strict) or a warning + a turn that trains nothing
+    (lenient); the next turn still trains."""
+    ok = '<|open|>message role="assistant"<|sep|>yo<|close|>message<|sep|>'
+    with pytest.raises(ParseError) as info:
+        run(fmts["xtml"], text + ok, mode)
+    assert info.value.message == message
+    r = run(fmts["xtml"], text + ok, mode, strict=False)
+    assert [w.message for w in r.conv.warnings] == [message]
+    assert [t.valid for t in r.conv.turns] == [False, True]
+    assert r.trained(cg.MaskPolicy(roles=("user", "assistant", "unknown"))) == ["yo"]
+
+
+def test_close_header_and_after_markers(fmts):
+    """`close.header`: text after the close marker up to `until` (XTML's `message<|sep|>`);
+    `close.after`: optional markers that still belong to the end. Both are the terminator
+    region (kind `end`, trained with end_marker)."""
+    text = ('<|open|>message role="assistant"<|sep|>a<|close|>message<|sep|><|eom|>'
+            '<|open|>message role="assistant"<|sep|>b<|close|>message<|sep|>')
+    r = run_all(fmts["xtml"], text)
+    assert [(t.block.close, t.start, t.end) for t in r.conv.turns] == [
+        ("close", 0, 70), ("close", 70, 133)]
+    policy = cg.MaskPolicy(end_marker=True)
+    assert r.kinds(policy) == [("a", "content"), ("<|close|>message<|sep|><|eom|>", "end"),
+                               ("b", "content"), ("<|close|>message<|sep|>", "end")]
+
+
+def test_xtml_nesting_is_not_recursive(fmts):
+    """Thousands of nested elements: no recursion limit in parsing, spans or masks."""
+    depth = 3000
+    text = ('<|open|>message role="assistant"<|sep|>' + "<|open|>a<|sep|>x" * depth
+            + "<|close|>a<|sep|>" * depth + "<|close|>message<|sep|><|eom|>")
+    for mode in ("text", "ids"):
+        r = run(fmts["xtml"], text, mode)
+        assert len(r.trained()) == 1 and sum(r.mask()) > 0
+        assert len(list(r.conv.turns[0].block.walk())) == depth + 1
+        r = run(fmts["xtml"], text[:len(text) // 2], mode)  # cut in the middle: truncation
+        assert not r.conv.turns[0].complete and len(r.trained()) == 1
+
+
+# =========================================================================== closes and follows
+
+def test_elements_without_a_close_end_at_the_next_opener(fmts):
+    """`close: null`: the element runs to the next opener, or to the end of input (where it
+    is complete: nothing says it was cut). The role comes from the opener (role_by_marker);
+    an inner marker is part of the body."""
+    text = "<|system|>be nice<tools>[]</tools>!<|user|>hi<|image|>x<|bot|>yo<|user|>q<|bot|>a"
+    r = run_all(fmts["noclose"], text)
+    assert r.turns() == [("system", 0, 35, True), ("user", 35, 55, True),
+                         ("assistant", 55, 64, True), ("user", 64, 73, True),
+                         ("assistant", 73, 81, True)]
+    assert [c.kind for c in r.conv.turns[0].block.children] == ["tools"]
+    assert r.trained() == ["yo", "a"]
+    assert r.trained(cg.MaskPolicy(roles=("user",))) == ["hi<|image|>x", "q"]
+    assert r.trained(cg.MaskPolicy(roles=("system",))) == ["be nice", "<tools>[]</tools>", "!"]
+    assert r.trained(cg.MaskPolicy(roles=("system",), exclude_kinds=("tools",))) == \
+        ["be nice", "!"]
+    assert all(t.block.close is None for t in r.conv.turns)
+    r = run_all(fmts["noclose"], "<|bot|>")  # an empty last element
+    assert r.turns() == [("assistant", 0, 7, True)] and r.trained() == []
+
+
+def test_follow_element(fmts):
+    """`follow`: an element without an opener that starts where another closes (Mistral's
+    reply after `[/INST]`, up to `</s>`); it may be empty, and may be missing at the end."""
+    text = "<s>[INST]q[/INST]a</s>[INST]q2[/INST]</s>[INST]q3[/INST]"
+    r = run_all(fmts["mistral"], text)
+    assert r.turns() == [("user", 3, 17, True), ("assistant", 17, 22, True),
+                         ("user", 22, 37, True), ("assistant", 37, 41, True),
+                         ("user", 41, 56, True)]
+    assert r.conv.turns[0].block.follow is r.conv.turns[1].block
+    assert r.trained() == ["a"]
+    assert r.kinds(cg.MaskPolicy(end_marker=True)) == [("a", "content"), ("</s>", "end"),
+                                                       ("</s>", "end")]
+    r = run_all(fmts["mistral"], "<s>[INST]q[/INST]the ans")  # a reply cut short
+    assert r.turns() == [("user", 3, 17, True), ("assistant", 17, 24, False)]
+    assert r.trained() == ["the ans"]
+    assert r.trained(cg.MaskPolicy(truncated=False)) == []
+
+
+def test_close_alternatives_record_which_one_closed(fmts):
+    r = run_all(fmts["llama"], "<|sh|>assistant<|eh|>a<|eot|><|sh|>assistant<|eh|>b<|eom|>")
+    assert [t.block.close for t in r.conv.turns] == ["eot", "eom"]
+    assert r.kinds(cg.MaskPolicy(end_marker=True)) == [
+        ("a", "content"), ("<|eot|>", "end"), ("b", "content"), ("<|eom|>", "end")]
+
+
+# =========================================================================== bodies
+
+CONV = ("<bos><|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n"
+        "<|im_start|>assistant\n<think>T</think>A<tool_call>C</tool_call><|im_end|>\n"
+        "<|im_start|>tool\nR<|im_end|>\n<|im_start|>assistant\nB<|im_end|>\n<pad><pad>")
+
+
+def test_children_and_kinds(fmts):
+    r = run_all(fmts["chatml"], CONV)
+    assert r.roles() == ["system", "user", "assistant", "tool", "assistant"]
+    assert r.kinds() == [("<think>T</think>", "think"), ("A", "content"),
+                         ("<tool_call>C</tool_call>", "tool_call"), ("B", "content")]
+    kids = r.conv.turns[2].block.children
+    assert [(c.name, c.kind, c.open, c.close) for c in kids] == [
+        ("think", "think", "think", "think_end"), ("call", "tool_call", "call", "call_end")]
+
+
+@pytest.mark.parametrize("policy, expected", [
+    (None, ["<think>T</think>", "A", "<tool_call>C</tool_call>", "B"]),
+    (cg.MaskPolicy(thinking=False), ["A", "<tool_call>C</tool_call>", "B"]),
+    (cg.MaskPolicy(tool_calls=False), ["<think>T</think>", "A", "B"]),
+    (cg.MaskPolicy(exclude_kinds=("think", "content")), ["<tool_call>C</tool_call>"]),
+    (cg.MaskPolicy(end_marker=True),
+     ["<think>T</think>", "A", "<tool_call>C</tool_call>", "<|im_end|>", "B", "<|im_end|>"]),
+    (cg.MaskPolicy(last_turn_only=True), ["B"]),
+    (cg.MaskPolicy(roles=("user", "tool")), ["Q", "R"]),
+    (cg.MaskPolicy(roles="system"), ["S"]),
+    (cg.MaskPolicy(roles=()), []),
+])
+def test_policies(fmts, policy, expected):
+    r = run_all(fmts["chatml"], CONV, policy)
+    assert r.trained(policy) == expected
+    # the format's declared default is used for policy=None
+    assert r.conv.default_policy == cg.MaskPolicy()
+
+
+def test_truncated_policy_and_last_turn_only(fmts):
+    text = CONV[:CONV.index("B<|im_end|>") + 1]  # the last assistant turn is cut after "B"
+    r = run_all(fmts["chatml"], text)
+    assert r.conv.turns[-1].complete is False and r.trained()[-1] == "B"
+    assert r.trained(cg.MaskPolicy(truncated=False)) == \
+        ["<think>T</think>", "A", "<tool_call>C</tool_call>"]
+    # last_turn_only picks among the turns that train at all
+    assert r.trained(cg.MaskPolicy(truncated=False, last_turn_only=True)) == \
+        ["<think>T</think>", "A", "<tool_call>C</tool_call>"]
+    # the terminator of a cut turn never trains (there is none)
+    assert r.trained(cg.MaskPolicy(end_marker=True))[-1] == "B"
+
+
+def test_role_sources(fmts):
+    """role: declared on the element, else by opener (role_by_marker), else the header's
+    `role` (pattern group or XTML attribute); role_aliases map it to the canonical role."""
+    assert run_all(fmts["mistral"], "[INST]q[/INST]a</s>").roles() == ["user", "assistant"]
+    assert run_all(fmts["noclose"], "<|user|>q<|bot|>a").roles() == ["user", "assistant"]
+    assert run_all(fmts["chatml"], "<|im_start|>model\na<|im_end|>").roles() == ["assistant"]
+    assert run_all(fmts["llama"], "<|sh|>ipython<|eh|>42<|eot|>").roles() == ["tool"]
+
+
+# =========================================================================== around the turns
+
+def test_preamble_marker_and_between(fmts):
+    """`preamble`: optional items before the first turn, once; `between`: text between turns
+    that must match the regex; `between_markers`: markers allowed between turns (padding)."""
+    r = run_all(fmts["chatml"], "<bos>\n<|im_start|>assistant\na<|im_end|>\n\n<pad>\n<pad>")
+    assert r.turns() == [("assistant", 6, 39, True)] and r.trained() == ["a"]
+    r = run_all(fmts["chatml"], "")
+    assert r.turns() == [] and r.mask() == []
+    fmt = fmts["chatml"]
+    for mode in MODES:  # the preamble marker is allowed only at the start
+        with pytest.raises(ParseError) as info:
+            run(fmt, "<|im_start|>user\nq<|im_end|><bos>", mode)
+        assert info.value.message == "unexpected bos '<bos>'"
+        assert info.value.expected == ["pad '<pad>'", "start '<|im_start|>'", "text",
+                                       "end of input"]
+
+
+def test_preamble_element(fmts):
+    r = run_all(fmts["noclose"], "<|system|>S<|user|>q")
+    assert r.roles() == ["system", "user"]
+    with pytest.raises(ParseError, match="unexpected sys"):
+        fmts["noclose"].parse("<|user|>q<|system|>S")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_text_between_turns_that_does_not_match(fmts, mode):
+    fmt = fmts["chatml"]
+    text = "<|im_start|>user\nq<|im_end|>oops<|im_start|>assistant\na<|im_end|>"
+    with pytest.raises(ParseError) as info:
+        run(fmt, text, mode)
+    e = info.value
+    r = run(fmt, text, mode, strict=False)
+    assert r.c(e.offset) == 28
+    assert e.message == "text between turns does not match `between` ('\\\\s*')"
+    assert [(r.c(w.offset), w.message) for w in r.conv.warnings] == [(28, e.message)]
+    assert r.trained() == ["a"]
+
+
+def test_generation_prompt(fmts):
+    """A last turn that is exactly a declared generation prompt trains nothing (and says so);
+    anything else — more text, or the same text not at the end — is an ordinary turn."""
+    fmt = fmts["chatml"]
+    head = "<|im_start|>user\nq<|im_end|>\n"
+    for tail in ["<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n"]:
+        r = run_all(fmt, head + tail)
+        assert r.conv.turns[-1].generation_prompt and r.trained() == []
+    for tail, trained in [("<|im_start|>assistant\nA", ["A"]),
+                          ("<|im_start|>assistant\n<think>\nx", ["<think>\nx"]),
+                          ("<|im_start|>assistant\n<think>", ["<think>"])]:
+        r = run_all(fmt, head + tail)
+        assert not r.conv.turns[-1].generation_prompt and r.trained() == trained
+    r = run_all(fmt, "<|im_start|>assistant\n<|im_end|>\n")
+    assert not r.conv.turns[-1].generation_prompt and r.conv.turns[-1].complete
+
+
+# =========================================================================== truncation
+
+SAMPLES = {
+    "chatml": CONV,
+    "llama": "<|sh|>user<|eh|>hi<|eot|><|sh|>model<|eh|>yo<|eom|><|sh|>assistant<|eot|>",
+    "harmony": ("<|start|>user<|message|>hi<|end|>"
+                "<|start|>assistant<|channel|>analysis<|message|>th<|end|>"
+                "<|start|>assistant<|channel|>final<|message|>yo<|return|>"),
+    "xtml": ('<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|eom|>'
+             '<|open|>message role="assistant"<|sep|>a<|open|>think<|sep|>t<|close|>think'
+             '<|sep|>b<|close|>message<|sep|><|eom|>'),
+    "mistral": "<s>[INST]q[/INST]a</s>[INST]q2[/INST]</s>[INST]q3[/INST]",
+    "noclose": "<|system|>be<tools>[]</tools>!<|user|>hi<|image|>x<|bot|>yo<|user|>q<|bot|>a",
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_truncation_at_every_prefix(fmts, name, mode):
+    """Cut anywhere: strict parsing never raises, the mask has one value per unit, nothing
+    trains that the whole conversation does not train, and nothing of a turn trains before
+    its body starts (a cut inside a header trains nothing of that turn)."""
+    fmt, text = fmts[name], SAMPLES[name]
+    full = run(fmt, text, mode)
+    full_mask = full.mask()
+    n = len(text) if mode == "text" else len(full.ids)
+    for k in range(n + 1):
+        conv = (fmt.parse(text[:k]) if mode == "text"
+                else fmt.parse_ids(full.ids[:k], full.tok))
+        mask = conv.mask()
+        assert len(mask) == k
+        assert all(m <= f for m, f in zip(mask, full_mask)), k
+        check_spans(conv)
+        assert [t.start for t in conv.turns] == [t.start for t in full.conv.turns][:len(conv.turns)]
+        for s in conv.spans():
+            whole = full.conv.turns[s.turn]
+            assert whole.body_start <= s.start and s.end <= k, (k, s)
+        if k < n and conv.turns:
+            last = conv.turns[-1]
+            assert last.end <= k
+
+
+@pytest.mark.parametrize("name, text, marker", [
+    ("chatml", "<|im_start|>assistant\nyo<|im_e", "<|im_e"),
+    ("chatml", "<|im_start|>assistant\nyo<thi", "<thi"),
+    ("xtml", '<|open|>message role="assistant"<|sep|>yo<|clo', "<|clo"),
+    ("noclose", "<|bot|>yo<|us", "<|us"),
+])
+def test_text_cut_inside_a_marker_string(fmts, name, text, marker):
+    """Text mode: input ending inside a marker string is reported, and the fragment trains
+    nothing (it is the start of a terminator, not content)."""
+    conv = fmts[name].parse(text)
+    cut = len(text) - len(marker)
+    assert [(w.offset, w.message) for w in conv.warnings] == \
+        [(cut, f"input ends inside a marker ({marker!r})")]
+    assert conv.trained_text() == ["yo"] and len(conv.mask()) == len(text)
+    assert conv.turns[-1].end == cut
+    # a cut terminator leaves the turn incomplete; a cut opener (of the next element, for
+    # elements that end where the next one opens) does not
+    assert conv.turns[-1].complete == (name == "noclose")
+
+
+# =========================================================================== errors
+
+@pytest.mark.parametrize("mode", ["text", "ids"])
+def test_parse_error_fields(fmts, mode):
+    """A structure error names its position, what was found and what the grammar expected
+    there, in spec terms (marker names and texts, not grammar terminals), with an excerpt."""
+    fmt = fmts["chatml"]
+    text = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>a<|im_end|>"
+    with pytest.raises(ParseError) as info:
+        run(fmt, text, mode)
+    e = info.value
+    assert e.message == "unexpected end '<|im_end|>'"
+    assert e.expected == ["think_end '</think>'", "text"]
+    assert (e.mode, e.format) == (mode, "eng-chatml")
+    assert not any("M_" in x or x in ("TEXT", "HEADER", "$END") for x in e.expected)
+    if mode == "text":
+        assert e.offset == text.rindex("<|im_end|>")
+        assert f"at char {e.offset}" in str(e)
+        line, caret = e.excerpt.splitlines()
+        assert caret.index("^") == line.index("<|im_end|>", line.index("<think>"))
+    else:
+        ids = tokenizer(fmt).encode(text)
+        assert e.offset == len(ids) - 1 and f"at token {e.offset}" in str(e)
+        assert e.excerpt.splitlines()[0].endswith(f"| {ids[-1]}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lenient_parsing_skips_a_broken_turn_and_keeps_the_rest(fmts, mode):
+    fmt = fmts["chatml"]
+    text = ("<|im_start|>assistant\nok<|im_end|>\n"
+            "<|im_start|>assistant\n<think>a<|im_end|>\n"   # never closes its think
+            "<|im_start|>assistant\nfine<|im_end|>")
+    r = run(fmt, text, mode, strict=False)
+    assert r.trained() == ["ok", "fine"]
+    assert [(r.c(w.offset), w.message) for w in r.conv.warnings] == [
+        (text.index("<|im_end|>", 40), "skipped malformed input: unexpected end '<|im_end|>'; "
+                                       "expected think_end '</think>', text")]
+
+
+def _mutants(text, markers):
+    """Inputs one edit away from a well-formed one: each marker occurrence deleted, doubled,
+    or moved to the end."""
+    spots = sorted((i, m) for m in markers for i in range(len(text)) if text.startswith(m, i))
+    for i, m in spots:
+        yield text[:i] + text[i + len(m):]
+        yield text[:i] + m + text[i:]
+        yield text[:i] + text[i + len(m):] + m
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_lenient_never_raises(fmts, name):
+    """Broken inputs: strict raises ParseError only; lenient never raises, explains what it
+    skipped when strict would have raised, and keeps the mask contract."""
+    fmt = fmts[name]
+    markers = [m.text for m in fmt.spec.markers.values()]
+    for text in _mutants(SAMPLES[name], markers):
+        for mode in ("text", "ids", "ids-soft-decoded"):
+            try:
+                run(fmt, text, mode)
+                failed = False
+            except ParseError:
+                failed = True
+            r = run(fmt, text, mode, strict=False)
+            r.mask()
+            check_spans(r.conv)
+            if failed:
+                assert r.conv.warnings, (mode, text)
