@@ -198,6 +198,15 @@ def _cycle_through(graph: dict[str, set[str]], n: str) -> list[str]:
     return best
 
 
+def _is_bundled(file: str) -> bool:
+    from .registry import formats_dir
+
+    try:
+        return Path(file).resolve().parent == formats_dir().resolve()
+    except OSError:
+        return False
+
+
 def _quote(items: Iterable[str]) -> str:
     return ", ".join(items)
 
@@ -299,8 +308,11 @@ def check_precedence(formats: Iterable[Any]) -> list["PrecedenceError"]:
             only_b = [t for t in db.require if t not in da.require]
             if tok is not None and only_b:
                 fix.append(f"`absent: [\"{only_b[0]}\"]` to {a.name}")
+            # Located at the spec that is not bundled, when one is a plugin or a new file: that
+            # is the one whose author has to add the order.
+            at = a if (_is_bundled(b.file) and not _is_bundled(a.file)) else b
             problems.append(_problem(
-                b, f"{a.name} ({a.file}) and {b.name} ({b.file}) can both match "
+                at, f"{a.name} ({a.file}) and {b.name} ({b.file}) can both match "
                 + " and ".join(how) + ", and neither declares precedence over the other: add "
                 f"`precedence_over: [{a.name}]` to {b.name}'s detect (or [{b.name}] to "
                 f"{a.name}'s), or make the detectors exclusive with `absent` / `template_absent`"
@@ -490,8 +502,12 @@ class Detection:
         matched: formats whose evidence matched, before the template narrowed them.
         candidates: the formats precedence chose among.
         decided_by: one sentence: why this format (only match, or which precedence rule).
-        rule: the same, structured: ``{"kind": "only-match"}`` or ``{"kind": "precedence",
-            "winner", "over", "chains": {loser: [winner, …, loser]}, "declared_in": {name: file}}``.
+        rule: the same, structured: ``{"kind": "only-match"}``; ``{"kind": "precedence",
+            "winner", "over", "chains": {loser: [winner, …, loser]}, "declared_in": {name: file}}``;
+            or ``{"kind": "template", …}`` when a chat template ruled out all but one of the
+            token matches. Whenever the template narrowed the token matches, the rule also has
+            ``template_ruled_out`` and ``precedence_alone`` (what precedence over the token
+            matches alone would pick).
         evidence: per format, what was looked for and found (``tokens`` / ``template``).
         inputs: ``{"tokenizer": type name or None, "tokenizer_kind", "template": "argument" |
             "tokenizer" | None}``.
@@ -553,8 +569,9 @@ def _resolve(candidates: list[str], by_name: dict[str, Format]) -> tuple[str, di
 def _no_match(what: str, evidence: dict[str, dict], considered: list[str],
               extra: str = "") -> DetectionError:
     ranked = sorted(considered, key=lambda n: (-_score(evidence[n])[0], -_score(evidence[n])[1], n))
-    near = [n for n in ranked if _score(evidence[n])[1] > 0][:3] or ranked[:3]
-    head = f"no format matches {what}; nearest: {_quote(near) or '(no formats)'}"
+    near = [n for n in ranked if _score(evidence[n])[1] > 0][:3]
+    head = (f"no format matches {what}; nearest: {_quote(near)}" if near else
+            f"no format matches {what}; none of the markers any format looks for is there")
     if extra:
         head += f" ({extra})"
     lines = [head, "looked for:"] + ["  " + _describe(n, evidence[n]) for n in ranked]
@@ -673,6 +690,20 @@ def explain_detection(tokenizer: Any = None, *, chat_template: Any = None,
                     "wins: ids are what gets parsed)")
 
     name, rule, why = _resolve(candidates, by_name)
+    if len(candidates) < len(matched):
+        # The template narrowed the token matches: say so, and whether precedence alone (over
+        # the token matches) would have picked the same format.
+        by_prec, _, _ = _resolve(matched, by_name)
+        ruled_out = [n for n in matched if n not in candidates]
+        whose = "given" if template_source == "argument" else "tokenizer's"
+        why = (f"{name}: the {whose} chat template rules out {_quote(ruled_out)}, which "
+               f"the tokens also match; " + (why if len(candidates) > 1 else
+                                             f"{name} is the only candidate left")
+               + (f"; precedence alone agrees ({by_prec})" if by_prec == name else
+                  f"; precedence alone would have picked {by_prec}"))
+        rule = {**rule, "template_ruled_out": ruled_out, "precedence_alone": by_prec}
+        if rule["kind"] == "only-match":
+            rule["kind"] = "template"
     fmt = by_name[name]
     return Detection(format=name, path=str(fmt.path), matched=matched, candidates=candidates,
                      decided_by=why, rule=rule, evidence=evidence, inputs=inputs, notes=notes,
