@@ -974,3 +974,176 @@ def test_lenient_never_raises(fmts, name):
             check_spans(r.conv)
             if failed:
                 assert r.conv.warnings, (mode, text)
+
+
+# =========================================================================== compile errors
+
+BASE = r'''
+name: eng-base
+markers:
+  a: {text: "<A>"}
+  e: {text: "<E>"}
+elements:
+  turn:
+    open: a
+    role: assistant
+    close: {markers: [e]}
+top: [turn]
+'''
+
+
+def _edit(old, new, text=BASE):
+    assert old in text
+    return text.replace(old, new, 1)
+
+
+@pytest.mark.parametrize("yaml_text, line, col, path, message", [
+    (_edit("markers: [e]", "markers: [zz]"), 10, 23, "elements.turn.close.markers[0]",
+     "unknown marker 'zz'; declared markers: a, e"),
+    (_edit("open: a", "open: [a, b]"), 8, 15, "elements.turn.open[1]",
+     "unknown marker 'b'; declared markers: a, e"),
+    (_edit("top: [turn]", "top: [turn, nope]"), 11, 13, "top[1]",
+     "unknown element 'nope'; declared elements: turn"),
+    (_edit("role: assistant", "role: assistant\n    children: [kid]"), 10, 16,
+     "elements.turn.children[0]", "unknown element 'kid'; declared elements: turn"),
+    (_edit('e: {text: "<E>"}', 'e: {text: "<A>"}'), 5, 6, "markers.e",
+     "marker text '<A>' is declared twice ('a' and 'e')"),
+    (_edit("role: assistant", "role: assistant\n    header: {pattern: x}"), 10, 13,
+     "elements.turn.header",
+     "a header needs exactly one of `until` (a marker) or `until_text` (a literal)"),
+    (BASE + 'between: ".*"\n', 12, 10, "between",
+     "content pattern '.*' can swallow marker 'a' ('<A>')"),
+    (_edit("role: assistant", 'role: assistant\n    header: {until_text: ":", pattern: ".+"}'),
+     10, 40, "elements.turn.header.pattern",
+     "content pattern '.+' can swallow marker 'a' ('<A>')"),
+])
+def test_compile_errors(make, yaml_text, line, col, path, message):
+    """Semantic errors Lark cannot see, located file:line:col + YAML path, in spec terms."""
+    with pytest.raises(CompileError) as info:
+        make(yaml_text)
+    e = info.value
+    assert (e.line, e.col, e.path) == (line, col, path)
+    assert e.message == message
+    assert str(e).startswith(f"{e.file}:{line}:{col}: {path}: ")
+
+
+def test_catastrophic_backtracking_pattern_is_rejected(make):
+    with pytest.raises(CompileError) as info:
+        make(BASE + 'between: "(\\\\s+)+"\n')
+    assert (info.value.line, info.value.col, info.value.path) == (12, 10, "between")
+    assert "catastrophic backtracking" in info.value.message
+
+
+def test_lalr_conflict_is_a_compile_error_in_spec_terms(make):
+    """`between` text plus an element without a close whose body takes text: after `<U>…`
+    the parser cannot tell the body's text from the text between turns."""
+    spec = r'''
+        name: eng-conflict
+        markers:
+          u: {text: "<U>"}
+          a: {text: "<A>"}
+        elements:
+          turn:
+            open: [u, a]
+            role_by_marker: {u: user, a: assistant}
+        top: [turn]
+        between: "\\s*"
+    '''
+    with pytest.raises(CompileError) as info:
+        make(spec)
+    e = info.value
+    assert (e.line, e.col, e.path) == (8, 5, "elements.turn")  # the element's body
+    assert e.message.startswith("grammar is ambiguous")
+    assert "element 'turn' (elements.turn)" in e.message
+    assert "text" in e.message and "'<A>'" in e.message
+    assert "e_turn" not in e.message and "M_A" not in e.message and "__" not in e.message
+
+
+# =========================================================================== spec errors
+
+def test_yaml_syntax_error_location(make):
+    with pytest.raises(SpecError) as info:
+        make(BASE.replace("top: [turn]", "top: [turn"))
+    assert info.value.line == 12 and info.value.message.startswith("YAML error")
+    assert not isinstance(info.value, CompileError)
+
+
+def test_unknown_key_location(make):
+    with pytest.raises(SpecError) as info:
+        make(_edit("role: assistant", "role: assistant\n    colse: {markers: [e]}"))
+    e = info.value
+    assert (e.line, e.col, e.path, e.message) == \
+        (10, 5, "elements.turn.colse", "unknown key 'colse'")
+
+
+def test_wrong_type(make):
+    with pytest.raises(SpecError) as info:
+        make(_edit("role: assistant", "role: assistant\n    children: 3"))
+    e = info.value
+    assert (e.line, e.col, e.path) == (10, 15, "elements.turn.children")
+    assert "valid list" in e.message and "(got 3)" in e.message
+
+
+def test_python_tags_never_execute(make, tmp_path):
+    marker = tmp_path / "pwned"
+    with pytest.raises(SpecError) as info:
+        make(BASE.replace("top: [turn]",
+                          f"top: !!python/object/apply:os.system ['touch {marker}']"))
+    assert not marker.exists()
+    assert info.value.line == 11 and "python/object/apply:os.system" in info.value.message
+
+
+# =========================================================================== Format API
+
+def test_format_pickles(fmts):
+    fmt = fmts["xtml"]
+    back = pickle.loads(pickle.dumps(fmt))
+    text = SAMPLES["xtml"]
+    assert back.name == fmt.name and back.grammar == fmt.grammar
+    assert back.parse(text).spans() == fmt.parse(text).spans()
+    tok = tokenizer(fmt)
+    assert back.loss_mask(tok.encode(text), tok) == fmt.loss_mask(tok.encode(text), tok)
+
+
+def test_unknown_format_name_suggests():
+    with pytest.raises(SpecError, match="Unknown format 'kimi-k4'. Did you mean 'kimi-k3'?"):
+        cg.load_format("kimi-k4")
+
+
+def test_loss_mask_containers(fmts):
+    import torch
+
+    fmt = fmts["chatml"]
+    tok = tokenizer(fmt)
+    ids = tok.encode("<|im_start|>user\nq<|im_end|><|im_start|>assistant\nab<|im_end|>")
+    want = [0] * 19 + [1, 1, 0]
+    assert fmt.loss_mask(ids, tok) == want
+    assert fmt.loss_mask(tuple(ids), tok) == want
+    for dtype in (np.int32, np.int64, np.uint32):
+        m = fmt.loss_mask(np.array(ids, dtype=dtype), tok)
+        assert isinstance(m, np.ndarray) and m.dtype == np.int64 and m.tolist() == want
+    for dtype in (torch.int32, torch.long):
+        m = fmt.loss_mask(torch.tensor(ids, dtype=dtype), tok)
+        assert isinstance(m, torch.Tensor) and m.dtype == torch.long and m.tolist() == want
+    assert fmt.loss_mask([], tok) == []
+    assert fmt.loss_mask(np.array([], dtype=np.int64), tok).shape == (0,)
+    assert fmt.loss_mask(torch.tensor([], dtype=torch.long), tok).shape == (0,)
+    assert fmt.loss_masks([ids, ids[:20]], tok) == [want, want[:20]]
+
+
+@pytest.mark.parametrize("bad", [[-5], [10 ** 9], [-1, 2 ** 40]])
+def test_ids_outside_the_vocabulary(fmts, bad):
+    """Negative or unknown ids are never markers; they decode as U+FFFD: strict parsing
+    reports them where they break the structure, lenient parsing never raises."""
+    fmt = fmts["chatml"]
+    tok = tokenizer(fmt)
+    ok = tok.encode("<|im_start|>assistant\nab<|im_end|>")
+    inside = ok[:-1] + bad + ok[-1:]  # in content: just content
+    assert fmt.loss_mask(inside, tok) == [0] * 11 + [1] * (2 + len(bad)) + [0]
+    for ids in (bad + ok, ok + bad):
+        with pytest.raises(ParseError) as info:
+            fmt.parse_ids(ids, tok)
+        assert info.value.offset in (0, len(ok))
+        conv = fmt.parse_ids(ids, tok, strict=False)
+        assert conv.warnings and len(conv.mask()) == len(ids)
+        assert conv.spans()[0].end - conv.spans()[0].start == 2
