@@ -512,6 +512,7 @@ class _Ctx:
             b.close_start = ct[1]
             if ct[3] is SYNTH:
                 complete = False
+                b.close = None  # no marker was written: the end of input closed it
             end = ct[2]
             i += 1
             if cuntil is not None:

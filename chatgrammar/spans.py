@@ -54,7 +54,7 @@ class Block:
     body_end: Optional[int] = None
     close_start: Optional[int] = None     # terminator region (close marker, close header, after)
     close_end: Optional[int] = None
-    close: Optional[str] = None           # close marker name
+    close: Optional[str] = None           # close marker name (None: none written, input ended)
     children: list = field(default_factory=list)
     complete: bool = True
     valid: bool = True

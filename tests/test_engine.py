@@ -1147,3 +1147,16 @@ def test_ids_outside_the_vocabulary(fmts, bad):
         conv = fmt.parse_ids(ids, tok, strict=False)
         assert conv.warnings and len(conv.mask()) == len(ids)
         assert conv.spans()[0].end - conv.spans()[0].start == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_cut_element_names_no_close_marker(fmts, mode):
+    """The end of input closes what is open with zero-width synthetic terminators: the turn
+    is incomplete, and it names no close marker (none was written: a cut Harmony message is
+    not a `<|call|>` just because that terminator was picked to finish the parse)."""
+    text = "<|start|>assistant<|channel|>commentary to=functions.f<|message|>{\"a\""
+    r = run(fmts["harmony"], text, mode)
+    t = r.conv.turns[0]
+    assert (t.complete, t.block.close, t.block.kind) == (False, None, "tool_call")
+    assert r.c(t.block.close_start) == r.c(t.block.close_end) == len(text)
+    assert r.kinds(cg.MaskPolicy(end_marker=True)) == [('{"a"', "tool_call")]
