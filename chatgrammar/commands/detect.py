@@ -141,6 +141,22 @@ def _evidence_lines(name: str, ev: dict, winner: str | None) -> list[str]:
     return lines
 
 
+def _has_evidence(ev: dict) -> bool:
+    t, c = ev.get("tokens"), ev.get("template")
+    return bool((t and (t["found"] or t["match"])) or (c and (c["found"] or c["match"])))
+
+
+def _print_evidence(evidence: dict, winner: str | None, indent: str) -> None:
+    """Formats with some evidence in detail; the others on one line (JSON has them all)."""
+    shown = [n for n in sorted(evidence) if n == winner or _has_evidence(evidence[n])]
+    for name in shown:
+        for line in _evidence_lines(name, evidence[name], winner):
+            print(indent + line)
+    rest = [n for n in sorted(evidence) if n not in shown]
+    if rest:
+        print(f"{indent}  (none of the markers of: {', '.join(rest)})")
+
+
 def _describe_inputs(args: argparse.Namespace, inputs: dict) -> str:
     parts = []
     if args.tokenizer:
@@ -188,9 +204,7 @@ def run(args: argparse.Namespace) -> int:
             evidence = getattr(exc, "evidence", {}) or {}
             if evidence:
                 print("nothing matched; evidence per format:")
-                for name in sorted(evidence):
-                    for line in _evidence_lines(name, evidence[name], None):
-                        print(line)
+                _print_evidence(evidence, None, "  ")
         _err(_first_line(exc))
         return 1
     except TypeError as exc:  # the loaded object offers no tokenizer protocol
@@ -207,7 +221,5 @@ def run(args: argparse.Namespace) -> int:
     for note in det.notes:
         print(f"note:     {note}")
     print("evidence:")
-    for name in sorted(det.evidence):
-        for line in _evidence_lines(name, det.evidence[name], det.format):
-            print("  " + line)
+    _print_evidence(det.evidence, det.format, "  ")
     return 0
