@@ -8,6 +8,7 @@ import numpy as np
 
 from .compile import ParseTables, compile_spec, term_name
 from .errors import ParseError
+from .fastpath import FastMasker, ids_input, mask_like
 from .lexers import IdLexer, LexConfig, as_id_array, lex_text
 from .parse import Driver, Source
 from .policy import MaskPolicy
@@ -38,6 +39,7 @@ class Format:
         self._lexcfg = LexConfig.from_spec(spec)
         self._driver = Driver(spec, self.tables)
         self._id_lexers: dict[int, tuple[Any, IdLexer]] = {}
+        self._fast: dict[int, tuple[Any, FastMasker]] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -115,6 +117,19 @@ class Format:
             self._id_lexers[key] = (tokenizer, lx)
         return lx
 
+    def _fast_masker(self, tokenizer: Any) -> FastMasker:
+        """The memoised exact mask path bound to ``tokenizer`` (see :mod:`chatgrammar.fastpath`)."""
+        key = id(tokenizer)
+        hit = self._fast.get(key)
+        if hit is not None and hit[0] is tokenizer:
+            return hit[1]
+        fm = FastMasker(self, self.id_lexer(tokenizer))
+        with self._lock:
+            if len(self._fast) > 32:
+                self._fast.clear()
+            self._fast[key] = (tokenizer, fm)
+        return fm
+
     def missing_markers(self, tokenizer: Any) -> list[str]:
         """Special markers of this format the tokenizer has no single special id for."""
         lx = self.id_lexer(tokenizer)
@@ -173,14 +188,38 @@ class Format:
         Example:
             >>> fmt.loss_mask([163587, 1, 163601, 2, 163586], tok)  # doctest: +SKIP
         """
-        conv = self.parse_ids(ids, tokenizer, strict=strict)
-        m = conv.mask_array(policy)
-        return _like(ids, m)
+        # Same result as parse_ids(ids, tokenizer).mask_array(policy), through the memoised
+        # fast path (chatgrammar.fastpath), which falls back to exactly that when it must.
+        arr, lst = ids_input(ids)
+        fm = self._fast_masker(tokenizer)
+        m = fm.mask(arr, lst, policy or self.default_policy, strict, tokenizer)
+        return mask_like(ids, m)
 
     def loss_masks(self, batch: Sequence[Any], tokenizer: Any, *,
                    policy: MaskPolicy | None = None, strict: bool = True) -> list:
-        """:meth:`loss_mask` over many samples (the tokenizer binding is shared)."""
-        return [self.loss_mask(ids, tokenizer, policy=policy, strict=strict) for ids in batch]
+        """:meth:`loss_mask` over many samples, for loaders that hold a batch.
+
+        The samples' ids are converted and searched for markers in one vectorised pass over
+        the concatenated batch; each sample then gets exactly the mask :meth:`loss_mask`
+        gives it.
+
+        Args:
+            batch: a sequence of samples (each a list of ints, numpy array or torch tensor).
+            tokenizer: see :meth:`parse_ids`.
+            policy: a :class:`MaskPolicy`; None uses the format's default.
+            strict: as in :meth:`loss_mask`.
+
+        Returns:
+            One mask per sample, each of the same container kind as its sample.
+
+        Raises:
+            ParseError: (strict) a sample does not fit the format.
+
+        Example:
+            >>> fmt.loss_masks([ids_a, ids_b], tok)  # doctest: +SKIP
+        """
+        fm = self._fast_masker(tokenizer)
+        return fm.masks(batch, policy or self.default_policy, strict, tokenizer)
 
 
 def _like(ids: Any, m: np.ndarray):

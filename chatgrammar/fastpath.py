@@ -1,0 +1,834 @@
+"""Exact fast path for loss masks over token ids (``Format.loss_mask`` / ``loss_masks``).
+
+The full pipeline (id lexer → LALR driver → Blocks → Conversation → spans) costs a few
+microseconds per parser token in Python. Training data repeats itself: a conversation is a
+sequence of *items* (turns) whose shapes recur — "user turn", "assistant turn with reasoning and
+a response", "assistant turn with one tool call" — so this module memoises the work at the item
+level, keyed by everything the item's parse can depend on:
+
+1. **Lexing, vectorised.** Marker ids are found with numpy (ordinary ids are never looked at
+   one by one). Each marker and the run of ordinary ids after it form one *symbol*: the marker's
+   kind and the run's shape (none / text / header / header + text). The runs the lexer decodes
+   (headers) contribute their ids to the key; content runs contribute only their presence.
+2. **Parsing, memoised.** The LALR automaton is run over symbols with memoised transitions
+   (stack configuration × symbol → configuration, reductions), so one step is one list lookup;
+   the reductions of a top-level item mark item boundaries.
+3. **Semantics, memoised.** An item's turns (roles, kinds, trained spans) are computed once by
+   the full pipeline — on the first sample in which the item's key appears — expressed in
+   *slots* (token boundaries of the item) and reused for every later item with the same key.
+   Anything else the parse reads from the input (``between`` text, ``lead`` literals) is
+   recorded as a read plan and its ids join the key. Under a policy, the trained spans of an
+   item are :meth:`Conversation.spans` of the item's own turns, so policy semantics are never
+   re-implemented here.
+
+Whatever the fast path does not model falls back to the full pipeline for that sample, which
+also gives its errors: truncation (end of input inside an item), structure errors, lenient-mode
+warnings, span boundaries inside merged tokens, soft markers that may occur in a content run,
+``lstrip`` markers, headers that end by a literal not found within their budget, and
+``last_turn_only`` policies. The result is always exactly ``parse_ids(...).mask_array(policy)``
+(tests/test_fastpath.py checks it on many inputs).
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import struct
+import sys
+from typing import Any
+
+import numpy as np
+
+from .compile import HEADER, TEXT
+from .lexers import IdLexer, as_id_array
+from .parse import Source
+from .policy import MaskPolicy
+from .spans import Conversation, Issue
+
+# run shapes after a marker (low two bits of a symbol)
+NONE, RUN, HEAD, HEAD_RUN = 0, 1, 2, 3
+# gap classes: what the lexer does with the run after a marker
+BODY, DECODE, SPLIT = 0, 1, 2
+_MAX_STACKS = 200_000
+# The walk steps GRAM symbols at a time: one dict lookup per GRAM markers.
+GRAM = 4
+FLAG_BITS = 3 * GRAM
+FLAG_MASK = (1 << FLAG_BITS) - 1
+PAD_SYM = 0xFFFF
+
+
+class _Automaton:
+    """LALR over symbols with memoised transitions.
+
+    A configuration is the parser's state stack (a tuple), interned to a small int ``sid``.
+    ``table[sid][sym]`` is ``None`` (not computed yet), ``-1`` (syntax error: the slow path
+    reports it) or ``new_sid << 3 | flags`` where flag bit ``j`` says that a top-level item
+    ended just before sub-token ``j`` of the symbol (0: the marker, 1: the run or header,
+    2: the text after a header).
+    """
+
+    def __init__(self, drv, terms: list[str], nsym: int):
+        self.states = drv.states
+        self.shift = drv.shift
+        self.item_rules = frozenset({"_item"} | set(drv.preamble_rules))
+        self.terms = terms          # code k (1-based) -> terminal; code 0 is begin-of-input
+        self.nsym = nsym
+        self.stacks: list[tuple] = []
+        self.ids: dict[tuple, int] = {}
+        self.table: list[list] = []
+        self.tgram: list[dict] = []
+        self.end_flags: list = []
+        self._intern((drv.tables.start_state,))
+
+    def _intern(self, stack: tuple) -> int:
+        sid = self.ids.get(stack)
+        if sid is None:
+            sid = len(self.stacks)
+            self.ids[stack] = sid
+            self.stacks.append(stack)
+            self.table.append([None] * self.nsym)
+            self.tgram.append({})
+            self.end_flags.append(None)
+        return sid
+
+    def _step(self, stack: list, term: str) -> bool | None:
+        """Shift ``term`` (after its reductions); True if an item was reduced, None on error."""
+        states, shift, items = self.states, self.shift, self.item_rules
+        item = False
+        for _ in range(10_000):
+            act = states[stack[-1]].get(term)
+            if act is None:
+                return None
+            action, arg = act
+            if action is shift:
+                stack.append(arg)
+                return item
+            size = len(arg.expansion)
+            if size:
+                del stack[-size:]
+            name = arg.origin.name
+            if name in items:
+                item = True
+            goto = states[stack[-1]].get(name)
+            if goto is None:
+                return None
+            stack.append(goto[1])
+        return None
+
+    def fill(self, sid: int, sym: int) -> int:
+        code, shape = sym >> 2, sym & 3
+        subs: list[tuple[int, str]] = []
+        if code:
+            subs.append((1, self.terms[code - 1]))
+        if shape == RUN:
+            subs.append((2, TEXT))
+        elif shape == HEAD:
+            subs.append((2, HEADER))
+        elif shape == HEAD_RUN:
+            subs += [(2, HEADER), (4, TEXT)]
+        stack = list(self.stacks[sid])
+        flags = 0
+        for bit, term in subs:
+            hit = self._step(stack, term)
+            if hit is None:
+                self.table[sid][sym] = -1
+                return -1
+            if hit:
+                flags |= bit
+        st = tuple(stack)
+        if st not in self.ids and len(self.stacks) >= _MAX_STACKS:
+            return -1  # pathological nesting: not memoised, the slow path parses it
+        v = self._intern(st) << 3 | flags
+        self.table[sid][sym] = v
+        return v
+
+    def fill_gram(self, sid: int, gram: bytes) -> int:
+        """``GRAM`` symbols at once (``PAD_SYM`` pads the last gram): ``new_sid << FLAG_BITS |
+        flags`` with bit ``3t + s`` set when an item ended before sub-token ``s`` of symbol
+        ``t``; -1 on a syntax error."""
+        cur = sid
+        flags = 0
+        for t, sym in enumerate(np.frombuffer(gram, dtype=np.uint16).tolist()):
+            if sym == PAD_SYM:
+                continue
+            v = self.table[cur][sym]
+            if v is None:
+                v = self.fill(cur, sym)
+            if v < 0:
+                return -1  # not memoised: errors are rare and the slow path reports them
+            flags |= (v & 7) << (3 * t)
+            cur = v >> 3
+        v = cur << FLAG_BITS | flags
+        self.tgram[sid][gram] = v
+        return v
+
+    def end(self, sid: int):
+        """End of input from ``sid``: None (not a clean end: the slow path handles truncation),
+        else True when the end reduced a last item."""
+        hit = self.end_flags[sid]
+        if hit is None:
+            stack = list(self.stacks[sid])
+            states, shift, items = self.states, self.shift, self.item_rules
+            hit = -1
+            item = False
+            for _ in range(10_000):
+                act = states[stack[-1]].get("$END")
+                if act is None:
+                    break
+                action, arg = act
+                if action is shift:
+                    break
+                size = len(arg.expansion)
+                if size:
+                    del stack[-size:]
+                name = arg.origin.name
+                if name in items:
+                    item = True
+                if name == "start":
+                    hit = item
+                    break
+                goto = states[stack[-1]].get(name)
+                if goto is None:
+                    break
+                stack.append(goto[1])
+            self.end_flags[sid] = hit
+        return None if hit == -1 else hit
+
+
+class _Item:
+    """The memoised semantics of one item key: its read plan and, per read result, its turns."""
+
+    __slots__ = ("plan", "progs", "unstable")
+
+    def __init__(self, plan: tuple):
+        self.plan = plan            # ((slot_s, slot_e, limit), ...) relative to the item
+        self.progs: dict = {}       # read-result key -> _Prog
+        self.unstable = False
+
+
+class _Prog:
+    """Turns of an item (slot-relative), and their trained spans per policy."""
+
+    __slots__ = ("turns", "starts", "slot_of", "by_policy")
+
+    def __init__(self, turns: list, starts: list[int], slot_of: dict[int, int]):
+        self.turns = turns          # Turn objects (positions of the sample they came from)
+        self.starts = starts        # slot of each turn's start
+        self.slot_of = slot_of      # position in that sample -> slot
+        self.by_policy: dict = {}   # policy -> tuple of (slot_a, slot_b, turn index)
+
+
+class FastMasker:
+    """Exact, memoised loss masks for one (format, tokenizer) pair. See the module docstring.
+
+    Args:
+        fmt: the :class:`~chatgrammar.format.Format`.
+        lx: its id lexer bound to the tokenizer.
+    """
+
+    def __init__(self, fmt, lx: IdLexer):
+        self.fmt = fmt
+        self.lx = lx
+        self.drv = fmt._driver
+        cfg = lx.cfg
+        self.enabled = not cfg.lstrip
+        self.adapter = lx.adapter
+        k = len(lx.terms)
+        self.nsym = (k + 1) * 4
+        gclass = [BODY] * (k + 1)
+        budget = [0] * (k + 1)
+        for i, term in enumerate(lx.terms, start=1):
+            if term in cfg.split_after:
+                gclass[i] = SPLIT
+                budget[i] = cfg.split_max.get(term, 64)
+            elif term in cfg.decode_after:
+                gclass[i] = DECODE
+                budget[i] = cfg.decode_after[term]
+        if max(budget, default=0) >= 60_000:
+            self.enabled = False
+        self.gclass = np.asarray(gclass, dtype=np.int64)
+        self.budget = np.asarray(budget, dtype=np.int64)
+        self.split_budget = list(budget)
+        self.has_split = SPLIT in gclass
+        self.split_delim = {i: cfg.split_after[t] for i, t in enumerate(lx.terms, start=1)
+                            if t in cfg.split_after}
+        ids = [int(t) for t in np.flatnonzero(lx.lut)] if len(lx.lut) else []
+        # lut is indexed by id + 1; marker ids are [lo, hi]
+        self.lo = (min(ids) - 1) if ids else 0
+        self.hi = (max(ids) - 1) if ids else -1
+        self.lut = lx.lut
+        self.auto = _Automaton(self.drv, lx.terms, self.nsym)
+        # lut restricted to [lo, hi] (+ a 0 slot for ids above hi): code per id
+        self.lutr = (np.concatenate([lx.lut[self.lo + 1:self.hi + 2], [0]]).astype(np.int64)
+                     if self.hi >= 0 else np.zeros(1, dtype=np.int64))
+        self.budget1 = np.where(self.gclass == DECODE, self.budget + 1, 0)
+        self.budget = np.where(self.gclass == DECODE, self.budget, 0)
+        self.has_values = bool((self.gclass != BODY).any())
+        self.pad = np.full(GRAM, PAD_SYM, dtype=np.uint16).tobytes()
+        self._policy_ids: dict = {}
+        self.concat_decode = (lx.adapter.kind == "tiktoken"
+                              and not any("\ufffd" in g for g in self.drv.gen_prompts))
+        self.items: dict = {}
+        self.split_memo: dict = {}
+        self.soft_lut = None
+        if lx.soft_regex is not None:
+            self.soft_lut = _soft_lut(lx)
+            if self.soft_lut is None:
+                self.enabled = False
+        self.stats = {"fast": 0, "slow": 0, "harvest": 0}
+
+    # ------------------------------------------------------------------ public
+    def mask(self, arr: np.ndarray, lst, policy: MaskPolicy, strict: bool,
+             tokenizer: Any) -> bytearray:
+        """The mask of one sample as a 0/1 bytearray: exactly
+        ``parse_ids(...).mask_array(policy)``."""
+        return self.masks_flat(arr, [0, len(arr)], policy, strict)[0]
+
+    def masks(self, batch, policy: MaskPolicy, strict: bool, tokenizer: Any) -> list:
+        """Masks of many samples (see :meth:`chatgrammar.Format.loss_masks`): one conversion
+        and one vectorised marker pass over the concatenated batch."""
+        batch = list(batch)
+        if not batch:
+            return []
+        if all(type(x) is list for x in batch):
+            lens = [len(x) for x in batch]
+            arr = _pack_many(batch, lens)
+        else:
+            arrs = [ids_input(x)[0] for x in batch]
+            arr = np.concatenate(arrs)
+            lens = [len(a) for a in arrs]
+        starts = [0, *itertools.accumulate(lens)]
+        out = self.masks_flat(arr, starts, policy, strict)
+        return [mask_like(x, m) for x, m in zip(batch, out)]
+
+    def masks_flat(self, arr: np.ndarray, starts: list[int], policy: MaskPolicy,
+                   strict: bool) -> list[bytearray]:
+        """Masks of the samples ``arr[starts[j]:starts[j + 1]]``."""
+        S = len(starts) - 1
+        fast = self.enabled and not policy.last_turn_only
+        lexed = self._lex(arr, starts) if fast else None
+        outs: list = [None] * S
+        if lexed is not None:
+            big = bytearray(len(arr))
+            pid = self._policy_ids.get(policy)
+            if pid is None:
+                pid = self._policy_ids[policy] = len(self._policy_ids)
+            for j in range(S):
+                if lexed[-1][j]:  # this sample needs the slow path
+                    continue
+                if self._fast(arr, starts, j, lexed, policy, pid, big):
+                    outs[j] = big[starts[j]:starts[j + 1]]
+                    self.stats["fast"] += 1
+        for j in range(S):
+            if outs[j] is None:
+                self.stats["slow"] += 1
+                a = arr[starts[j]:starts[j + 1]]
+                outs[j] = self._harvest(a, policy, strict)
+        return outs
+
+    # ------------------------------------------------------------------ lexing
+    def _lex(self, arr: np.ndarray, starts: list[int]):
+        """Vectorised lexing of all samples at once. Per marker (each sample's begin-of-input
+        included): its symbol, its header ids (the key), its slot positions."""
+        N = len(arr)
+        S = len(starts) - 1
+        if self.hi >= 0:
+            cand = np.flatnonzero(arr >= self.lo) if self.lo > 0 else np.arange(N)
+            if len(cand):
+                codes = self.lutr.take(arr[cand] - self.lo, mode="clip")
+                nz = np.flatnonzero(codes)
+                if len(nz) != len(cand):
+                    cand = cand[nz]
+                    codes = codes[nz]
+            else:
+                codes = cand
+        else:
+            cand = codes = np.empty(0, dtype=np.int64)
+        slow = [False] * S
+        if self.soft_lut is not None:
+            body = arr[(arr >= 0) & (arr < len(self.soft_lut))]
+            if self.soft_lut[body].any():  # a soft marker may be spelled by ordinary ids
+                hits = np.flatnonzero(self.soft_lut[np.clip(arr, 0, len(self.soft_lut) - 1)]
+                                      & (arr >= 0) & (arr < len(self.soft_lut)))
+                for j in set(np.searchsorted(starts, hits, side="right").tolist()):
+                    if 1 <= j <= S:
+                        slow[j - 1] = True
+        M = len(cand)
+        bof = np.asarray(starts[:-1], dtype=np.int64)
+        if S == 1:
+            bidx = np.zeros(1, dtype=np.int64)
+        else:
+            bidx = np.searchsorted(cand, bof, side="left") + np.arange(S)
+        T = M + S
+        P = np.empty(T + 1, dtype=np.int64)
+        Kx = np.zeros(T, dtype=np.int64)
+        if S == 1:
+            P[0] = 0
+            P[1:T] = cand
+            Kx[1:] = codes
+            mend = P[:-1] + 1
+            mend[0] = 0
+        else:
+            real = np.ones(T, dtype=bool)
+            real[bidx] = False
+            P[:-1][real] = cand
+            P[bidx] = bof
+            Kx[real] = codes
+            mend = P[:-1] + 1
+            mend[bidx] = bof
+        P[T] = N
+        glen = P[1:] - mend
+        sym = Kx * 4 + (glen > 0)
+        split_at = P[1:]
+        if self.has_split:
+            split_at = split_at.copy()
+            gcl = self.gclass[Kx]
+            for i in np.flatnonzero((gcl == SPLIT) & (glen > 0)).tolist():
+                j = int(np.searchsorted(bidx, i, side="right")) - 1
+                if slow[j]:
+                    continue
+                h_end = self._split(arr, int(mend[i]), int(P[i + 1]), int(Kx[i]))
+                if h_end is None:
+                    slow[j] = True
+                    continue
+                split_at[i] = h_end
+                sym[i] = Kx[i] * 4 + (HEAD_RUN if h_end < P[i + 1] else HEAD)
+        if self.has_values:
+            take = np.minimum(glen, self.budget[Kx])
+            vlen = np.minimum(glen, self.budget1[Kx])
+            if self.has_split:
+                sp = gcl == SPLIT
+                take[sp] = vlen[sp] = (split_at - mend)[sp]
+            off = np.zeros(T + 1, dtype=np.int64)
+            np.cumsum(take, out=off[1:])
+            total = int(off[-1])
+            if total:
+                sel = np.flatnonzero(take)
+                gidx = np.repeat(mend[sel] - off[sel], take[sel]) + np.arange(total)
+                vals = arr[gidx].tobytes()
+            else:
+                vals = b""
+            meta = (sym * 65536 + vlen).tobytes()
+            off_l = off.tolist()
+        else:
+            vals = b""
+            meta = sym.tobytes()
+            off_l = None
+        symb = sym.astype(np.uint16).tobytes()
+        slots = np.empty((T, 3), dtype=np.int64)
+        slots[:, 0] = P[:-1]
+        slots[:, 1] = mend
+        slots[:, 2] = split_at
+        B = slots.ravel().tolist()
+        B.append(N)
+        bl = bidx.tolist()
+        bl.append(T)
+        return symb, meta, vals, off_l, B, bl, slow
+
+    def _split(self, arr, s: int, e: int, code: int) -> int | None:
+        """End of a header that ends at a literal (the lexer's rule), memoised on id prefixes;
+        None when the slow path must decide (no delimiter within budget, straddle)."""
+        limit = min(e, s + self.split_budget[code])
+        memo = self.split_memo
+        for k in range(s + 1, limit + 1):
+            key = (code, arr[s:k].tobytes())
+            r = memo.get(key)
+            if r is None:
+                txt = self.adapter.decode(arr[s:k].tolist())
+                d = self.split_delim[code]
+                j = txt.find(d)
+                r = 0 if j < 0 else (-1 if j + len(d) < len(txt) else 1)  # -1: straddle
+                if len(memo) > 100_000:
+                    memo.clear()
+                memo[key] = r
+            if r == 1:
+                return k
+            if r == -1:
+                return None
+        return None
+
+    # ------------------------------------------------------------------ fast masks
+    def _fast(self, arr, starts, j, lexed, policy, pid, big) -> bool:
+        """Fill sample ``j``'s trained spans into ``big``; False when it needs the slow path."""
+        symb, meta, vals, off, B, bl, _ = lexed
+        b0, b1 = bl[j], bl[j + 1]
+        G = GRAM
+        chunk = symb[2 * b0:2 * b1]
+        rem = (b1 - b0) % G
+        if rem:
+            chunk += self.pad[:2 * (G - rem)]
+        auto = self.auto
+        tg = auto.tgram
+        sid = 0
+        bounds: list[int] = []
+        base = 3 * b0
+        for k in range(0, len(chunk), 2 * G):
+            g = chunk[k:k + 2 * G]
+            v = tg[sid].get(g)
+            if v is None:
+                v = auto.fill_gram(sid, g)
+            if v < 0:
+                return False
+            sid = v >> FLAG_BITS
+            f = v & FLAG_MASK
+            if f:
+                # bit 3t + s: an item ended before sub-token s of the gram's symbol t
+                slot = base + 3 * (k >> 1)
+                while f:
+                    low = f & -f
+                    bounds.append(slot + low.bit_length() - 1)
+                    f ^= low
+        hit = auto.end(sid)
+        if hit is None:
+            return False
+        if hit:
+            bounds.append(3 * b1)
+        n = starts[j + 1]
+        items = self.items
+        spans: list = []
+        last = None
+        a = base
+        has_values = off is not None
+        for b in bounds:
+            if b <= a:
+                continue
+            ia = a // 3
+            ib = (b - 1) // 3 + 1
+            if has_values:
+                key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib], vals[8 * off[ia]:8 * off[ib]])
+            else:
+                key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib])
+            it = items.get(key)
+            if it is None or it.unstable:
+                return False
+            if it.plan:
+                rkey = tuple(_read_key(arr, B, a + s, a + e, lim) for s, e, lim in it.plan)
+            else:
+                rkey = ()
+            prog = it.progs.get(rkey)
+            if prog is None:
+                return False
+            sp = prog.by_policy.get(pid)
+            if sp is None:
+                sp = self._policy_spans(prog, policy, pid)
+                if sp is None:
+                    return False
+            if prog.turns:
+                last = (prog, a, len(spans))
+            for ra, rb, t in sp:
+                spans.append((B[a + ra], B[a + rb], t))
+            a = b
+        if last is not None and self.drv.gen_prompts:
+            prog, pbase, first = last
+            tslot = pbase + prog.starts[-1]
+            start = B[tslot]
+            if n - start <= 64 and self._generation_prompt(arr, B, tslot, start, starts[j], n):
+                final = len(prog.turns) - 1
+                spans = spans[:first] + [s for s in spans[first:] if s[2] != final]
+        one = b"\x01"
+        for s, e, _ in spans:
+            big[s:e] = one * (e - s)
+        return True
+
+    def _policy_spans(self, prog: _Prog, policy: MaskPolicy, pid: int):
+        # The item's own turns through Conversation.spans: policy semantics live in one place.
+        conv = Conversation(format=self.fmt.name, mode="ids", length=1 << 62, turns=prog.turns,
+                            warnings=[], boundaries=[], default_policy=policy)
+        slot_of = prog.slot_of
+        out = []
+        for s in conv.spans(policy):
+            ra, rb = slot_of.get(s.start), slot_of.get(s.end)
+            if ra is None or rb is None:
+                return None
+            out.append((ra, rb, s.turn))
+        out = tuple(out)
+        if len(prog.by_policy) > 64:
+            prog.by_policy.clear()
+        prog.by_policy[pid] = out
+        return out
+
+    def _generation_prompt(self, arr, B, slot: int, start: int, s0: int, n: int) -> bool:
+        """The driver's own generation-prompt rule, on the tokens from the last turn's start
+        (sample-local positions, as the driver sees them)."""
+        if self.concat_decode:
+            # Decoding is byte-concatenative here: the driver's per-run join can equal a
+            # generation prompt (which holds no U+FFFD) only if one decode of the whole tail
+            # does.
+            if self.adapter.decode(arr[start:n].tolist()) not in self.drv.gen_prompts:
+                return False
+        toks = []
+        j = slot
+        while B[j] < n:
+            s, e = B[j], B[j + 1]
+            if e > s:
+                toks.append((TEXT, s - s0, e - s0, None))
+            j += 1
+        fake = _FakeTurn(start - s0)
+        src = Source("ids", n - s0, arr=arr[s0:n], adapter=self.adapter)
+        self.drv._mark_generation_prompt([fake], src, toks)
+        return fake.generation_prompt
+
+    # ------------------------------------------------------------------ slow path + memo
+    def _harvest(self, arr, policy, strict) -> bytearray:
+        """The full pipeline for one sample (its errors are the user's); a clean parse also
+        teaches the memo the items it contains."""
+        fmt, lx = self.fmt, self.lx
+        warnings: list[Issue] = []
+        boundaries: list = []
+        src = _RecordingSource("ids", len(arr), arr=arr, adapter=lx.adapter,
+                               boundaries=boundaries)
+        toks = lx.lex(arr, boundaries)
+        src.recording = True
+        turns = self.drv.run(toks, src, strict, warnings)
+        conv = Conversation(format=fmt.name, mode="ids", length=len(arr), turns=turns,
+                            warnings=warnings, boundaries=[Issue(p, m) for p, m in boundaries],
+                            default_policy=fmt.default_policy)
+        out = bytearray(conv.mask_array(policy).tobytes())
+        if self.enabled and not warnings and not boundaries:
+            try:
+                self._learn(arr, toks, turns, src.reads)
+            except _NoCache:
+                pass
+        return out
+
+    def _learn(self, arr, toks, turns, reads) -> None:
+        lexed = self._lex(arr, [0, len(arr)])
+        symb, meta, vals, off, B, bl, slow = lexed
+        if slow[0]:
+            raise _NoCache
+        syms = np.frombuffer(symb, dtype=np.uint16).tolist()
+        if not self._same_tokens(toks, syms, B):
+            # the lexer does something this model does not: never use the fast path here
+            self.enabled = False
+            raise _NoCache
+        auto = self.auto
+        sid = 0
+        bounds: list[int] = []
+        for i, c in enumerate(syms):
+            v = auto.table[sid][c]
+            if v is None:
+                v = auto.fill(sid, c)
+            if v < 0:
+                raise _NoCache
+            sid = v >> 3
+            for bit in range(3):
+                if v & (1 << bit):
+                    bounds.append(3 * i + bit)
+        hit = auto.end(sid)
+        if hit is None:
+            raise _NoCache
+        if hit:
+            bounds.append(3 * len(syms))
+        self.stats["harvest"] += 1
+        segs = []
+        a = 0
+        for b in bounds:
+            if b > a:
+                segs.append((a, b))
+                a = b
+        starts_pos = [B[a] for a, _ in segs]
+        per_seg: list[list] = [[] for _ in segs]
+        for t in turns:
+            j = bisect.bisect_right(starts_pos, t.start) - 1
+            if j < 0 or not (B[segs[j][0]] <= t.start < B[segs[j][1]]):
+                raise _NoCache
+            per_seg[j].append(t)
+        reads_seg: list[list] = [[] for _ in segs]
+        for s, e, lim in reads:
+            j = bisect.bisect_right(starts_pos, s) - 1
+            if j < 0 or s >= B[segs[j][1]]:
+                if e <= s:
+                    continue  # an empty read past every item depends on nothing
+                raise _NoCache
+            reads_seg[j].append((s, e, lim))
+        for (a, b), sturns, sreads in zip(segs, per_seg, reads_seg):
+            ia = a // 3
+            ib = (b - 1) // 3 + 1
+            if off is not None:
+                key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib], vals[8 * off[ia]:8 * off[ib]])
+            else:
+                key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib])
+            slot_of: dict[int, int] = {}
+            for j in range(b, a - 1, -1):
+                slot_of.setdefault(B[j], j - a)
+            plan = []
+            for s, e, lim in sreads:
+                if s not in slot_of or e not in slot_of:
+                    raise _NoCache
+                plan.append((slot_of[s], slot_of[e], lim))
+            plan = tuple(plan)
+            it = self.items.get(key)
+            if it is None:
+                if len(self.items) > 200_000:
+                    self.items.clear()
+                it = self.items[key] = _Item(plan)
+            elif it.plan != plan:
+                it.unstable = True  # reads differ between samples: this key stays slow
+                continue
+            rkey = tuple(_read_key(arr, B, a + s, a + e, lim) for s, e, lim in plan)
+            if rkey in it.progs:
+                continue
+            cturns = [dataclasses.replace(t, generation_prompt=False) for t in sturns]
+            try:
+                tstarts = [slot_of[t.start] for t in sturns]
+            except KeyError:
+                raise _NoCache from None
+            it.progs[rkey] = _Prog(cturns, tstarts, slot_of)
+
+    def _same_tokens(self, toks, syms, B) -> bool:
+        """The slow lexer's tokens are exactly the ones the symbols describe."""
+        want = []
+        terms = self.lx.terms
+        for i, c in enumerate(syms):
+            code, shape = c >> 2, c & 3
+            if code:
+                want.append((terms[code - 1], B[3 * i], B[3 * i + 1]))
+            if shape == RUN:
+                want.append((TEXT, B[3 * i + 1], B[3 * i + 3]))
+            elif shape == HEAD:
+                want.append((HEADER, B[3 * i + 1], B[3 * i + 3]))
+            elif shape == HEAD_RUN:
+                want.append((HEADER, B[3 * i + 1], B[3 * i + 2]))
+                want.append((TEXT, B[3 * i + 2], B[3 * i + 3]))
+        return want == [(t[0], t[1], t[2]) for t in toks]
+
+
+class _NoCache(Exception):
+    pass
+
+
+class _FakeTurn:
+    __slots__ = ("start", "generation_prompt")
+
+    def __init__(self, start: int):
+        self.start = start
+        self.generation_prompt = False
+
+
+class _RecordingSource(Source):
+    """A :class:`Source` that records what the parse reads (so the read data joins the key)."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.reads: list[tuple[int, int, int]] = []
+        self.recording = False
+
+    def read(self, s: int, e: int, limit: int = 64):
+        if self.recording and not _in_generation_prompt():
+            self.reads.append((s, e, limit))
+        return super().read(s, e, limit)
+
+    def match_lead(self, s: int, e: int, lead: str):
+        if self.recording:
+            self.reads.append((s, e, len(lead) + 4))
+        return super().match_lead(s, e, lead)
+
+
+def _in_generation_prompt() -> bool:
+    # The final turn's generation-prompt check is redone on every sample (FastMasker.
+    # _generation_prompt): its reads are not part of any item's key.
+    f = sys._getframe(2)
+    for _ in range(3):
+        if f is None:
+            return False
+        if f.f_code.co_name == "_mark_generation_prompt":
+            return True
+        f = f.f_back
+    return False
+
+
+def _read_key(arr, B, js: int, je: int, limit: int):
+    s, e = B[js], B[je]
+    k = min(e - s, limit + 1)
+    return k, arr[s:s + min(k, limit)].tobytes()
+
+
+def _soft_lut(lx: IdLexer):
+    """Boolean table over ids: True where the token's text may hold the first character of a
+    soft marker the tokenizer has no single id for (None: cannot tell for this tokenizer)."""
+    firsts = set()
+    for term in lx.missing:
+        if not lx.cfg.special.get(term, True):
+            ch = lx.cfg.marker_text[term][:1]
+            if not ch or not (ch.isascii() and ch.isprintable() and not ch.isspace()):
+                return None
+            firsts.add(ch)
+    if not firsts:
+        return None
+    a = lx.adapter
+    enc = a._encoding
+    if enc is not None:
+        ranks = getattr(enc, "_mergeable_ranks", None)
+        if not isinstance(ranks, dict):
+            return None
+        size = max(enc.n_vocab, max(ranks.values(), default=0) + 1)
+        lut = np.zeros(size, dtype=bool)
+        fb = [c.encode() for c in firsts]
+        for tb, r in ranks.items():
+            if any(f in tb for f in fb):
+                lut[r] = True
+        for s, r in getattr(enc, "_special_tokens", {}).items():
+            if r < size and any(c in s for c in firsts):
+                lut[r] = True
+        return lut
+    tok = a.tokenizer
+    conv = getattr(tok, "convert_ids_to_tokens", None)
+    if conv is None or not hasattr(tok, "__len__"):
+        return None
+    try:
+        size = len(tok)
+        pieces = conv(list(range(size)))
+    except Exception:
+        return None
+    lut = np.zeros(size, dtype=bool)
+    for i, p in enumerate(pieces):
+        # byte-level BPE keeps printable ASCII as itself; SentencePiece pieces too (byte
+        # fallback pieces spell "<0x3C>", which contains "<" anyway): a superset is safe
+        if p is None or any(c in p for c in firsts):
+            lut[i] = True
+    return lut
+
+
+# ----------------------------------------------------------------------------- conversion
+
+def ids_input(ids: Any) -> tuple[np.ndarray, list | None]:
+    """``ids`` → (int64 array, the Python list when the input is one, else None).
+
+    A list of Python ints is converted with ``struct`` (about twice as fast as
+    ``np.asarray``, which first infers the dtype); anything else goes through
+    :func:`~chatgrammar.lexers.as_id_array` (same errors as ``parse_ids``).
+    """
+    if type(ids) is list:
+        try:
+            return np.frombuffer(_pack(ids), dtype=np.int64), ids
+        except (struct.error, TypeError, OverflowError):
+            pass
+    return as_id_array(ids), None
+
+
+def _pack(lst: list) -> bytes:
+    return struct.pack(f"{len(lst)}q", *lst)
+
+
+def _pack_many(lsts: list[list], lens: list[int]) -> np.ndarray:
+    """Many lists of ints → one int64 array (each packed straight into a shared buffer)."""
+    buf = bytearray(8 * sum(lens))
+    o = 0
+    try:
+        for x, n in zip(lsts, lens):
+            struct.pack_into(f"{n}q", buf, o, *x)
+            o += 8 * n
+    except (struct.error, TypeError, OverflowError):
+        return np.concatenate([ids_input(x)[0] for x in lsts])
+    return np.frombuffer(buf, dtype=np.int64)
+
+
+def mask_like(ids: Any, m: bytearray):
+    """A 0/1 bytearray → the container kind of ``ids`` (list / numpy int64 / torch.long)."""
+    mod = type(ids).__module__
+    if mod.startswith("torch"):
+        import torch
+        return torch.from_numpy(np.frombuffer(m, dtype=np.uint8).astype(np.int64)).to(ids.device)
+    if isinstance(ids, np.ndarray):
+        return np.frombuffer(m, dtype=np.uint8).astype(np.int64)
+    return list(m)
