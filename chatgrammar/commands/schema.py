@@ -128,6 +128,10 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
 }
 
 
+#: Keys whose validator also accepts one string for a one-item list.
+ONE_OR_MANY: dict[str, tuple[str, ...]] = {"Element": ("open",)}
+
+
 def build_schema() -> dict:
     """The JSON Schema (draft 2020-12) of a format spec, with descriptions.
 
@@ -144,6 +148,13 @@ def build_schema() -> dict:
     defs = schema.get("$defs", {})
 
     def annotate(model: str, node: dict) -> None:
+        for key in ONE_OR_MANY.get(model, ()):
+            prop = node.get("properties", {}).get(key)
+            if prop is not None and prop.get("type") == "array":
+                # the loader also takes a single name (``open: im_user``)
+                items = prop.pop("items")
+                prop.pop("type")
+                prop["anyOf"] = [items, {"type": "array", "items": items}]
         for key, prop in node.get("properties", {}).items():
             doc = FIELD_DOCS.get((model, key))
             if doc:
@@ -151,6 +162,8 @@ def build_schema() -> dict:
             prop.pop("title", None)
 
     annotate("FormatSpec", schema)
+    # the kebab-case rule of FormatSpec.name is a pydantic validator; say it in the schema too
+    schema["properties"]["name"]["pattern"] = r"^[a-z0-9]+(?:[-.][a-z0-9]+)*$"
     for name, node in defs.items():
         annotate(name, node)
     out = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID,
