@@ -218,9 +218,10 @@ class IdLexer:
             self._gap(arr, last, n, prev, toks, boundary, split_after, decode_after, soft)
         if cfg.lstrip:
             dec = self.adapter.decode
-            # a whitespace run is a few tokens at most; a longer run is left as text
+            # a whitespace run is a few tokens at most; a longer run is left as text. A run
+            # that decodes to nothing counts too (SentencePiece decodes a lone "▁" to "").
             absorb_lstrip(toks, cfg.lstrip,
-                          lambda s, e: e - s <= 16 and dec(arr[s:e].tolist()).isspace())
+                          lambda s, e: e - s <= 16 and not dec(arr[s:e].tolist()).strip())
         return toks
 
     def _gap(self, arr, s, e, prev, toks, boundary, split_after, decode_after, soft) -> None:
