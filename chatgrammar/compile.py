@@ -804,6 +804,16 @@ def _conflict_message(conflicts: tuple[Conflict, ...], spec: FormatSpec,
         key = (c.kind, tuple(sorted({namer.element_of(o) or o for o, _ in c.reduce})),
                tuple(sorted({namer.element_of(o) or o for o, _, _ in c.shift})))
         groups.setdefault(key, []).append(c)
+    # Conflicts between whole elements first (they say the most); repetitions inside an
+    # element are often only a consequence of the same ambiguity.
+    def internal_only(c: Conflict) -> bool:
+        origins = [o for o, _ in c.reduce] + [o for o, _, _ in c.shift]
+        return not any(o in namer.elements or o in ("_item", "start") for o in origins)
+
+    for cs in groups.values():  # the representative: whole elements, then the shortest
+        cs.sort(key=lambda c: (internal_only(c), len(c.prefix)))
+    groups = dict(sorted(groups.items(), key=lambda kv: (internal_only(kv[1][0]),
+                                                         len(kv[1][0].prefix))))
     loc: tuple = ()
     lines: list[str] = []
     for gi, (key, cs) in enumerate(groups.items()):
@@ -813,7 +823,8 @@ def _conflict_message(conflicts: tuple[Conflict, ...], spec: FormatSpec,
             break
         c = cs[0]
         las = ", ".join(dict.fromkeys(namer.term_long(x.lookahead) for x in cs))
-        more = f" ({len(cs)} conflicts of this kind; the shortest is shown)" if len(cs) > 1 else ""
+        more = f" ({len(cs)} conflicts between these constructs; one is shown)" \
+            if len(cs) > 1 else ""
         ex = namer.example(c.prefix)
         after = f"after {ex!r}" if ex else "at the start of the input"
         lines.append(f"{c.kind} conflict {after}, next: {las}{more}")
