@@ -528,11 +528,24 @@ class ParseTables:
 
 @lru_cache(maxsize=256)
 def _lalr(grammar: str) -> tuple:
+    # Lark's LALR analysis is most of a cold load: tables are also cached on disk, keyed by
+    # the grammar text (see chatgrammar.cache; a grammar with conflicts raises, never cached).
+    from . import cache
+
+    key = cache.key_for("lalr", grammar)
+    hit = cache.load("lalr", key)
+    if hit is not None:
+        try:
+            return cache.load_tables(hit)
+        except Exception:  # an entry from an incompatible lark: rebuild it
+            pass
     lk = Lark(grammar, parser="lalr", lexer=_PassThroughLexer, strict=True,
               maybe_placeholders=False)
     pt = lk.parser.parser.parser.parse_table
     from lark.parsers.lalr_analysis import Shift
-    return pt.states, pt.start_states["start"], pt.end_states["start"], Shift
+    out = pt.states, pt.start_states["start"], pt.end_states["start"], Shift
+    cache.store("lalr", key, cache.dump_tables(*out))
+    return out
 
 
 @dataclass(frozen=True)

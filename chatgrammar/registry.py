@@ -96,7 +96,22 @@ def list_formats() -> list[str]:
 
 @lru_cache(maxsize=128)
 def _load_path(path: str, mtime: float) -> Format:
-    spec, src = read_spec(path)
+    # Reading YAML is half of a cold load: the parsed spec is cached on disk, keyed by the
+    # file's path and bytes (see chatgrammar.cache).
+    from . import cache
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError:
+        data = None
+    key = cache.key_for("spec", path, data) if data is not None else None
+    hit = cache.load("spec", key) if key is not None else None
+    if hit is not None:
+        spec, src = hit
+    else:
+        spec, src = read_spec(path)
+        if key is not None:
+            cache.store("spec", key, (spec, src))
     return Format(spec, src)
 
 
@@ -122,7 +137,10 @@ def load_format(name_or_path) -> Format:
     s = str(name_or_path)
     p = Path(s)
     if not (s.endswith((".yaml", ".yml")) or p.is_file()):
-        known = {**plugin_paths(), **bundled_paths()}
+        bundled = bundled_paths()
+        # a bundled name wins over plugins anyway: only scan entry points (slow: it reads
+        # every installed distribution's metadata) for other names
+        known = bundled if s in bundled else {**plugin_paths(), **bundled}
         if s not in known:
             close = difflib.get_close_matches(s, list(known), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
