@@ -386,6 +386,16 @@ def test_show_usage_errors(args, needle):
     assert needle in one_line_error(p)
 
 
+def test_conformance_runner():
+    p = run("tools/conformance.py", "-f", "kimi-k2", "-f", "kimi-k3", cmd=[sys.executable])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "| kimi-k2 | moonshotai-Kimi-K2-Thinking.jinja | 20 | 0 | 0 |" in p.stdout
+    assert "| kimi-k3 | moonshotai-Kimi-K3.jinja | 20 | 0 | 0 |" in p.stdout
+    assert "3 pairs, 60 cases: 60 pass, 0 fail, 0 skipped." in p.stdout
+    p = run("tools/conformance.py", "-f", "kimi-k4", cmd=[sys.executable])
+    assert p.returncode == 2 and "unknown format(s): kimi-k4" in p.stderr
+
+
 def test_python_dash_m_is_the_same_cli():
     p = run("grammar", "kimi-k2", cmd=[sys.executable, "-m", "chatgrammar"])
     assert p.returncode == 0 and "e_turn:" in p.stdout
