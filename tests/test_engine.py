@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import chatgrammar as cg
-from chatgrammar.errors import ChatGrammarError, CompileError, ParseError, SpecError
+from chatgrammar.errors import CompileError, ParseError, SpecError
 
 # --------------------------------------------------------------------------- the tokenizer
 
@@ -265,7 +265,7 @@ SPECS = {
             header:
               until: message
               markers: [channel]
-              pattern: "(?P<role>[\\w.]+)(?:<\\|channel\\|>(?P<channel>\\w+))?(?: to=(?P<to>[\\w.]+))?"
+              pattern: "(?P<role>[\\w.]+)(?:<\\|channel\\|>(?P<channel>\\w+))?(?: to=(?P<to>\\S+))?"
             close: {markers: [end, return, call]}
             kind_by_attr: {channel: {analysis: think, commentary: tool_call}}
         top: [msg]
@@ -334,192 +334,6 @@ SPECS = {
         preamble: [system]
     ''',
 }
-
-
-# --------------------------------------------------------------------------- header checks
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name, text, offset", [
-    ("llama", "<|sh|>user name<|eh|>hi", 6),
-    ("chatml", "<|im_start|>user hi\nfoo", 12),
-    ("xtml", '<|open|>message role="a" role="b"<|sep|>hi', 8),
-    ("xtml", '<|open|>msg role="user"<|sep|>hi', 8),
-])
-def test_a_whole_malformed_header_is_an_error_even_in_a_cut_turn(fmts, name, text, offset, mode):
-    """Whether a header is malformed depends on the header, not on whether the turn's close
-    made it into the sample: a header followed by its terminator is checked (strict: error,
-    lenient: warning + the turn trains nothing) even when the input ends later in the turn."""
-    fmt = fmts[name]
-    with pytest.raises(ParseError) as info:
-        run(fmt, text, mode)
-    r = run(fmt, text, mode, strict=False)
-    assert r.c(info.value.offset) == offset
-    assert [w.offset for w in r.conv.warnings] == [info.value.offset]
-    assert r.spans(cg.MaskPolicy(roles=("user", "assistant", "a", "unknown"))) == []
-    assert not r.conv.turns[0].valid
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name, text", [
-    ("llama", "<|sh|>user na"),
-    ("chatml", "<|im_start|>user h"),
-    ("xtml", '<|open|>message role="a" ro'),
-])
-def test_a_header_cut_by_the_end_of_input_is_not_an_error(fmts, name, text, mode):
-    r = run(fmts[name], text, mode)
-    assert r.conv.warnings == [] and r.spans() == []
-    assert not r.conv.turns[0].complete
-
-
-# --------------------------------------------------------------------------- preamble
-
-PREAMBLE_CHILD = r'''
-    name: eng-preamble-child
-    markers:
-      s: {text: "<s>"}
-      e: {text: "</s>"}
-      tools: {text: "<tools>"}
-      tools_end: {text: "</tools>"}
-    elements:
-      turn:
-        open: s
-        header: {until_text: "\n", pattern: "(?P<role>\\w+)\n"}
-        close: {markers: [e]}
-        children: [decl]
-      decl: {open: tools, close: {markers: [tools_end]}, kind: tools, role: system}
-    top: [turn]
-    preamble: [decl]
-'''
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_a_preamble_element_nested_in_a_turn_is_not_a_turn(make, mode):
-    """An element listed in the preamble and also used as a child: only the occurrence at the
-    top of the input is a (preamble) turn; nested occurrences stay blocks of their turn."""
-    fmt = make(PREAMBLE_CHILD)
-    text = "<tools>T</tools><s>system\nx<tools>U</tools></s><s>assistant\nyo</s>"
-    r = run(fmt, text, mode)
-    assert r.turns() == [("system", 0, 16, True), ("system", 16, 47, True),
-                         ("assistant", 47, 66, True)]
-    assert [c.kind for c in r.conv.turns[1].block.children] == ["tools"]
-    assert r.trained() == ["yo"]
-    # without the preamble occurrence: no phantom turn either
-    r = run(fmt, text[16:], mode)
-    assert r.roles() == ["system", "assistant"]
-
-
-# --------------------------------------------------------------------------- spans of nested blocks
-
-@pytest.mark.parametrize("mode", MODES)
-def test_nested_blocks_keep_their_own_kind_at_any_depth(fmts, mode):
-    """A block's kind holds at any depth: a think element inside a response element is think
-    (dropped whole by thinking=False), an image inside a tool call is media (dropped by
-    exclude_kinds); a block with no kind of its own takes its parent's."""
-    text = ('<|open|>message role="assistant"<|sep|>'
-            '<|open|>response<|sep|>A<|open|>think<|sep|>T<|close|>think<|sep|>B'
-            '<|close|>response<|sep|>'
-            '<|open|>tools<|sep|>C<|open|>x type="image"<|sep|>I<|close|>x<|sep|>'
-            '<|open|>arg<|sep|>D<|close|>arg<|sep|><|close|>tools<|sep|>'
-            '<|close|>message<|sep|><|eom|>')
-    r = run(fmts["xtml"], text, mode)
-    think = "<|open|>think<|sep|>T<|close|>think<|sep|>"
-    image = '<|open|>x type="image"<|sep|>I<|close|>x<|sep|>'
-    assert r.kinds() == [
-        ("<|open|>response<|sep|>A", "content"), (think, "think"),
-        ("B<|close|>response<|sep|>", "content"),
-        ("<|open|>tools<|sep|>C", "tool_call"), (image, "media"),
-        ("<|open|>arg<|sep|>D<|close|>arg<|sep|><|close|>tools<|sep|>", "tool_call")]
-    assert r.kinds(cg.MaskPolicy(thinking=False, exclude_kinds=("media",))) == [
-        ("<|open|>response<|sep|>A", "content"), ("B<|close|>response<|sep|>", "content"),
-        ("<|open|>tools<|sep|>C", "tool_call"),
-        ("<|open|>arg<|sep|>D<|close|>arg<|sep|><|close|>tools<|sep|>", "tool_call")]
-    # a dropped block is dropped whole, whatever it holds
-    assert r.trained(cg.MaskPolicy(tool_calls=False)) == [
-        "<|open|>response<|sep|>A", think, "B<|close|>response<|sep|>"]
-    check_spans(r.conv)
-
-
-UNTERMINATED_HEADER = r'''
-    name: eng-unterminated-header
-    markers:
-      a: {text: "<A>"}
-      e: {text: "<E>"}
-      th: {text: "<think>"}
-      the: {text: "</think>"}
-    elements:
-      turn:
-        open: a
-        role: assistant
-        header: {until_text: "\n", required: false}
-        close: {markers: [e]}
-        children: [think]
-      think: {open: th, close: {markers: [the]}, kind: think}
-    top: [turn]
-'''
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_a_header_without_its_terminator_trains_nothing_of_the_body(make, mode):
-    """`required: false` + a header that never reaches its `until_text`: the whole run is
-    header, the element has no body, and its blocks do not train either."""
-    fmt = make(UNTERMINATED_HEADER)
-    for text in ["<A>hdr<think>x</think>y<E>", "<A>hdr<think>x</think>y"]:
-        r = run(fmt, text, mode)
-        assert r.conv.turns[0].header == "hdr"
-        assert r.spans() == [] and r.conv.warnings == []
-    r = run(fmt, "<A>hdr\n<think>x</think>y<E>", mode)
-    assert r.kinds() == [("<think>x</think>", "think"), ("y", "content")]
-
-
-@pytest.mark.parametrize("merge", ["<think></think>", "k></think>"])
-def test_two_soft_markers_in_one_token_are_both_seen(fmts, merge):
-    """Soft markers found in decoded text (no single id): when one ordinary token holds the
-    end of one marker and all of the next, the second is still a marker (zero-width at the
-    token boundary) instead of silently becoming text."""
-    fmt = fmts["chatml"]
-    text = "<|im_start|>assistant\n<think></think>yo<|im_end|>"
-    r = run(fmt, text, "ids-soft-decoded", merges=[merge])
-    assert r.kinds() == [("<think></think>", "think"), ("yo", "content")]
-    assert r.conv.boundaries  # the marker edges inside a token are reported
-    assert r.trained(cg.MaskPolicy(thinking=False)) == ["yo"]
-
-
-# --------------------------------------------------------------------------- text: false
-
-TEXTLESS = r'''
-    name: eng-textless
-    markers:
-      s: {text: "<s>"}
-      e: {text: "</s>"}
-      ms: {text: "<|ms|>"}
-      pad: {text: "<|pad|>"}
-      me: {text: "<|me|>"}
-    elements:
-      turn:
-        open: s
-        role: assistant
-        close: {markers: [e]}
-        children: [media]
-      media:
-        open: ms
-        inner_markers: [pad]
-        close: {markers: [me]}
-        text: false
-        kind: media
-    top: [turn]
-'''
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_text_false_body_holds_only_markers_and_children(make, mode):
-    fmt = make(TEXTLESS)
-    r = run(fmt, "<s>a<|ms|><|pad|><|pad|><|me|>b</s>", mode)
-    assert r.kinds() == [("a", "content"), ("<|ms|><|pad|><|pad|><|me|>", "media"),
-                         ("b", "content")]
-    with pytest.raises(ParseError) as info:
-        run(fmt, "<s>a<|ms|><|pad|>x<|me|>b</s>", mode)
-    assert info.value.message == "unexpected text"
-    assert info.value.expected == ["me '<|me|>'", "pad '<|pad|>'"]
 
 
 # =========================================================================== headers
@@ -618,6 +432,71 @@ def test_markers_inside_a_header(fmts):
     # the header pattern is matched whole: a header it does not fit is an error
     with pytest.raises(ParseError, match="does not match"):
         fmts["harmony"].parse("<|start|>assistant<|channel|><|channel|>x<|message|>y<|end|>")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name, text, offset", [
+    ("llama", "<|sh|>user name<|eh|>hi", 6),
+    ("chatml", "<|im_start|>user hi\nfoo", 12),
+    ("xtml", '<|open|>message role="a" role="b"<|sep|>hi', 8),
+    ("xtml", '<|open|>msg role="user"<|sep|>hi', 8),
+])
+def test_a_whole_malformed_header_is_an_error_even_in_a_cut_turn(fmts, name, text, offset, mode):
+    """Whether a header is malformed depends on the header, not on whether the turn's close
+    made it into the sample: a header followed by its terminator is checked (strict: error,
+    lenient: warning + the turn trains nothing) even when the input ends later in the turn."""
+    fmt = fmts[name]
+    with pytest.raises(ParseError) as info:
+        run(fmt, text, mode)
+    r = run(fmt, text, mode, strict=False)
+    assert r.c(info.value.offset) == offset
+    assert [w.offset for w in r.conv.warnings] == [info.value.offset]
+    assert r.spans(cg.MaskPolicy(roles=("user", "assistant", "a", "unknown"))) == []
+    assert not r.conv.turns[0].valid
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name, text", [
+    ("llama", "<|sh|>user na"),
+    ("chatml", "<|im_start|>user h"),
+    ("xtml", '<|open|>message role="a" ro'),
+])
+def test_a_header_cut_by_the_end_of_input_is_not_an_error(fmts, name, text, mode):
+    r = run(fmts[name], text, mode)
+    assert r.conv.warnings == [] and r.spans() == []
+    assert not r.conv.turns[0].complete
+
+
+UNTERMINATED_HEADER = r'''
+    name: eng-unterminated-header
+    markers:
+      a: {text: "<A>"}
+      e: {text: "<E>"}
+      th: {text: "<think>"}
+      the: {text: "</think>"}
+    elements:
+      turn:
+        open: a
+        role: assistant
+        header: {until_text: "\n", required: false}
+        close: {markers: [e]}
+        children: [think]
+      think: {open: th, close: {markers: [the]}, kind: think}
+    top: [turn]
+'''
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_header_without_its_terminator_trains_nothing_of_the_body(make, mode):
+    """`required: false` + a header that never reaches its `until_text`: the whole run is
+    header, the element has no body, and its blocks do not train either."""
+    fmt = make(UNTERMINATED_HEADER)
+    for text in ["<A>hdr<think>x</think>y<E>", "<A>hdr<think>x</think>y"]:
+        r = run(fmt, text, mode)
+        assert r.conv.turns[0].header == "hdr"
+        assert r.spans() == [] and r.conv.warnings == []
+    r = run(fmt, "<A>hdr\n<think>x</think>y<E>", mode)
+    assert r.kinds() == [("<think>x</think>", "think"), ("y", "content")]
 
 
 # =========================================================================== XTML
@@ -793,6 +672,84 @@ def test_role_sources(fmts):
     assert run_all(fmts["llama"], "<|sh|>ipython<|eh|>42<|eot|>").roles() == ["tool"]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_nested_blocks_keep_their_own_kind_at_any_depth(fmts, mode):
+    """A block's kind holds at any depth: a think element inside a response element is think
+    (dropped whole by thinking=False), an image inside a tool call is media (dropped by
+    exclude_kinds); a block with no kind of its own takes its parent's."""
+    text = ('<|open|>message role="assistant"<|sep|>'
+            '<|open|>response<|sep|>A<|open|>think<|sep|>T<|close|>think<|sep|>B'
+            '<|close|>response<|sep|>'
+            '<|open|>tools<|sep|>C<|open|>x type="image"<|sep|>I<|close|>x<|sep|>'
+            '<|open|>arg<|sep|>D<|close|>arg<|sep|><|close|>tools<|sep|>'
+            '<|close|>message<|sep|><|eom|>')
+    r = run(fmts["xtml"], text, mode)
+    think = "<|open|>think<|sep|>T<|close|>think<|sep|>"
+    image = '<|open|>x type="image"<|sep|>I<|close|>x<|sep|>'
+    assert r.kinds() == [
+        ("<|open|>response<|sep|>A", "content"), (think, "think"),
+        ("B<|close|>response<|sep|>", "content"),
+        ("<|open|>tools<|sep|>C", "tool_call"), (image, "media"),
+        ("<|open|>arg<|sep|>D<|close|>arg<|sep|><|close|>tools<|sep|>", "tool_call")]
+    assert r.kinds(cg.MaskPolicy(thinking=False, exclude_kinds=("media",))) == [
+        ("<|open|>response<|sep|>A", "content"), ("B<|close|>response<|sep|>", "content"),
+        ("<|open|>tools<|sep|>C", "tool_call"),
+        ("<|open|>arg<|sep|>D<|close|>arg<|sep|><|close|>tools<|sep|>", "tool_call")]
+    # a dropped block is dropped whole, whatever it holds
+    assert r.trained(cg.MaskPolicy(tool_calls=False)) == [
+        "<|open|>response<|sep|>A", think, "B<|close|>response<|sep|>"]
+    check_spans(r.conv)
+
+
+@pytest.mark.parametrize("merge", ["<think></think>", "k></think>"])
+def test_two_soft_markers_in_one_token_are_both_seen(fmts, merge):
+    """Soft markers found in decoded text (no single id): when one ordinary token holds the
+    end of one marker and all of the next, the second is still a marker (zero-width at the
+    token boundary) instead of silently becoming text."""
+    fmt = fmts["chatml"]
+    text = "<|im_start|>assistant\n<think></think>yo<|im_end|>"
+    r = run(fmt, text, "ids-soft-decoded", merges=[merge])
+    assert r.kinds() == [("<think></think>", "think"), ("yo", "content")]
+    assert r.conv.boundaries  # the marker edges inside a token are reported
+    assert r.trained(cg.MaskPolicy(thinking=False)) == ["yo"]
+
+
+TEXTLESS = r'''
+    name: eng-textless
+    markers:
+      s: {text: "<s>"}
+      e: {text: "</s>"}
+      ms: {text: "<|ms|>"}
+      pad: {text: "<|pad|>"}
+      me: {text: "<|me|>"}
+    elements:
+      turn:
+        open: s
+        role: assistant
+        close: {markers: [e]}
+        children: [media]
+      media:
+        open: ms
+        inner_markers: [pad]
+        close: {markers: [me]}
+        text: false
+        kind: media
+    top: [turn]
+'''
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_text_false_body_holds_only_markers_and_children(make, mode):
+    fmt = make(TEXTLESS)
+    r = run(fmt, "<s>a<|ms|><|pad|><|pad|><|me|>b</s>", mode)
+    assert r.kinds() == [("a", "content"), ("<|ms|><|pad|><|pad|><|me|>", "media"),
+                         ("b", "content")]
+    with pytest.raises(ParseError) as info:
+        run(fmt, "<s>a<|ms|><|pad|>x<|me|>b</s>", mode)
+    assert info.value.message == "unexpected text"
+    assert info.value.expected == ["me '<|me|>'", "pad '<|pad|>'"]
+
+
 # =========================================================================== around the turns
 
 def test_preamble_marker_and_between(fmts):
@@ -849,6 +806,41 @@ def test_generation_prompt(fmts):
     assert not r.conv.turns[-1].generation_prompt and r.conv.turns[-1].complete
 
 
+PREAMBLE_CHILD = r'''
+    name: eng-preamble-child
+    markers:
+      s: {text: "<s>"}
+      e: {text: "</s>"}
+      tools: {text: "<tools>"}
+      tools_end: {text: "</tools>"}
+    elements:
+      turn:
+        open: s
+        header: {until_text: "\n", pattern: "(?P<role>\\w+)\n"}
+        close: {markers: [e]}
+        children: [decl]
+      decl: {open: tools, close: {markers: [tools_end]}, kind: tools, role: system}
+    top: [turn]
+    preamble: [decl]
+'''
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_preamble_element_nested_in_a_turn_is_not_a_turn(make, mode):
+    """An element listed in the preamble and also used as a child: only the occurrence at the
+    top of the input is a (preamble) turn; nested occurrences stay blocks of their turn."""
+    fmt = make(PREAMBLE_CHILD)
+    text = "<tools>T</tools><s>system\nx<tools>U</tools></s><s>assistant\nyo</s>"
+    r = run(fmt, text, mode)
+    assert r.turns() == [("system", 0, 16, True), ("system", 16, 47, True),
+                         ("assistant", 47, 66, True)]
+    assert [c.kind for c in r.conv.turns[1].block.children] == ["tools"]
+    assert r.trained() == ["yo"]
+    # without the preamble occurrence: no phantom turn either
+    r = run(fmt, text[16:], mode)
+    assert r.roles() == ["system", "assistant"]
+
+
 # =========================================================================== truncation
 
 SAMPLES = {
@@ -884,7 +876,8 @@ def test_truncation_at_every_prefix(fmts, name, mode):
         if mode != "text":
             assert fmt.loss_mask(full.ids[:k], full.tok) == mask
         check_spans(conv)
-        assert [t.start for t in conv.turns] == [t.start for t in full.conv.turns][:len(conv.turns)]
+        starts = [t.start for t in full.conv.turns]
+        assert [t.start for t in conv.turns] == starts[:len(conv.turns)]
         for s in conv.spans():
             whole = full.conv.turns[s.turn]
             assert whole.body_start <= s.start and s.end <= k, (k, s)
@@ -911,6 +904,19 @@ def test_text_cut_inside_a_marker_string(fmts, name, text, marker):
     # a cut terminator leaves the turn incomplete; a cut opener (of the next element, for
     # elements that end where the next one opens) does not
     assert conv.turns[-1].complete == (name == "noclose")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_cut_element_names_no_close_marker(fmts, mode):
+    """The end of input closes what is open with zero-width synthetic terminators: the turn
+    is incomplete, and it names no close marker (none was written: a cut Harmony message is
+    not a `<|call|>` just because that terminator was picked to finish the parse)."""
+    text = "<|start|>assistant<|channel|>commentary to=functions.f<|message|>{\"a\""
+    r = run(fmts["harmony"], text, mode)
+    t = r.conv.turns[0]
+    assert (t.complete, t.block.close, t.block.kind) == (False, None, "tool_call")
+    assert r.c(t.block.close_start) == r.c(t.block.close_end) == len(text)
+    assert r.kinds(cg.MaskPolicy(end_marker=True)) == [('{"a"', "tool_call")]
 
 
 # =========================================================================== errors
@@ -1154,16 +1160,3 @@ def test_ids_outside_the_vocabulary(fmts, bad):
         conv = fmt.parse_ids(ids, tok, strict=False)
         assert conv.warnings and len(conv.mask()) == len(ids)
         assert conv.spans()[0].end - conv.spans()[0].start == 2
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_a_cut_element_names_no_close_marker(fmts, mode):
-    """The end of input closes what is open with zero-width synthetic terminators: the turn
-    is incomplete, and it names no close marker (none was written: a cut Harmony message is
-    not a `<|call|>` just because that terminator was picked to finish the parse)."""
-    text = "<|start|>assistant<|channel|>commentary to=functions.f<|message|>{\"a\""
-    r = run(fmts["harmony"], text, mode)
-    t = r.conv.turns[0]
-    assert (t.complete, t.block.close, t.block.kind) == (False, None, "tool_call")
-    assert r.c(t.block.close_start) == r.c(t.block.close_end) == len(text)
-    assert r.kinds(cg.MaskPolicy(end_marker=True)) == [('{"a"', "tool_call")]
