@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from .compile import HEADER, TEXT
+from .errors import ParseError
 from .lexers import IdLexer, as_id_array
 from .parse import Source
 from .policy import MaskPolicy
@@ -302,12 +303,23 @@ class FastMasker:
         return [mask_like(x, m) for x, m in zip(batch, out)]
 
     def masks_flat(self, arr: np.ndarray, starts: list[int], policy: MaskPolicy,
-                   strict: bool) -> list[bytearray]:
-        """Masks of the samples ``arr[starts[j]:starts[j + 1]]``."""
+                   strict: bool, *, roles: list | None = None,
+                   errors: list | None = None) -> list:
+        """Masks of the samples ``arr[starts[j]:starts[j + 1]]`` (0/1 bytearrays).
+
+        Args:
+            roles: if given, ``roles[j]`` is set to the list of sample ``j``'s turn roles.
+            errors: if given, a sample whose parse raises gets ``None`` as its mask and its
+                exception in ``errors[j]`` (instead of the exception propagating).
+        """
         S = len(starts) - 1
         fast = self.enabled and not policy.last_turn_only
         lexed = self._lex(arr, starts) if fast else None
         outs: list = [None] * S
+        if roles is not None:
+            roles[:] = [None] * S
+        if errors is not None:
+            errors[:] = [None] * S
         if lexed is not None:
             big = bytearray(len(arr))
             pid = self._policy_ids.get(policy)
@@ -316,14 +328,25 @@ class FastMasker:
             for j in range(S):
                 if lexed[-1][j]:  # this sample needs the slow path
                     continue
-                if self._fast(arr, starts, j, lexed, policy, pid, big):
+                got = [] if roles is not None else None
+                if self._fast(arr, starts, j, lexed, policy, pid, big, got):
                     outs[j] = big[starts[j]:starts[j + 1]]
                     self.stats["fast"] += 1
+                    if roles is not None:
+                        roles[j] = got
         for j in range(S):
             if outs[j] is None:
                 self.stats["slow"] += 1
                 a = arr[starts[j]:starts[j + 1]]
-                outs[j] = self._harvest(a, policy, strict)
+                try:
+                    outs[j], turns = self._harvest(a, policy, strict)
+                except Exception as exc:
+                    if errors is None or not isinstance(exc, ParseError):
+                        raise
+                    errors[j] = exc
+                    continue
+                if roles is not None:
+                    roles[j] = [t.role for t in turns]
         return outs
 
     # ------------------------------------------------------------------ lexing
@@ -448,7 +471,7 @@ class FastMasker:
         return None
 
     # ------------------------------------------------------------------ fast masks
-    def _fast(self, arr, starts, j, lexed, policy, pid, big) -> bool:
+    def _fast(self, arr, starts, j, lexed, policy, pid, big, roles=None) -> bool:
         """Fill sample ``j``'s trained spans into ``big``; False when it needs the slow path."""
         symb, meta, vals, off, B, bl, _ = lexed
         b0, b1 = bl[j], bl[j + 1]
@@ -515,6 +538,8 @@ class FastMasker:
                     return False
             if prog.turns:
                 last = (prog, a, len(spans))
+                if roles is not None:
+                    roles.extend(t.role for t in prog.turns)
             for ra, rb, t in sp:
                 spans.append((B[a + ra], B[a + rb], t))
             a = b
@@ -569,7 +594,7 @@ class FastMasker:
         return fake.generation_prompt
 
     # ------------------------------------------------------------------ slow path + memo
-    def _harvest(self, arr, policy, strict) -> bytearray:
+    def _harvest(self, arr, policy, strict) -> tuple[bytearray, list]:
         """The full pipeline for one sample (its errors are the user's); a clean parse also
         teaches the memo the items it contains."""
         fmt, lx = self.fmt, self.lx
@@ -589,7 +614,7 @@ class FastMasker:
                 self._learn(arr, toks, turns, src.reads)
             except _NoCache:
                 pass
-        return out
+        return out, turns
 
     def _learn(self, arr, toks, turns, reads) -> None:
         lexed = self._lex(arr, [0, len(arr)])

@@ -1,0 +1,438 @@
+"""``chatgrammar mask`` — a dataset file in, token ids and loss masks out.
+
+::
+
+    chatgrammar mask -f kimi-k2 --tokenizer ./tok data.jsonl masked.parquet -j 4
+
+IN is JSONL (``.jsonl`` / ``.json`` / ``.ndjson``) or Parquet (``.parquet``). Each row has either
+``messages`` (rendered with ``--template FILE`` or the tokenizer's chat template, exactly as
+transformers renders it, see :mod:`chatgrammar.render`; a row's ``tools`` are passed along) or
+``input_ids``. OUT (JSONL or Parquet, by extension) gets, per accepted row in input order,
+``row`` (the input row number), ``input_ids``, ``loss_mask`` and ``num_trained``.
+
+Rows are streamed in chunks (memory stays constant whatever the file size); ``-j N`` runs N
+worker processes, each loading the format (from the compile cache) and the tokenizer itself.
+A row that cannot be rendered, tokenised or parsed is never dropped silently and never given an
+empty mask: it is counted and written to the rejects file (``OUT.rejects.jsonl`` unless
+``--rejects``) with its row number and the error. A summary ends the run (samples, tokens,
+trained fraction, rejects, turns per role).
+
+Exit codes: 0 every row masked; 1 some rows were rejected (the output holds the others);
+2 usage error (bad arguments, missing file, tokenizer that cannot be loaded).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..errors import ChatGrammarError
+
+JSONL_EXT = (".jsonl", ".json", ".ndjson")
+PARQUET_EXT = (".parquet", ".pq")
+
+
+class _UsageError(Exception):
+    pass
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``mask`` subcommand to the ``chatgrammar`` parser.
+
+    Args:
+        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
+    """
+    p = subparsers.add_parser(
+        "mask", help="compute loss masks for a dataset file (JSONL or Parquet)",
+        description="Render (if needed), tokenise and mask every row of a dataset file; write "
+                    "input_ids, loss_mask and num_trained. Rows that fail are written to a "
+                    "rejects file with the error, never dropped silently.")
+    p.add_argument("input", metavar="IN", help="input .jsonl or .parquet (rows with `messages` "
+                                               "or `input_ids`)")
+    p.add_argument("output", metavar="OUT", help="output .jsonl or .parquet")
+    p.add_argument("-f", "--format", default="auto",
+                   help="format name or spec path; `auto` (default) detects it from the "
+                        "tokenizer")
+    p.add_argument("--tokenizer", required=True, metavar="DIR",
+                   help="a local transformers tokenizer directory (loaded offline)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a tokenizer that ships its own code (e.g. Kimi's)")
+    p.add_argument("--template", metavar="FILE",
+                   help="Jinja chat template for `messages` rows (default: the tokenizer's)")
+    p.add_argument("--template-kwarg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra template variable (VALUE parsed as JSON, else a string); "
+                        "repeatable, e.g. --template-kwarg enable_thinking=false")
+    p.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
+                   help="worker processes (default 1: in this process)")
+    p.add_argument("--chunk-size", type=int, default=256, metavar="ROWS",
+                   help="rows per work unit (default 256)")
+    p.add_argument("--rejects", metavar="FILE",
+                   help="where rejected rows go (default: OUT.rejects.jsonl)")
+    p.add_argument("--summary", metavar="FILE", help="also write the summary as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("policy (default: the format's declared policy)")
+    g.add_argument("--roles", metavar="ROLE[,ROLE]", help="roles that train (default assistant)")
+    g.add_argument("--no-thinking", action="store_true", help="do not train reasoning blocks")
+    g.add_argument("--no-tool-calls", action="store_true", help="do not train tool calls")
+    g.add_argument("--end-marker", action="store_true", help="also train turn terminators")
+    g.add_argument("--last-turn-only", action="store_true", help="train only the last turn")
+    g.add_argument("--no-truncated", action="store_true",
+                   help="do not train turns cut off by the end of input")
+    g.add_argument("--lenient", action="store_true",
+                   help="skip malformed parts instead of rejecting the row")
+    p.set_defaults(func=run)
+
+
+def _policy_changes(args: argparse.Namespace) -> dict:
+    ch: dict = {}
+    if args.roles:
+        ch["roles"] = tuple(r.strip() for r in args.roles.split(",") if r.strip())
+    if args.no_thinking:
+        ch["thinking"] = False
+    if args.no_tool_calls:
+        ch["tool_calls"] = False
+    if args.end_marker:
+        ch["end_marker"] = True
+    if args.last_turn_only:
+        ch["last_turn_only"] = True
+    if args.no_truncated:
+        ch["truncated"] = False
+    return ch
+
+
+def _template_kwargs(pairs: list[str]) -> dict:
+    out = {}
+    for kv in pairs:
+        if "=" not in kv:
+            raise _UsageError(f"--template-kwarg expects KEY=VALUE, got {kv!r}")
+        k, v = kv.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+# ----------------------------------------------------------------------------- input / output
+
+def _kind(path: str, what: str) -> str:
+    low = path.lower()
+    if low.endswith(JSONL_EXT):
+        return "jsonl"
+    if low.endswith(PARQUET_EXT):
+        return "parquet"
+    raise _UsageError(f"{what} {path!r}: expected a .jsonl or .parquet file")
+
+
+def count_rows(path: str) -> int | None:
+    """Rows in a dataset file (Parquet: from its metadata; JSONL: non-blank lines)."""
+    if _kind(path, "IN") == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    n = 0
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                n += 1
+    return n
+
+
+def iter_chunks(path: str, size: int) -> Iterator[list[tuple[int, Any]]]:
+    """``(row number, row dict | error str)`` in chunks of ``size``, streamed."""
+    chunk: list = []
+    row = 0
+    if _kind(path, "IN") == "parquet":
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(path)
+        cols = [c for c in ("messages", "input_ids", "tools") if c in pf.schema_arrow.names]
+        for batch in pf.iter_batches(batch_size=size, columns=cols or None):
+            for rec in batch.to_pylist():
+                chunk.append((row, rec))
+                row += 1
+                if len(chunk) >= size:
+                    yield chunk
+                    chunk = []
+    else:
+        with open(path, "r", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    rec = f"invalid JSON: {exc}"
+                chunk.append((row, rec))
+                row += 1
+                if len(chunk) >= size:
+                    yield chunk
+                    chunk = []
+    if chunk:
+        yield chunk
+
+
+class _Writer:
+    def __init__(self, path: str):
+        self.kind = _kind(path, "OUT")
+        self.path = path
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        if self.kind == "jsonl":
+            self.f = open(path, "w", encoding="utf-8")
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            self.schema = pa.schema([("row", pa.int64()), ("input_ids", pa.list_(pa.int64())),
+                                     ("loss_mask", pa.list_(pa.int8())),
+                                     ("num_trained", pa.int64())])
+            self.w = pq.ParquetWriter(path, self.schema)
+
+    def write(self, rows: list[dict]) -> None:
+        if not rows:
+            return
+        if self.kind == "jsonl":
+            self.f.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+        else:
+            import pyarrow as pa
+
+            self.w.write_table(pa.Table.from_pylist(rows, schema=self.schema))
+
+    def close(self) -> None:
+        if self.kind == "jsonl":
+            self.f.close()
+        else:
+            self.w.close()
+
+
+# ----------------------------------------------------------------------------- work
+
+_STATE: dict = {}
+
+
+def _init(cfg: dict) -> None:
+    """Per-process setup: format (compile cache) and tokenizer loaded here, never pickled."""
+    import chatgrammar as cg
+    from .detect import load_tokenizer
+
+    tok = load_tokenizer(cfg["tokenizer"], trust_remote_code=cfg["trust_remote_code"])
+    fmt = cg.load_format(cfg["format"])
+    policy = fmt.default_policy.replace(**cfg["policy"]) if cfg["policy"] else fmt.default_policy
+    template = cfg["template"]
+    if template is None:
+        t = getattr(tok, "chat_template", None)
+        template = t.get("default") if isinstance(t, dict) else t
+    specials = {k: v for k, v in (getattr(tok, "special_tokens_map", None) or {}).items()
+                if isinstance(v, str)}
+    _STATE.update(fmt=fmt, tok=tok, policy=policy, template=template,
+                  render_kwargs={**specials, **cfg["template_kwargs"]},
+                  strict=cfg["strict"], fm=fmt._fast_masker(tok))
+
+
+def _ids_of(rec: Any) -> list[int]:
+    if not isinstance(rec, dict):
+        raise ValueError(rec if isinstance(rec, str) else "row is not an object")
+    ids = rec.get("input_ids")
+    if ids is not None:
+        ids = list(ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("input_ids must be a list of integers")
+        return ids
+    msgs = rec.get("messages")
+    if msgs is None:
+        raise ValueError("row has neither `messages` nor `input_ids`")
+    tpl = _STATE["template"]
+    if not tpl:
+        raise ValueError("`messages` row but no chat template (pass --template)")
+    from ..render import render_chat
+
+    text = render_chat(tpl, msgs, tools=rec.get("tools") or None, **_STATE["render_kwargs"])
+    return list(_STATE["tok"](text, add_special_tokens=False)["input_ids"])
+
+
+def _work(chunk: list[tuple[int, Any]]) -> tuple[list[dict], list[dict], dict]:
+    """One chunk: (output rows, reject rows, stats)."""
+    from ..fastpath import _pack_many
+
+    good: list[tuple[int, list[int]]] = []
+    rejects: list[dict] = []
+    for row, rec in chunk:
+        try:
+            good.append((row, _ids_of(rec)))
+        except Exception as exc:  # render / tokenise / input shape: reject with the error
+            rejects.append({"row": row, "stage": "input", "error": _msg(exc)})
+    stats = {"roles": collections.Counter(), "tokens": 0, "trained": 0, "empty": 0}
+    out: list[dict] = []
+    if good:
+        lens = [len(ids) for _, ids in good]
+        arr = _pack_many([ids for _, ids in good], lens)
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        roles: list = []
+        errors: list = []
+        masks = _STATE["fm"].masks_flat(arr, starts, _STATE["policy"], _STATE["strict"],
+                                        roles=roles, errors=errors)
+        for (row, ids), m, r, err in zip(good, masks, roles, errors):
+            if err is not None:
+                rejects.append({"row": row, "stage": "parse", "error": _msg(err)})
+                continue
+            k = m.count(1)
+            stats["tokens"] += len(ids)
+            stats["trained"] += k
+            stats["empty"] += k == 0
+            stats["roles"].update(r or ())
+            out.append({"row": row, "input_ids": ids, "loss_mask": list(m), "num_trained": k})
+    rejects.sort(key=lambda r: r["row"])
+    return out, rejects, stats
+
+
+def _msg(exc: BaseException) -> str:
+    s = str(exc).strip() or type(exc).__name__
+    return f"{type(exc).__name__}: {s}"
+
+
+# ----------------------------------------------------------------------------- run
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``chatgrammar mask``; returns the exit code."""
+    try:
+        return _run(args)
+    except _UsageError as exc:
+        print(f"chatgrammar mask: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    import chatgrammar as cg
+    from .detect import _UsageError as DetectUsage, load_tokenizer
+
+    if args.jobs < 1 or args.chunk_size < 1:
+        raise _UsageError("-j and --chunk-size must be at least 1")
+    if not os.path.isfile(args.input):
+        raise _UsageError(f"no such input file: {args.input}")
+    _kind(args.input, "IN")
+    _kind(args.output, "OUT")
+    template = None
+    if args.template:
+        try:
+            template = Path(args.template).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise _UsageError(f"cannot read --template: {exc}") from None
+    try:
+        tok = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+    except DetectUsage as exc:
+        raise _UsageError(str(exc)) from None
+    try:
+        fmt = cg.detect_format(tok) if args.format == "auto" else cg.load_format(args.format)
+    except ChatGrammarError as exc:
+        raise _UsageError(str(exc).splitlines()[0]) from None
+    cfg = {"tokenizer": args.tokenizer, "trust_remote_code": args.trust_remote_code,
+           "format": str(fmt.path) if args.format == "auto" else args.format,
+           "template": template, "template_kwargs": _template_kwargs(args.template_kwarg),
+           "policy": _policy_changes(args), "strict": not args.lenient}
+    try:
+        fmt.default_policy.replace(**cfg["policy"])
+    except (TypeError, ValueError) as exc:
+        raise _UsageError(f"bad policy: {exc}") from None
+    rejects_path = args.rejects or args.output + ".rejects.jsonl"
+    total = count_rows(args.input)
+
+    writer = _Writer(args.output)
+    rej_f = None
+    summary = {"input": args.input, "output": args.output, "format": fmt.name, "samples": 0,
+               "written": 0, "rejected": 0, "tokens": 0, "trained_tokens": 0,
+               "empty_masks": 0, "roles": collections.Counter()}
+    t0 = time.perf_counter()
+
+    def consume(res) -> None:
+        nonlocal rej_f
+        out, rej, st = res
+        writer.write(out)
+        if rej:
+            if rej_f is None:
+                rej_f = open(rejects_path, "w", encoding="utf-8")
+            rej_f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rej))
+        summary["samples"] += len(out) + len(rej)
+        summary["written"] += len(out)
+        summary["rejected"] += len(rej)
+        summary["tokens"] += st["tokens"]
+        summary["trained_tokens"] += st["trained"]
+        summary["empty_masks"] += st["empty"]
+        summary["roles"].update(st["roles"])
+
+    progress = _progress(args.no_progress, total)
+    try:
+        with progress as bar:
+            task = bar.add_task("masking", total=total, rate="0")
+
+            def done(res) -> None:
+                consume(res)
+                dt = max(time.perf_counter() - t0, 1e-9)
+                bar.update(task, completed=summary["samples"],
+                           rate=f"{summary['samples'] / dt:,.0f}")
+
+            chunks = iter_chunks(args.input, args.chunk_size)
+            if args.jobs == 1:
+                _init(cfg)
+                for chunk in chunks:
+                    done(_work(chunk))
+            else:
+                import multiprocessing as mp
+
+                ctx = mp.get_context("spawn")
+                with ctx.Pool(args.jobs, initializer=_init, initargs=(cfg,)) as pool:
+                    pending: collections.deque = collections.deque()
+                    for chunk in chunks:  # at most 2 chunks in flight per worker
+                        pending.append(pool.apply_async(_work, (chunk,)))
+                        while len(pending) >= 2 * args.jobs:
+                            done(pending.popleft().get())
+                    while pending:
+                        done(pending.popleft().get())
+    finally:
+        writer.close()
+        if rej_f is not None:
+            rej_f.close()
+    elapsed = time.perf_counter() - t0
+    summary["roles"] = dict(sorted(summary["roles"].items()))
+    summary["trained_fraction"] = (summary["trained_tokens"] / summary["tokens"]
+                                   if summary["tokens"] else 0.0)
+    summary["rejects_file"] = rejects_path if summary["rejected"] else None
+    summary["seconds"] = round(elapsed, 3)
+    summary["samples_per_second"] = round(summary["samples"] / elapsed, 1) if elapsed else None
+    _print_summary(summary)
+    if args.summary:
+        Path(args.summary).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return 1 if summary["rejected"] else 0
+
+
+def _progress(disabled: bool, total: int | None):
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    console = Console(stderr=True)
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[rate]} samples/s"), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=console,
+                    disable=disabled or not console.is_terminal)
+
+
+def _print_summary(s: dict) -> None:
+    lines = [
+        f"format          {s['format']}",
+        f"samples         {s['samples']:,} ({s['written']:,} written, {s['rejected']:,} rejected)",
+        f"tokens          {s['tokens']:,}",
+        f"trained         {s['trained_tokens']:,} ({100 * s['trained_fraction']:.1f}%)",
+        f"empty masks     {s['empty_masks']:,} (parsed, but nothing trains under the policy)",
+        "turns per role  " + (", ".join(f"{k} {v:,}" for k, v in s["roles"].items()) or "-"),
+        f"throughput      {s['samples_per_second'] or 0:,.1f} samples/s ({s['seconds']:.1f} s)",
+    ]
+    if s["rejects_file"]:
+        lines.append(f"rejects         {s['rejects_file']}")
+    print("\n".join(lines), file=sys.stderr)
