@@ -763,5 +763,10 @@ def check_template(fmt: Format, template: str, *, name: str = "template",
     vars_ = {**(_special_vars(tokenizer) if tokenizer is not None else {}), **(variables or {})}
     synth = MarkerTokenizer.for_format(fmt)
     for case in (default_matrix() if cases is None else cases):
-        out.cases.append(_check_case(fmt, template, case, vars_, synth, tokenizer, timeout))
+        try:
+            out.cases.append(_check_case(fmt, template, case, vars_, synth, tokenizer,
+                                         timeout))
+        except Exception as exc:  # one broken case must not hide the others' results
+            out.cases.append(CaseResult(case.name, "fail", f"error while checking this case: "
+                                        f"{type(exc).__name__}: {exc}"))
     return out

@@ -541,7 +541,7 @@ def resolve_paths(paths: Sequence[str]) -> list[Path]:
         norms = formats_dir() / "norms.yaml"
         if norms.is_file():
             out.append(norms)
-        return out
+        return [_short(p) for p in out]
     out = []
     for s in paths:
         p = Path(s)
@@ -555,13 +555,22 @@ def resolve_paths(paths: Sequence[str]) -> list[Path]:
         else:
             bundled = bundled_paths()
             if s in bundled and not s.endswith((".yaml", ".yml")):
-                out.append(bundled[s])
+                out.append(_short(bundled[s]))
             else:
                 import difflib
                 close = difflib.get_close_matches(s, list(bundled), n=1)
                 hint = f" (did you mean the bundled format {close[0]!r}?)" if close else ""
                 raise ChatGrammarError(f"no such file: {s}{hint}")
     return out
+
+
+def _short(p: Path) -> Path:
+    """A bundled path relative to the working directory when it is below it (shorter
+    reports), else as is."""
+    try:
+        return Path(p).resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return Path(p)
 
 
 def validate_paths(paths: Sequence[str | Path], *, precedence_with_bundled: bool = True
