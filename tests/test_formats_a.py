@@ -360,15 +360,12 @@ def check_ids_agree(text: str, conv: cg.Conversation, fmt: cg.Format, tok, polic
         im = iconv.mask_array(pol).astype(bool)
         assert len(im) == len(ids)
         for i, (a, b) in enumerate(offsets):
-            any_trained, all_trained = bool(cm[a:b].any()), bool(cm[a:b].all())
-            if i in straddle:
-                continue  # documented rule, reported: the boundary falls inside this token
-            assert im[i] == any_trained, (i, ids[i], text[a:b], pol)
-            if im[i]:  # a trained token decodes to text inside a trained span
-                assert all_trained, (i, text[a:b], pol)
-        for i in straddle:  # a reported straddling token is partly trained text
-            a, b = offsets[i]
-            assert cm[a:b].any() or not im[i], (i, text[a:b], pol)
+            # a token is trained iff it carries trained text: no trained char is left out
+            assert im[i] == bool(cm[a:b].any()), (i, ids[i], text[a:b], pol)
+            # and its text lies inside a trained span — unless a span boundary falls inside
+            # it, which is reported (the documented rule: the straddling token is trained)
+            if im[i] and not cm[a:b].all():
+                assert i in straddle, (i, text[a:b], pol, iconv.boundaries)
 
 
 POLICIES = (None, cg.MaskPolicy(thinking=False, end_marker=True),
