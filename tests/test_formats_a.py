@@ -19,7 +19,6 @@ trained and reported on ``Conversation.boundaries``. Shapes a template rejects a
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -270,7 +269,8 @@ REJECTED: dict[str, dict[str, str]] = {
     "Bielik-11B-v3.0-Instruct.jinja": {"content-parts": _STR_CONTENT},
     "LiquidAI-LFM2.jinja": {"content-parts": _STR_CONTENT},
     "LFM2.5-Instruct.jinja": {"content-parts": _STR_CONTENT},
-    "LFM2.5-8B-A1B.jinja": {"tool-call-string-args": "[undefined] 'str object' has no attribute 'items'"},
+    "LFM2.5-8B-A1B.jinja": {
+        "tool-call-string-args": "[undefined] 'str object' has no attribute 'items'"},
     "meta-llama-Meta-Llama-3-8B-Instruct.jinja": {},
     # functionary v3.1 concatenates string arguments only
     "meetkai-functionary-medium-v3.1.jinja": {
@@ -448,8 +448,8 @@ def test_template_matrix(tpl: Tpl) -> None:
 
 # ----------------------------------------------------------------------------- embedded examples
 
-FAMILY_TOKENIZERS = {"chatml": ("qwen", "qwen2.5", "lfm2"), "phi4": ("phi4",), "llama3": ("llama3",),
-                     "gemma": ("gemma",), "phi3": ("phi3",)}
+FAMILY_TOKENIZERS = {"chatml": ("qwen", "qwen2.5", "lfm2"), "phi4": ("phi4",),
+                     "llama3": ("llama3",), "gemma": ("gemma",), "phi3": ("phi3",)}
 
 
 def _example(text: str) -> tuple[str, list[tuple[int, int]]]:
