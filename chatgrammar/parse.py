@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from functools import lru_cache
 from typing import Any, Callable
 
 from .compile import (HEADER, HEADER_CHARS_PER_TOKEN, TEXT, ParseTables, rule_name,
@@ -32,6 +33,14 @@ _XTML_UNESC = re.compile(r"&(amp|quot);")
 
 def parse_xtml_head(text: str) -> tuple[str, dict] | None:
     """``tag key="value" …`` → (tag, attrs) with ``&amp;``/``&quot;`` unescaped, or None."""
+    # Headers repeat ("message role=\"assistant\"", "think"...): memoised; the attrs dict
+    # is copied so no two blocks share one.
+    hit = _xtml_head(text)
+    return None if hit is None else (hit[0], dict(hit[1]))
+
+
+@lru_cache(maxsize=4096)
+def _xtml_head(text: str) -> tuple[str, dict] | None:
     m = _XTML_HEAD.match(text)
     if not m:
         return None
