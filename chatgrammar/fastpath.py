@@ -330,7 +330,7 @@ class FastMasker:
                     continue
                 got = [] if roles is not None else None
                 if self._fast(arr, starts, j, lexed, policy, pid, big, got):
-                    outs[j] = big[starts[j]:starts[j + 1]]
+                    outs[j] = big if S == 1 else big[starts[j]:starts[j + 1]]
                     self.stats["fast"] += 1
                     if roles is not None:
                         roles[j] = got
@@ -377,10 +377,10 @@ class FastMasker:
                     if 1 <= j <= S:
                         slow[j - 1] = True
         M = len(cand)
-        bof = np.asarray(starts[:-1], dtype=np.int64)
         if S == 1:
-            bidx = np.zeros(1, dtype=np.int64)
+            bidx = None
         else:
+            bof = np.asarray(starts[:-1], dtype=np.int64)
             bidx = np.searchsorted(cand, bof, side="left") + np.arange(S)
         T = M + S
         P = np.empty(T + 1, dtype=np.int64)
@@ -407,7 +407,7 @@ class FastMasker:
             split_at = split_at.copy()
             gcl = self.gclass[Kx]
             for i in np.flatnonzero((gcl == SPLIT) & (glen > 0)).tolist():
-                j = int(np.searchsorted(bidx, i, side="right")) - 1
+                j = 0 if bidx is None else int(np.searchsorted(bidx, i, side="right")) - 1
                 if slow[j]:
                     continue
                 h_end = self._split(arr, int(mend[i]), int(P[i + 1]), int(Kx[i]))
@@ -444,8 +444,7 @@ class FastMasker:
         slots[:, 2] = split_at
         B = slots.ravel().tolist()
         B.append(N)
-        bl = bidx.tolist()
-        bl.append(T)
+        bl = [0, T] if bidx is None else [*bidx.tolist(), T]
         return symb, meta, vals, off_l, B, bl, slow
 
     def _split(self, arr, s: int, e: int, code: int) -> int | None:
