@@ -768,48 +768,56 @@ def _read_key(arr, B, js: int, je: int, limit: int):
 
 
 def _soft_lut(lx: IdLexer):
-    """Boolean table over ids: True where the token's text may hold the first character of a
-    soft marker the tokenizer has no single id for (None: cannot tell for this tokenizer)."""
-    firsts = set()
-    for term in lx.missing:
-        if not lx.cfg.special.get(term, True):
-            ch = lx.cfg.marker_text[term][:1]
-            if not ch or not (ch.isascii() and ch.isprintable() and not ch.isspace()):
-                return None
-            firsts.add(ch)
-    if not firsts:
+    """Boolean table over ids: True where the token may spell part of a soft marker the
+    tokenizer has no single id for (None: cannot tell for this tokenizer).
+
+    A soft marker found in a decoded run needs every one of its characters there; for each
+    marker the printable ASCII character that the fewest tokens contain is chosen, and a run
+    whose tokens contain none of the chosen characters cannot hold any soft marker (printable
+    ASCII decodes from exactly the tokens whose bytes / byte-level pieces contain it). The
+    format's own marker ids are never part of a run."""
+    texts = [lx.cfg.marker_text[t] for t in lx.missing if not lx.cfg.special.get(t, True)]
+    if not texts:
         return None
     a = lx.adapter
     enc = a._encoding
-    if enc is not None:
+    if enc is not None and enc is a.tokenizer:
         ranks = getattr(enc, "_mergeable_ranks", None)
         if not isinstance(ranks, dict):
             return None
         size = max(enc.n_vocab, max(ranks.values(), default=0) + 1)
-        lut = np.zeros(size, dtype=bool)
-        fb = [c.encode() for c in firsts]
+        pieces = [""] * size
         for tb, r in ranks.items():
-            if any(f in tb for f in fb):
-                lut[r] = True
-        for s, r in getattr(enc, "_special_tokens", {}).items():
-            if r < size and any(c in s for c in firsts):
-                lut[r] = True
-        return lut
-    tok = a.tokenizer
-    conv = getattr(tok, "convert_ids_to_tokens", None)
-    if conv is None or not hasattr(tok, "__len__"):
-        return None
-    try:
-        size = len(tok)
-        pieces = conv(list(range(size)))
-    except Exception:
-        return None
-    lut = np.zeros(size, dtype=bool)
-    for i, p in enumerate(pieces):
+            pieces[r] = tb.decode("latin-1")
+        for sp, r in getattr(enc, "_special_tokens", {}).items():
+            if r < size:
+                pieces[r] = sp
+    else:
+        tok = a.tokenizer
+        conv = getattr(tok, "convert_ids_to_tokens", None)
+        if conv is None or not hasattr(tok, "__len__"):
+            return None
+        try:
+            size = len(tok)
+            pieces = [p if isinstance(p, str) else "\x00" for p in conv(list(range(size)))]
+        except Exception:
+            return None
         # byte-level BPE keeps printable ASCII as itself; SentencePiece pieces too (byte
         # fallback pieces spell "<0x3C>", which contains "<" anyway): a superset is safe
-        if p is None or any(c in p for c in firsts):
-            lut[i] = True
+    has: dict[str, np.ndarray] = {}
+    lut = np.zeros(size, dtype=bool)
+    for text in texts:
+        chars = [c for c in dict.fromkeys(text) if c.isascii() and c.isprintable()
+                 and not c.isspace()]
+        if not chars:
+            return None
+        for c in chars:
+            if c not in has:
+                has[c] = np.fromiter((c in p for p in pieces), dtype=bool, count=size)
+        lut |= has[min(chars, key=lambda c: int(has[c].sum()))]
+    for tid in lx.marker_ids.values():
+        if 0 <= tid < size:
+            lut[tid] = False
     return lut
 
 
