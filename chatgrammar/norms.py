@@ -245,6 +245,8 @@ def _compose(text: str, file: str) -> tuple[Any, Any]:
     try:
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else None
+    except RecursionError:  # PyYAML composes recursively: a deeply nested file is invalid
+        raise yaml.YAMLError("YAML nested too deeply") from None
     finally:
         loader.dispose()
     return node, data

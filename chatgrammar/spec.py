@@ -281,6 +281,8 @@ def load_yaml(text: str, file: str) -> tuple[Any, dict]:
                         col=mark.column + 1 if mark else None) from None
     except yaml.YAMLError as exc:
         raise SpecError(f"YAML error: {exc}", file=file) from None
+    except RecursionError:  # PyYAML composes and constructs recursively
+        raise SpecError("YAML nested too deeply", file=file, line=1, col=1) from None
     return data, _node_marks(node)
 
 
