@@ -38,9 +38,10 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
+from .compile import _regex_risk
 from .errors import ChatGrammarError, CompileError, ParseError, SpecError
 from .policy import MaskPolicy
-from .spec import FormatSpec, SpecSource, format_path, spec_errors
+from .spec import FormatSpec, SpecSource, _check_node_graph, format_path, spec_errors
 
 __all__ = ["Problem", "FileResult", "Report", "check_spec_text", "check_spec_file",
            "check_examples", "check_norms_file", "check_tokenizer", "parse_marked",
@@ -148,7 +149,9 @@ def _duplicate_keys(text: str, file: str) -> list[Problem]:
     """Duplicate mapping keys (the safe loader silently keeps the last one)."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
+        if node is not None:
+            _check_node_graph(node, file)  # recursive aliases / alias bombs: no walk
+    except (yaml.YAMLError, SpecError, RecursionError):
         return []  # reported by the schema stage with its position
     out: list[Problem] = []
     stack: list[tuple[Any, tuple]] = [(node, ())] if node is not None else []
@@ -193,6 +196,8 @@ def _check_patterns(spec: FormatSpec, src: SpecSource) -> list[Problem]:
             out.append(Problem.from_error(src.error(f"invalid regex {pat!r}: {exc}", loc),
                                           "patterns"))
             continue
+        if _regex_risk(pat):
+            continue  # never run it (it may backtrack for hours): the compile stage reports it
         for mn, m in spec.markers.items():
             if rx.fullmatch(m.text):
                 out.append(Problem.from_error(src.error(
@@ -459,7 +464,7 @@ def is_norms_file(path: str | Path, text: str | None = None) -> bool:
         return False
     try:
         data = yaml.safe_load(text)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         return False
     return isinstance(data, dict) and "backbones" in data and "markers" not in data
 
