@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from .compile import HEADER, TEXT
+from .compile import HEADER, HEADER_CHARS_PER_TOKEN, TEXT
 from .errors import ParseError
-from .lexers import IdLexer, as_id_array
+from .lexers import IdLexer, as_id_array, lex_text
 from .parse import Source
 from .policy import MaskPolicy
 from .spans import Conversation, Issue
@@ -51,6 +51,9 @@ NONE, RUN, HEAD, HEAD_RUN = 0, 1, 2, 3
 # gap classes: what the lexer does with the run after a marker
 BODY, DECODE, SPLIT = 0, 1, 2
 _MAX_STACKS = 200_000
+# Configurations deeper than this are not memoised (a stack tuple per configuration would cost
+# memory quadratic in the nesting depth): such inputs take the full, non-recursive parser.
+_MAX_DEPTH = 128
 # The walk steps GRAM symbols at a time: one dict lookup per GRAM markers.
 GRAM = 4
 FLAG_BITS = 3 * GRAM
@@ -136,9 +139,11 @@ class _Automaton:
                 return -1
             if hit:
                 flags |= bit
+        if len(stack) > _MAX_DEPTH:
+            return -1  # pathological nesting: not memoised, the slow path parses it
         st = tuple(stack)
         if st not in self.ids and len(self.stacks) >= _MAX_STACKS:
-            return -1  # pathological nesting: not memoised, the slow path parses it
+            return -1
         v = self._intern(st) << 3 | flags
         self.table[sid][sym] = v
         return v
@@ -744,7 +749,7 @@ class _RecordingSource(Source):
 
     def match_lead(self, s: int, e: int, lead: str):
         if self.recording:
-            self.reads.append((s, e, len(lead) + 4))
+            self.reads.append((s, e, -len(lead)))  # negative: a lead match (see _read_key)
         return super().match_lead(s, e, lead)
 
 
@@ -762,7 +767,11 @@ def _in_generation_prompt() -> bool:
 
 
 def _read_key(arr, B, js: int, je: int, limit: int):
+    # what an id-mode read of [s, e) can depend on: its length up to a bound, and its ids
+    # (a lead match, recorded as -len(lead), reads at most len(lead) + 4 tokens)
     s, e = B[js], B[je]
+    if limit < 0:
+        limit = 4 - limit
     k = min(e - s, limit + 1)
     return k, arr[s:s + min(k, limit)].tobytes()
 
@@ -864,3 +873,252 @@ def mask_like(ids: Any, m: bytearray):
     if isinstance(ids, np.ndarray):
         return np.frombuffer(m, dtype=np.uint8).astype(np.int64)
     return list(m)
+
+
+# ----------------------------------------------------------------------------- text mode
+
+# Block fields the text memo knows; every position field is relocated, the others copied.
+# A Block with other fields (the core grew one) disables the memo: never a silent mistake.
+_BLOCK_POS = ("start", "end", "header_start", "header_end", "body_start", "body_end",
+              "close_start", "close_end", "train_start")
+_BLOCK_OTHER = ("name", "open", "header", "attrs", "tag", "kind", "close", "children",
+                "complete", "valid", "follow")
+_TURN_FIELDS = ("role", "start", "end", "complete", "block", "generation_prompt", "valid")
+
+
+def _fields_known() -> bool:
+    from .spans import Block, Turn
+
+    return ({f.name for f in dataclasses.fields(Block)} == set(_BLOCK_POS + _BLOCK_OTHER)
+            and {f.name for f in dataclasses.fields(Turn)} == set(_TURN_FIELDS))
+
+
+class _BlockTpl:
+    """A harvested block with its positions as item-relative slots (token boundaries)."""
+
+    __slots__ = ("base", "pos", "children", "follow")
+
+    def __init__(self, b, slot_of: dict[int, int]):
+        self.base = dict(b.__dict__)
+        self.pos = []
+        for f in _BLOCK_POS:
+            v = self.base[f]
+            if v is not None:
+                if v not in slot_of:
+                    raise _NoCache
+                self.pos.append((f, slot_of[v]))
+        self.children = [_BlockTpl(c, slot_of) for c in b.children]
+        self.follow = _BlockTpl(b.follow, slot_of) if b.follow is not None else None
+
+    def make(self, bounds: list[int], a: int, block_cls):
+        b = object.__new__(block_cls)
+        d = dict(self.base)
+        for f, k in self.pos:
+            d[f] = bounds[a + k]
+        d["attrs"] = dict(d["attrs"])
+        d["children"] = [c.make(bounds, a, block_cls) for c in self.children]
+        d["follow"] = self.follow.make(bounds, a, block_cls) if self.follow is not None else None
+        b.__dict__ = d
+        return b
+
+
+class _TurnTpl:
+    __slots__ = ("base", "start", "end", "block")
+
+    def __init__(self, t, slot_of: dict[int, int]):
+        if t.start not in slot_of or t.end not in slot_of:
+            raise _NoCache
+        self.base = dict(t.__dict__)
+        self.base["generation_prompt"] = False
+        self.start, self.end = slot_of[t.start], slot_of[t.end]
+        self.block = _BlockTpl(t.block, slot_of)
+
+    def make(self, bounds: list[int], a: int, turn_cls, block_cls):
+        t = object.__new__(turn_cls)
+        d = dict(self.base)
+        d["start"] = bounds[a + self.start]
+        d["end"] = bounds[a + self.end]
+        d["block"] = self.block.make(bounds, a, block_cls)
+        t.__dict__ = d
+        return t
+
+
+class TextMemo:
+    """Exact memo for :meth:`chatgrammar.Format.parse` (text mode).
+
+    Same idea as :class:`FastMasker`: the lexer's tokens are walked through the memoised LALR
+    automaton to find the top-level items; an item seen before (same token types, same header
+    texts, same text read by the parse) is rebuilt from its template — fresh Turn and Block
+    objects with the positions of this text — instead of being parsed. Misses, warnings,
+    text cut inside a marker and anything else unusual take the full pipeline, which then
+    teaches the memo. ``Format.parse`` gives identical Conversations either way
+    (tests/test_fastpath.py compares them field by field).
+    """
+
+    def __init__(self, fmt):
+        from .spans import Block, Turn
+
+        self.fmt = fmt
+        self.drv = fmt._driver
+        self.enabled = _fields_known()
+        self.block_cls, self.turn_cls = Block, Turn
+        self.auto = _Automaton(self.drv, [], 0)
+        self.trans: list[dict] = [{}]
+        self.items: dict = {}
+        self.stats = {"fast": 0, "slow": 0, "harvest": 0}
+
+    def _step(self, sid: int, term: str) -> int:
+        auto = self.auto
+        stack = list(auto.stacks[sid])
+        hit = auto._step(stack, term)
+        if hit is None or len(stack) > _MAX_DEPTH:
+            v = -1
+        else:
+            st = tuple(stack)
+            if st not in auto.ids and len(auto.stacks) >= _MAX_STACKS:
+                return -1
+            nsid = auto._intern(st)
+            while len(self.trans) < len(auto.stacks):
+                self.trans.append({})
+            v = nsid << 1 | (1 if hit else 0)
+        self.trans[sid][term] = v
+        return v
+
+    def _walk(self, toks: list) -> list[int] | None:
+        trans = self.trans
+        sid = 0
+        bounds: list[int] = []
+        for i, t in enumerate(toks):
+            v = trans[sid].get(t[0])
+            if v is None:
+                v = self._step(sid, t[0])
+                trans = self.trans
+            if v < 0:
+                return None
+            sid = v >> 1
+            if v & 1:
+                bounds.append(i)
+        hit = self.auto.end(sid)
+        if hit is None:
+            return None
+        if hit:
+            bounds.append(len(toks))
+        return bounds
+
+    @staticmethod
+    def _key(toks: list, a: int, b: int) -> tuple:
+        return tuple([(t[0], t[3]) for t in toks[a:b]])
+
+    def lookup(self, text: str):
+        """The Conversation of ``text`` from the memo, or None (the caller parses it)."""
+        if not self.enabled:
+            return None
+        fmt = self.fmt
+        if fmt._partial_marker_tail(text) is not None:
+            return None
+        toks = lex_text(text, fmt._lexcfg)
+        bounds = self._walk(toks)
+        if bounds is None:
+            return None
+        n = len(text)
+        pos = [t[1] for t in toks]
+        pos.append(n)
+        turns: list = []
+        a = 0
+        for b in bounds:
+            if b <= a:
+                continue
+            it = self.items.get(self._key(toks, a, b))
+            if it is None or it.unstable:
+                return None
+            if it.plan:
+                rkey = tuple(_text_read(text, pos, a + s, a + e, lim) for s, e, lim in it.plan)
+            else:
+                rkey = ()
+            tpls = it.progs.get(rkey)
+            if tpls is None:
+                return None
+            for tp in tpls:
+                turns.append(tp.make(pos, a, self.turn_cls, self.block_cls))
+            a = b
+        src = Source("text", n, text=text)
+        self.drv._mark_generation_prompt(turns, src, toks)
+        self.stats["fast"] += 1
+        return Conversation(format=fmt.name, mode="text", length=n, turns=turns, warnings=[],
+                            boundaries=[], default_policy=fmt.default_policy, text=text)
+
+    def source(self, n: int, text: str) -> Source:
+        """The Source the full pipeline should use (it records what the parse reads)."""
+        src = _RecordingSource("text", n, text=text)
+        src.recording = True
+        return src
+
+    def learn(self, text: str, toks: list, turns: list, src) -> None:
+        """Remember the items of a clean full parse."""
+        self.stats["slow"] += 1
+        if not self.enabled or not isinstance(src, _RecordingSource):
+            return
+        try:
+            self._learn(text, toks, turns, src.reads)
+        except _NoCache:
+            pass
+
+    def _learn(self, text, toks, turns, reads) -> None:
+        bounds = self._walk(toks)
+        if bounds is None:
+            raise _NoCache
+        self.stats["harvest"] += 1
+        n = len(text)
+        pos = [t[1] for t in toks]
+        pos.append(n)
+        segs = []
+        a = 0
+        for b in bounds:
+            if b > a:
+                segs.append((a, b))
+                a = b
+        starts_pos = [pos[a] for a, _ in segs]
+        per_seg: list[list] = [[] for _ in segs]
+        for t in turns:
+            j = bisect.bisect_right(starts_pos, t.start) - 1
+            if j < 0 or not (pos[segs[j][0]] <= t.start < pos[segs[j][1]]):
+                raise _NoCache
+            per_seg[j].append(t)
+        reads_seg: list[list] = [[] for _ in segs]
+        for s, e, lim in reads:
+            j = bisect.bisect_right(starts_pos, s) - 1
+            if j < 0 or s >= pos[segs[j][1]]:
+                if e <= s:
+                    continue
+                raise _NoCache
+            reads_seg[j].append((s, e, lim))
+        for (a, b), sturns, sreads in zip(segs, per_seg, reads_seg):
+            key = self._key(toks, a, b)
+            slot_of: dict[int, int] = {}
+            for j in range(b, a - 1, -1):
+                slot_of.setdefault(pos[j], j - a)
+            plan = []
+            for s, e, lim in sreads:
+                if s not in slot_of or e not in slot_of:
+                    raise _NoCache
+                plan.append((slot_of[s], slot_of[e], lim))
+            plan = tuple(plan)
+            it = self.items.get(key)
+            if it is None:
+                if len(self.items) > 200_000:
+                    self.items.clear()
+                it = self.items[key] = _Item(plan)
+            elif it.plan != plan:
+                it.unstable = True
+                continue
+            rkey = tuple(_text_read(text, pos, a + s, a + e, lim) for s, e, lim in plan)
+            if rkey not in it.progs:
+                it.progs[rkey] = [_TurnTpl(t, slot_of) for t in sturns]
+
+
+def _text_read(text: str, pos: list[int], js: int, je: int, limit: int):
+    # what a text-mode read of [s, e) can depend on: its length up to a bound, and its text
+    s, e = pos[js], pos[je]
+    cap = -limit if limit < 0 else limit * HEADER_CHARS_PER_TOKEN
+    k = min(e - s, cap + 1)
+    return k, text[s:s + min(k, cap)]

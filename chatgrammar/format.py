@@ -8,7 +8,7 @@ import numpy as np
 
 from .compile import ParseTables, compile_spec, term_name
 from .errors import ParseError
-from .fastpath import FastMasker, ids_input, mask_like
+from .fastpath import FastMasker, TextMemo, ids_input, mask_like
 from .lexers import IdLexer, LexConfig, as_id_array, lex_text
 from .parse import Driver, Source
 from .policy import MaskPolicy
@@ -40,6 +40,7 @@ class Format:
         self._driver = Driver(spec, self.tables)
         self._id_lexers: dict[int, tuple[Any, IdLexer]] = {}
         self._fast: dict[int, tuple[Any, FastMasker]] = {}
+        self._text_memo: TextMemo | None = None
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -72,8 +73,16 @@ class Format:
         if not isinstance(text, str):
             raise TypeError(f"parse() takes a str, got {type(text).__name__}; "
                             "use parse_ids() for token ids")
+        # Items seen before are rebuilt from the memo (chatgrammar.fastpath.TextMemo); the
+        # result is identical to the full parse below, which teaches the memo.
+        memo = self._text_memo
+        if memo is None:
+            memo = self._text_memo = TextMemo(self)
+        conv = memo.lookup(text)
+        if conv is not None:
+            return conv
         warnings: list[Issue] = []
-        src = Source("text", len(text), text=text)
+        src = memo.source(len(text), text)
         cut = self._partial_marker_tail(text)
         toks = lex_text(text if cut is None else text[:cut], self._lexcfg)
         if cut is not None:
@@ -86,6 +95,8 @@ class Format:
             for t in turns:
                 if t.end > cut:
                     t.end = cut
+        elif not warnings:
+            memo.learn(text, toks, turns, src)
         return Conversation(format=self.name, mode="text", length=len(text), turns=turns,
                             warnings=warnings, boundaries=[], default_policy=self.default_policy,
                             text=text)

@@ -133,3 +133,63 @@ def test_marker_strings_typed_in_content_stay_text():
     for _ in range(2):
         assert fmt.loss_mask(ids, enc) == fmt.parse_ids(ids, enc).mask()
     assert sum(fmt.loss_mask(ids, enc)) > 0
+
+
+# ----------------------------------------------------------------------------- text mode
+
+def _reference(fmt):
+    """The same format with the text memo switched off: the full pipeline every time."""
+    from chatgrammar.fastpath import TextMemo
+    from chatgrammar.format import Format
+
+    ref = Format(fmt.spec, fmt.source)
+    ref._text_memo = TextMemo(ref)
+    ref._text_memo.enabled = False
+    return ref
+
+
+def _text_result(fmt, text, strict):
+    import dataclasses
+
+    try:
+        conv = fmt.parse(text, strict=strict)
+    except ParseError as exc:
+        return ("error", str(exc))
+    return ([dataclasses.asdict(t) for t in conv.turns], [str(w) for w in conv.warnings],
+            conv.spans(), conv.spans(cg.MaskPolicy(thinking=False, end_marker=True)),
+            conv.mask(), conv.length, conv.text == text)
+
+
+@pytest.mark.parametrize("name", cg.list_formats())
+def test_text_memo_gives_the_full_parse_on_every_format(name):
+    fmt = cg.load_format(name)
+    ref = _reference(fmt)
+    texts = []
+    for _name, tpl, kw in format_templates(fmt)[:1]:
+        for r in iter_renderable(tpl, **kw):
+            if r.text is not None:
+                texts += [r.text, r.text[:len(r.text) // 2], r.text[:-3]]
+    assert texts
+    for strict in (True, False):
+        for _ in range(2):  # the second pass is served from the memo
+            for t in texts:
+                assert _text_result(fmt, t, strict) == _text_result(ref, t, strict), t[:300]
+
+
+def test_text_memo_serves_the_workload_and_returns_fresh_objects():
+    bench = _bench()
+    texts, _ = bench.workload("kimi-k3", 12, seed=5)
+    fmt = cg.load_format("kimi-k3")
+    ref = _reference(fmt)
+    memo_stats = fmt._text_memo.stats if fmt._text_memo else None
+    for t in texts:
+        fmt.parse(t)
+    before = dict(fmt._text_memo.stats)
+    for t in texts:
+        a, b = fmt.parse(t), fmt.parse(t)
+        assert _text_result(fmt, t, True) == _text_result(ref, t, True)
+        # two parses never share Turn, Block or attrs objects
+        assert all(x is not y and x.block is not y.block and x.block.attrs is not y.block.attrs
+                   for x, y in zip(a.turns, b.turns))
+    assert fmt._text_memo.stats["fast"] - before["fast"] >= 2 * len(texts)
+    del memo_stats
