@@ -1,4 +1,5 @@
-"""A generic test tokenizer for any format: Qwen's real BPE ranks plus the format's markers.
+"""Test helpers of the reliability suite: a generic tokenizer for any format (Qwen's real BPE
+ranks plus the format's markers), each format's main templates, and the contract checker.
 
 The reliability, property and fuzz tests need an id-mode tokenizer for every bundled format,
 including formats added after these tests were written. Real tokenizers exist for a few
@@ -15,6 +16,11 @@ placeholder character, which :func:`encode_rendered` encodes as the marker's *or
 and :func:`unmask` turns back into the marker string. So ``"<|im_end|>"`` typed by a user is
 a run of ordinary ids in id mode (as with a real tokenizer) and the marker string in text mode.
 
+:func:`format_templates` names the real chat templates each bundled format is exercised with
+(:data:`FORMAT_TEMPLATES`, or the templates a new spec names in its comments), and
+:func:`check_contract` runs one input through both strictness levels and checks the whole
+contract of docs/reliability.md, failing with a ready-made regression file.
+
 Example:
     >>> fmt = cg.load_format("kimi-k2")                          # doctest: +SKIP
     >>> tok = format_encoding(fmt)                               # doctest: +SKIP
@@ -23,6 +29,7 @@ Example:
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Iterable
 
 from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
@@ -150,3 +157,170 @@ def expected_token_mask(char_mask: list[int], starts: list[int], n_chars: int) -
     en = np.concatenate([st[1:], [n_chars]]) if len(st) else st
     en = np.maximum(en, np.minimum(st + 1, n_chars))
     return ((prefix[en] - prefix[st]) > 0).astype(int).tolist()
+
+
+# ------------------------------------------------------------------------ templates per format
+
+TEMPLATES_DIR = Path(__file__).resolve().parent / "data" / "templates"
+
+# The main template(s) of each bundled format and the special-token variables they read
+# (transformers passes the tokenizer's special_tokens_map; these are the family's values).
+# A format missing here falls back to the templates its spec names in a comment
+# (``tests/data/templates/<file>.jinja``), with bos/eos taken from its markers.
+FORMAT_TEMPLATES: dict[str, list[tuple[str, dict]]] = {
+    "kimi-k2": [("moonshotai-Kimi-K2-Thinking.jinja", {}), ("moonshotai-Kimi-K2.jinja", {})],
+    "kimi-k3": [("moonshotai-Kimi-K3.jinja", {})],
+    "chatml": [("Qwen-Qwen3.jinja", {}), ("Qwen-Qwen2.5-7B-Instruct.jinja", {})],
+    "llama3": [("meta-llama-Llama-3.1-8B-Instruct.jinja", {"bos_token": "<|begin_of_text|>"})],
+    "gemma": [("google-gemma-3-it.jinja", {"bos_token": "<bos>"})],
+    "mistral": [("mistralai-Mistral-7B-Instruct-v0.3.jinja",
+                 {"bos_token": "<s>", "eos_token": "</s>"})],
+    "deepseek-v3": [("deepseek-ai-DeepSeek-V3.jinja",
+                     {"bos_token": "<｜begin▁of▁sentence｜>"}),
+                    ("deepseek-ai-DeepSeek-R1.jinja", {"bos_token": "<｜begin▁of▁sentence｜>"})],
+    "harmony": [("openai-gpt-oss-120b.jinja", {})],
+    "phi3": [("microsoft-Phi-3-mini-4k-instruct.jinja", {"eos_token": "<|endoftext|>"})],
+    "phi4": [("microsoft-phi-4.jinja", {})],
+    "glm4": [("zai-org-GLM-4.5.jinja", {})],
+    "minimax-m2": [("MiniMax-M2.jinja", {})],
+}
+
+_BOS_NAMES = ("bos", "begin_of_text", "begin_of_sentence", "bos_token")
+_EOS_NAMES = ("eos", "end_of_text", "endoftext", "end_of_sentence", "eos_token")
+
+
+def _guess_special_tokens(fmt: Any) -> dict:
+    out = {}
+    for key, names in (("bos_token", _BOS_NAMES), ("eos_token", _EOS_NAMES)):
+        for n, m in fmt.spec.markers.items():
+            if n.lower() in names:
+                out[key] = m.text
+                break
+    return out
+
+
+def format_templates(fmt: Any) -> list[tuple[str, str, dict]]:
+    """``(file name, template source, special-token kwargs)`` for each main template of a
+    format (see :data:`FORMAT_TEMPLATES`; otherwise the templates its spec file names)."""
+    import re
+
+    entries = FORMAT_TEMPLATES.get(fmt.name)
+    if entries is None:
+        spec_text = Path(fmt.path).read_text(encoding="utf-8")
+        names = dict.fromkeys(re.findall(r"[\w.\-]+\.jinja", spec_text))
+        guess = _guess_special_tokens(fmt)
+        entries = [(n, guess) for n in names if (TEMPLATES_DIR / n).is_file()][:2]
+    return [(n, (TEMPLATES_DIR / n).read_text(encoding="utf-8"), kw) for n, kw in entries]
+
+
+# ------------------------------------------------------------------------ the contract
+
+def regression_snippet(fmt: Any, mode: str, data: Any, enc: Any = None, note: str = "") -> str:
+    """A ``tests/data/regressions/<format>/<name>.json`` body for a failing input (marker ids
+    spelled as their marker text), to paste into a regression file."""
+    import json
+
+    if mode == "ids":
+        specials = {v: k for k, v in enc._special_tokens.items()} if enc is not None else {}
+        data = [specials.get(int(i), int(i)) for i in data]
+    body = {"description": note, "found_by": "tests/test_fuzz.py", "mode": mode,
+            "tokenizer": "fuzz", "input": data, "strict": "ok"}
+    if mode == "text":
+        del body["tokenizer"]
+    return (f"--- regression file for tests/data/regressions/{fmt.name}/<name>.json ---\n"
+            + json.dumps(body, ensure_ascii=False))
+
+
+def check_contract(fmt: Any, data: Any, mode: str, enc: Any = None, *, policies=()) -> tuple:
+    """Run both modes of the reliability contract on one input; returns (strict result —
+    a Conversation or the ParseError —, lenient Conversation).
+
+    Checked: strict parsing returns or raises a ParseError (offset within the input, expected
+    markers, excerpt) and nothing else; lenient parsing never raises; every mask has exactly
+    one 0/1 value per input position; spans are sorted, non-overlapping, inside the input,
+    under the default and every extra policy; when strict succeeds, lenient agrees with it
+    (same spans, same warnings).
+
+    Raises:
+        AssertionError: a violation, with a regression-file snippet for the input.
+    """
+    import numpy as np
+
+    from chatgrammar.errors import ParseError
+
+    n = len(data)
+
+    def run(strict: bool):
+        if mode == "text":
+            return fmt.parse(data, strict=strict)
+        return fmt.parse_ids(data, enc, strict=strict)
+
+    def fail(msg: str):
+        raise AssertionError(f"{fmt.name} [{mode}]: {msg}\n"
+                             + regression_snippet(fmt, mode, data, enc, msg))
+
+    def check_conv(conv, label: str):
+        if conv.length != n:
+            fail(f"{label}: conversation length {conv.length} != input length {n}")
+        for pol in (None,) + tuple(policies):
+            m = conv.mask_array(pol)
+            if m.shape != (n,) or (n and not np.isin(m, (0, 1)).all()):
+                fail(f"{label}: mask shape {m.shape} / values not 0/1 (policy {pol})")
+            last = 0
+            for s in conv.spans(pol):
+                if not (last <= s.start < s.end <= n):
+                    fail(f"{label}: span {s} out of order or out of bounds (policy {pol})")
+                last = s.end
+        for t in conv.turns:
+            if not (0 <= t.start <= t.end <= n):
+                fail(f"{label}: turn {t.role} [{t.start}, {t.end}) out of bounds")
+
+    try:
+        strict = run(True)
+    except ParseError as exc:
+        if exc.offset is None or not (0 <= exc.offset <= n):
+            fail(f"ParseError without a valid offset: {exc.offset!r}")
+        if not isinstance(exc.excerpt, str) or not str(exc):
+            fail("ParseError without an excerpt / message")
+        strict = exc
+    except RecursionError:
+        fail("strict parsing hit RecursionError")
+    except Exception as exc:  # noqa: BLE001 - any other exception type is the violation
+        fail(f"strict parsing raised {type(exc).__name__}: {exc}")
+    else:
+        check_conv(strict, "strict")
+    try:
+        lenient = run(False)
+    except Exception as exc:  # noqa: BLE001
+        fail(f"lenient parsing raised {type(exc).__name__}: {exc}")
+    check_conv(lenient, "lenient")
+    if mode == "ids":
+        # the memoised fast path of loss_mask / loss_masks must give exactly the parse's mask
+        for pol in (None,) + tuple(policies):
+            try:
+                fast = fmt.loss_mask(data, enc, policy=pol, strict=True)
+            except ParseError:
+                if not isinstance(strict, ParseError):
+                    fail(f"loss_mask raised where parse_ids did not (policy {pol})")
+            except Exception as exc:  # noqa: BLE001
+                fail(f"loss_mask raised {type(exc).__name__}: {exc}")
+            else:
+                if isinstance(strict, ParseError):
+                    fail(f"parse_ids raised {strict.message!r} but loss_mask did not")
+                if not np.array_equal(np.asarray(fast), strict.mask_array(pol)):
+                    fail(f"loss_mask differs from parse_ids(...).mask_array() (policy {pol})")
+            try:
+                fast = fmt.loss_masks([data, data], enc, policy=pol, strict=False)
+            except Exception as exc:  # noqa: BLE001
+                fail(f"lenient loss_masks raised {type(exc).__name__}: {exc}")
+            want = lenient.mask_array(pol)
+            if len(fast) != 2 or not all(np.array_equal(np.asarray(f), want) for f in fast):
+                fail(f"lenient loss_masks differs from parse_ids(...).mask_array() "
+                     f"(policy {pol})")
+    if not isinstance(strict, ParseError):
+        if lenient.warnings != strict.warnings:
+            fail(f"strict parse succeeded but lenient reports more: {lenient.warnings[:3]} "
+                 f"vs {strict.warnings[:3]}")
+        if lenient.spans() != strict.spans():
+            fail("strict and lenient parses of a valid input train different spans")
+    return strict, lenient

@@ -1,0 +1,259 @@
+"""Fuzzing every bundled format, in text mode and id mode, within a fixed time budget.
+
+Seeds are real renderings: the built-in conversation matrix rendered by each format's main
+templates (:func:`tests.fuzz_tokenizers.format_templates`) and the spec's embedded examples.
+Each case mutates a seed (markers deleted, duplicated, inserted, swapped; slices duplicated;
+random and out-of-vocabulary ids; cuts at both ends; marker fragments and random characters in
+text) or is a random stream of markers and text, and runs :func:`check_contract` on it:
+
+- strict parsing returns or raises ``ParseError`` (offset in range, excerpt) — never another
+  exception type, never ``RecursionError``;
+- lenient parsing never raises; every mask has exactly one 0/1 value per input position; spans
+  are sorted and inside the input under several policies; a valid input parses the same in
+  both modes.
+
+The loop is seeded (reproducible; ``CHATGRAMMAR_FUZZ_SEED`` picks another campaign) and bounded
+by time: ``CHATGRAMMAR_FUZZ_SECONDS`` (default 60) split evenly over the formats, each format getting at least ``MIN_CASES`` cases. A failure
+prints a ready-made regression file (``tests/data/regressions/<format>/<name>.json``).
+
+Truncation is checked exhaustively: every prefix of a few renderings per format, in both
+modes, parses strictly (a cut is not an error) and trains exactly what the whole rendering
+trains on the part that is there (text mode: except a trailing fragment that could be the
+start of a marker, which is not content yet).
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+import chatgrammar as cg
+from chatgrammar.matrix import get_case, iter_renderable
+from tests.fuzz_tokenizers import (QWEN_BASE_VOCAB, check_contract, encode_rendered,
+                                   format_encoding, format_templates)
+
+FORMATS = cg.list_formats()
+FUZZ_SECONDS = float(os.environ.get("CHATGRAMMAR_FUZZ_SECONDS", "60"))
+FUZZ_SEED = int(os.environ.get("CHATGRAMMAR_FUZZ_SEED", "0"))  # another seed: another campaign
+MIN_CASES = 300  # per format and mode, whatever the clock says
+POLICIES = (cg.MaskPolicy(end_marker=True), cg.MaskPolicy(thinking=False, tool_calls=False),
+            cg.MaskPolicy(last_turn_only=True, truncated=False),
+            cg.MaskPolicy(roles=("assistant", "user", "system", "tool")))
+PREFIX_CASES = ("tool-call", "reasoning", "multi-turn")
+
+
+def _seeds(fmt) -> list[str]:
+    """Real renderings of the matrix by the format's templates, plus its embedded examples."""
+    out: list[str] = []
+    for _name, template, special in format_templates(fmt):
+        out.extend(text for _case, text, _reason in iter_renderable(template, **special)
+                   if text is not None)
+    for ex in fmt.spec.examples:
+        out.append(ex.text.replace("⟦", "").replace("⟧", ""))
+    assert out, f"{fmt.name}: no seed rendering"
+    return out
+
+
+# ------------------------------------------------------------------------------ mutations
+
+def _segments(text: str, rx: re.Pattern) -> list[str]:
+    """Text split into marker strings and the runs between them."""
+    out, pos = [], 0
+    for m in rx.finditer(text):
+        if m.start() > pos:
+            out.append(text[pos:m.start()])
+        out.append(m.group())
+        pos = m.end()
+    if pos < len(text):
+        out.append(text[pos:])
+    return out
+
+
+_NOISE = ["x", " ", "\n", "user", "assistant", "system", "tool", 'message role="assistant"',
+          "think", "response", "analysis", "final", "=", '"', "&amp;", "é", "中", "🌍", "\x00",
+          "{", "}", "functions.f:0", "<", "|", ">", "[", "]", "/"]
+
+
+def _mutate(units: list, rng: random.Random, markers: list, noise: list, seeds: list,
+            deep_opener) -> list:
+    """1-4 random edits of a unit list (ids, or text segments)."""
+    units = list(units)
+    for _ in range(rng.randint(1, 4)):
+        op = rng.randrange(11)
+        n = len(units)
+        if op == 0 and n:                                   # delete one unit
+            del units[rng.randrange(n)]
+        elif op == 1 and n:                                 # delete a marker
+            idx = [i for i, u in enumerate(units) if u in markers]
+            if idx:
+                del units[rng.choice(idx)]
+        elif op == 2 and n:                                 # duplicate a slice
+            a = rng.randrange(n)
+            b = min(n, a + rng.randint(1, 12))
+            units[b:b] = units[a:b]
+        elif op == 3:                                       # insert a marker
+            units.insert(rng.randint(0, n), rng.choice(markers))
+        elif op == 4:                                       # insert noise
+            for _k in range(rng.randint(1, 3)):
+                units.insert(rng.randint(0, len(units)), rng.choice(noise))
+        elif op == 5 and n >= 2:                            # swap two markers
+            idx = [i for i, u in enumerate(units) if u in markers]
+            if len(idx) >= 2:
+                i, j = rng.sample(idx, 2)
+                units[i], units[j] = units[j], units[i]
+        elif op == 6 and n:                                 # replace a marker
+            idx = [i for i, u in enumerate(units) if u in markers]
+            if idx:
+                units[rng.choice(idx)] = rng.choice(markers)
+        elif op == 7 and n:                                 # cut both ends
+            a = rng.randint(0, n // 3)
+            b = rng.randint(max(a, n - n // 3), n)
+            units = units[a:b]
+        elif op == 8:                                       # splice another seed in
+            other = rng.choice(seeds)
+            if other:
+                a = rng.randrange(len(other))
+                piece = other[a:a + rng.randint(1, 40)]
+                at = rng.randint(0, len(units))
+                units[at:at] = piece
+        elif op == 9 and deep_opener is not None:           # deep nesting
+            at = rng.randint(0, len(units))
+            units[at:at] = deep_opener * rng.randint(2, 300)
+        elif op == 10 and n:                                # truncate
+            units = units[:rng.randint(0, n)]
+    return units
+
+
+def _random_stream(rng: random.Random, markers: list, noise: list) -> list:
+    return [rng.choice(markers) if rng.random() < 0.45 else rng.choice(noise)
+            for _ in range(rng.randint(0, 60))]
+
+
+def _deep_opener(fmt, seed_units: list, markers: set):
+    """The first two units of a nested element, when some element nests in itself (XTML):
+    repeating them builds deep nesting."""
+    nesting = any(n in el.children for n, el in fmt.spec.elements.items())
+    if not nesting:
+        return None
+    for i in range(1, len(seed_units) - 2):
+        # an opener marker followed by a header run: repeated, it opens elements inside
+        # elements
+        if seed_units[i] in markers and seed_units[i + 1] not in markers and i > 2:
+            return seed_units[i:i + 3]
+    return None
+
+
+# ------------------------------------------------------------------------------ the loops
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_fuzz_format(name):
+    fmt = cg.load_format(name)
+    enc = format_encoding(fmt)
+    rng = random.Random(zlib.crc32(name.encode()) ^ FUZZ_SEED)
+    seeds = _seeds(fmt)
+    marker_texts = [m.text for m in fmt.spec.markers.values()]
+    rx = re.compile("|".join(re.escape(t) for t in sorted(marker_texts, key=len, reverse=True)))
+    marker_ids = [enc.encode(t, allowed_special={t})[0] for t in marker_texts]
+    marker_id_set = set(marker_ids)
+
+    text_seeds = [_segments(s, rx) for s in seeds]
+    id_seeds = [encode_rendered(enc, s) for s in seeds]
+    text_markers = marker_texts
+    text_noise = _NOISE + [t[:k] for t in marker_texts for k in (1, 2, len(t) - 1) if k > 0]
+    id_noise = (enc.encode_ordinary(" ".join(_NOISE)) + [-1, -(2 ** 31), QWEN_BASE_VOCAB - 1,
+                enc.n_vocab, enc.n_vocab + 7, 10 ** 9, 2 ** 62])
+    deep_text = _deep_opener(fmt, max(text_seeds, key=len), set(text_markers))
+    deep_ids = _deep_opener(fmt, max(id_seeds, key=len), marker_id_set)
+
+    budget = FUZZ_SECONDS / max(1, len(FORMATS))
+    stop = time.monotonic() + budget
+    cases = {"text": 0, "ids": 0}
+    outcomes = {"ok": 0, "error": 0}
+    while min(cases.values()) < MIN_CASES or time.monotonic() < stop:
+        mode = "text" if cases["text"] <= cases["ids"] else "ids"
+        if mode == "text":
+            units = (_random_stream(rng, text_markers, text_noise) if rng.random() < 0.15 else
+                     _mutate(rng.choice(text_seeds), rng, text_markers, text_noise,
+                             text_seeds, deep_text))
+            data = "".join(units)
+            if rng.random() < 0.2 and data:  # a few raw character edits too
+                k = rng.randrange(len(data))
+                data = data[:k] + rng.choice(["", "\ufffd", "|", "<", ">"]) + data[k + 1:]
+        else:
+            units = (_random_stream(rng, marker_ids, id_noise) if rng.random() < 0.15 else
+                     _mutate(rng.choice(id_seeds), rng, marker_ids, id_noise, id_seeds, deep_ids))
+            data = units if rng.random() < 0.5 else np.asarray(units, dtype=np.int64)
+        strict, _ = check_contract(fmt, data, mode, enc if mode == "ids" else None,
+                                   policies=POLICIES)
+        outcomes["error" if isinstance(strict, cg.ParseError) else "ok"] += 1
+        cases[mode] += 1
+    # both outcomes happen: the mutations reach valid and invalid inputs alike
+    assert outcomes["ok"] > 0 and outcomes["error"] > 0, outcomes
+
+
+def _prefix_renders(fmt) -> list[str]:
+    cases = [get_case(n) for n in PREFIX_CASES]
+    out = []
+    for _name, template, special in format_templates(fmt)[:1]:
+        out.extend(text for _c, text, _r in iter_renderable(template, cases, **special)
+                   if text is not None)
+    return out
+
+
+def _cut_expectation(conv, full_prefix: np.ndarray) -> np.ndarray:
+    """What a prefix must train: what the whole rendering trains there — except a last turn
+    the cut leaves looking exactly like a generation prompt (``<|im_start|>assistant\n``
+    followed by an empty think block, say), which trains nothing by the generation-prompt
+    rule: the two cannot be told apart."""
+    want = full_prefix.copy()
+    if conv.turns and conv.turns[-1].generation_prompt:
+        want[conv.turns[-1].start:] = 0
+    return want
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_every_prefix_trains_what_is_there(name):
+    """A sample cut anywhere (max_length) parses strictly and trains exactly the part of the
+    full rendering's trained tokens / chars that it still holds."""
+    fmt = cg.load_format(name)
+    enc = format_encoding(fmt)
+    renders = _prefix_renders(fmt)
+    assert renders, f"{name}: none of {PREFIX_CASES} renders"
+    longest = max(len(m.text) for m in fmt.spec.markers.values())
+    prefixes_of = fmt._lexcfg.marker_prefixes
+    for k, text in enumerate(renders):
+        ids = encode_rendered(enc, text)
+        full = np.asarray(fmt.parse_ids(ids, enc).mask())
+        for n in range(len(ids) + 1):
+            conv = fmt.parse_ids(ids[:n], enc)
+            got, want = np.asarray(conv.mask()), _cut_expectation(conv, full[:n])
+            if not np.array_equal(got, want):
+                bad = int(np.flatnonzero(got != want)[0])
+                raise AssertionError(f"{name}: ids[:{n}] trains token {bad} differently from "
+                                     f"the whole rendering\n{enc.decode(ids[:n])!r}")
+        full_t = np.asarray(fmt.parse(text).mask())
+        # every prefix for the first rendering; around each marker for the others
+        if k == 0:
+            cuts = range(len(text) + 1)
+        else:
+            cuts = sorted({c for m in re.finditer("|".join(
+                re.escape(t) for t in (x.text for x in fmt.spec.markers.values())), text)
+                for p in (m.start(), m.end()) for c in range(p - 3, p + 4)
+                if 0 <= c <= len(text)})
+        for n in cuts:
+            conv = fmt.parse(text[:n])
+            got, want = np.asarray(conv.mask()), _cut_expectation(conv, full_t[:n])
+            # a trailing fragment that may start a marker is not content yet
+            for j in range(min(n, longest - 1), 0, -1):
+                if text[n - j:n] in prefixes_of:
+                    want[n - j:] = 0
+                    break
+            if not np.array_equal(got, want):
+                bad = int(np.flatnonzero(got != want)[0])
+                raise AssertionError(f"{name}: text[:{n}] trains char {bad} differently from "
+                                     f"the whole rendering\n{text[max(0, bad - 60):n]!r}")
