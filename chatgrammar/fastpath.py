@@ -27,6 +27,13 @@ warnings, span boundaries inside merged tokens, soft markers that may occur in a
 ``lstrip`` markers, headers that end by a literal not found within their budget, and
 ``last_turn_only`` policies. The result is always exactly ``parse_ids(...).mask_array(policy)``
 (tests/test_fastpath.py checks it on many inputs).
+
+:class:`TextMemo` does the same for :meth:`Format.parse` (text mode): an item seen before is
+rebuilt from a template — fresh Turn and Block objects carrying this text's positions — so the
+Conversation is identical to a full parse.
+
+Memory is bounded: at most 200k stack configurations (none deeper than 128) and 200k item keys
+per (format, tokenizer); past that, entries are dropped or samples take the full pipeline.
 """
 from __future__ import annotations
 
@@ -215,13 +222,27 @@ class _Item:
 class _Prog:
     """Turns of an item (slot-relative), and their trained spans per policy."""
 
-    __slots__ = ("turns", "starts", "slot_of", "by_policy")
+    __slots__ = ("turns", "starts", "slot_of", "runs", "by_policy")
 
-    def __init__(self, turns: list, starts: list[int], slot_of: dict[int, int]):
+    def __init__(self, turns: list, starts: list[int], slot_of: dict[int, int],
+                 runs: tuple = ()):
         self.turns = turns          # Turn objects (positions of the sample they came from)
         self.starts = starts        # slot of each turn's start
         self.slot_of = slot_of      # position in that sample -> slot
-        self.by_policy: dict = {}   # policy -> tuple of (slot_a, slot_b, turn index)
+        # (position, slot, n): a run whose first n ids are part of the item's key, so a
+        # position inside them (a header's `trained_after` start) is that slot + an offset
+        self.runs = runs
+        self.by_policy: dict = {}   # policy -> tuple of (slot_a, da, slot_b, db, turn index)
+
+    def place(self, pos: int):
+        """``(slot, offset)`` of a position of the harvested sample, or None."""
+        k = self.slot_of.get(pos)
+        if k is not None:
+            return k, 0
+        for p0, k, n in self.runs:
+            if p0 < pos <= p0 + n:
+                return k, pos - p0
+        return None
 
 
 class FastMasker:
@@ -285,10 +306,10 @@ class FastMasker:
 
     # ------------------------------------------------------------------ public
     def mask(self, arr: np.ndarray, lst, policy: MaskPolicy, strict: bool,
-             tokenizer: Any) -> bytearray:
-        """The mask of one sample as a 0/1 bytearray: exactly
-        ``parse_ids(...).mask_array(policy)``."""
-        return self.masks_flat(arr, [0, len(arr)], policy, strict)[0]
+             tokenizer: Any):
+        """The mask of one sample — a ``list[int]`` when the input was a list (``lst``), else
+        a 0/1 bytearray — exactly ``parse_ids(...).mask_array(policy)``."""
+        return self.masks_flat(arr, [0, len(arr)], policy, strict, as_list=lst is not None)[0]
 
     def masks(self, batch, policy: MaskPolicy, strict: bool, tokenizer: Any) -> list:
         """Masks of many samples (see :meth:`chatgrammar.Format.loss_masks`): one conversion
@@ -296,7 +317,8 @@ class FastMasker:
         batch = list(batch)
         if not batch:
             return []
-        if all(type(x) is list for x in batch):
+        all_lists = all(type(x) is list for x in batch)
+        if all_lists:
             lens = [len(x) for x in batch]
             arr = _pack_many(batch, lens)
         else:
@@ -304,15 +326,17 @@ class FastMasker:
             arr = np.concatenate(arrs)
             lens = [len(a) for a in arrs]
         starts = [0, *itertools.accumulate(lens)]
-        out = self.masks_flat(arr, starts, policy, strict)
-        return [mask_like(x, m) for x, m in zip(batch, out)]
+        out = self.masks_flat(arr, starts, policy, strict, as_list=all_lists)
+        return out if all_lists else [mask_like(x, m) for x, m in zip(batch, out)]
 
     def masks_flat(self, arr: np.ndarray, starts: list[int], policy: MaskPolicy,
                    strict: bool, *, roles: list | None = None,
-                   errors: list | None = None) -> list:
-        """Masks of the samples ``arr[starts[j]:starts[j + 1]]`` (0/1 bytearrays).
+                   errors: list | None = None, as_list: bool = False) -> list:
+        """Masks of the samples ``arr[starts[j]:starts[j + 1]]`` (0/1 bytearrays, or lists
+        of ints with ``as_list``).
 
         Args:
+            as_list: build ``list[int]`` masks directly (what list callers get back).
             roles: if given, ``roles[j]`` is set to the list of sample ``j``'s turn roles.
             errors: if given, a sample whose parse raises gets ``None`` as its mask and its
                 exception in ``errors[j]`` (instead of the exception propagating).
@@ -326,7 +350,6 @@ class FastMasker:
         if errors is not None:
             errors[:] = [None] * S
         if lexed is not None:
-            big = bytearray(len(arr))
             pid = self._policy_ids.get(policy)
             if pid is None:
                 pid = self._policy_ids[policy] = len(self._policy_ids)
@@ -334,8 +357,18 @@ class FastMasker:
                 if lexed[-1][j]:  # this sample needs the slow path
                     continue
                 got = [] if roles is not None else None
-                if self._fast(arr, starts, j, lexed, policy, pid, big, got):
-                    outs[j] = big if S == 1 else big[starts[j]:starts[j + 1]]
+                spans = self._fast(arr, starts, j, lexed, policy, pid, got)
+                if spans is not None:
+                    n = starts[j + 1] - starts[j]
+                    if as_list:
+                        m = [0] * n
+                        for a, b in spans:
+                            m[a:b] = (1,) * (b - a)
+                    else:
+                        m = bytearray(n)
+                        for a, b in spans:
+                            m[a:b] = b"\x01" * (b - a)
+                    outs[j] = m
                     self.stats["fast"] += 1
                     if roles is not None:
                         roles[j] = got
@@ -350,6 +383,8 @@ class FastMasker:
                         raise
                     errors[j] = exc
                     continue
+                if as_list:
+                    outs[j] = list(outs[j])
                 if roles is not None:
                     roles[j] = [t.role for t in turns]
         return outs
@@ -475,8 +510,9 @@ class FastMasker:
         return None
 
     # ------------------------------------------------------------------ fast masks
-    def _fast(self, arr, starts, j, lexed, policy, pid, big, roles=None) -> bool:
-        """Fill sample ``j``'s trained spans into ``big``; False when it needs the slow path."""
+    def _fast(self, arr, starts, j, lexed, policy, pid, roles=None):
+        """Sample ``j``'s trained spans (sample-local ``(start, end)``), or None when it needs
+        the slow path."""
         symb, meta, vals, off, B, bl, _ = lexed
         b0, b1 = bl[j], bl[j + 1]
         G = GRAM
@@ -495,7 +531,7 @@ class FastMasker:
             if v is None:
                 v = auto.fill_gram(sid, g)
             if v < 0:
-                return False
+                return None
             sid = v >> FLAG_BITS
             f = v & FLAG_MASK
             if f:
@@ -507,7 +543,7 @@ class FastMasker:
                     f ^= low
         hit = auto.end(sid)
         if hit is None:
-            return False
+            return None
         if hit:
             bounds.append(3 * b1)
         n = starts[j + 1]
@@ -527,25 +563,25 @@ class FastMasker:
                 key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib])
             it = items.get(key)
             if it is None or it.unstable:
-                return False
+                return None
             if it.plan:
                 rkey = tuple(_read_key(arr, B, a + s, a + e, lim) for s, e, lim in it.plan)
             else:
                 rkey = ()
             prog = it.progs.get(rkey)
             if prog is None:
-                return False
+                return None
             sp = prog.by_policy.get(pid)
             if sp is None:
                 sp = self._policy_spans(prog, policy, pid)
                 if sp is None:
-                    return False
+                    return None
             if prog.turns:
                 last = (prog, a, len(spans))
                 if roles is not None:
                     roles.extend(t.role for t in prog.turns)
-            for ra, rb, t in sp:
-                spans.append((B[a + ra], B[a + rb], t))
+            for ra, da, rb, db, t in sp:
+                spans.append((B[a + ra] + da, B[a + rb] + db, t))
             a = b
         if last is not None and self.drv.gen_prompts:
             prog, pbase, first = last
@@ -554,22 +590,19 @@ class FastMasker:
             if n - start <= 64 and self._generation_prompt(arr, B, tslot, start, starts[j], n):
                 final = len(prog.turns) - 1
                 spans = spans[:first] + [s for s in spans[first:] if s[2] != final]
-        one = b"\x01"
-        for s, e, _ in spans:
-            big[s:e] = one * (e - s)
-        return True
+        s0 = starts[j]
+        return [(s - s0, e - s0) for s, e, _ in spans]
 
     def _policy_spans(self, prog: _Prog, policy: MaskPolicy, pid: int):
         # The item's own turns through Conversation.spans: policy semantics live in one place.
         conv = Conversation(format=self.fmt.name, mode="ids", length=1 << 62, turns=prog.turns,
                             warnings=[], boundaries=[], default_policy=policy)
-        slot_of = prog.slot_of
         out = []
         for s in conv.spans(policy):
-            ra, rb = slot_of.get(s.start), slot_of.get(s.end)
+            ra, rb = prog.place(s.start), prog.place(s.end)
             if ra is None or rb is None:
                 return None
-            out.append((ra, rb, s.turn))
+            out.append((*ra, *rb, s.turn))
         out = tuple(out)
         if len(prog.by_policy) > 64:
             prog.by_policy.clear()
@@ -702,7 +735,11 @@ class FastMasker:
                 tstarts = [slot_of[t.start] for t in sturns]
             except KeyError:
                 raise _NoCache from None
-            it.progs[rkey] = _Prog(cturns, tstarts, slot_of)
+            # keyed runs (decoded headers): what the parse reads of them is in the key
+            runs = () if off is None else tuple(
+                (B[3 * i + 1], 3 * i + 1 - a, off[i + 1] - off[i]) for i in range(ia, ib)
+                if off[i + 1] > off[i] and a <= 3 * i + 1 <= b)
+            it.progs[rkey] = _Prog(cturns, tstarts, slot_of, runs)
 
     def _same_tokens(self, toks, syms, B) -> bool:
         """The slow lexer's tokens are exactly the ones the symbols describe."""
@@ -864,8 +901,11 @@ def _pack_many(lsts: list[list], lens: list[int]) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.int64)
 
 
-def mask_like(ids: Any, m: bytearray):
-    """A 0/1 bytearray → the container kind of ``ids`` (list / numpy int64 / torch.long)."""
+def mask_like(ids: Any, m):
+    """A 0/1 bytearray → the container kind of ``ids`` (list / numpy int64 / torch.long);
+    a mask that is already a list is returned as it is."""
+    if type(m) is list:
+        return m
     mod = type(ids).__module__
     if mod.startswith("torch"):
         import torch

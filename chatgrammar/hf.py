@@ -110,7 +110,7 @@ class MaskFn:
             starts.append(starts[-1] + k)
         perr: list = []
         masks = fm.masks_flat(arr, starts, self.policy or self.fmt.default_policy, self.strict,
-                              errors=perr if self.on_error == "record" else None)
+                              errors=perr if self.on_error == "record" else None, as_list=True)
         out_mask: list = []
         trained: list = []
         for i, m in enumerate(masks):
@@ -120,7 +120,7 @@ class MaskFn:
                 out_mask.append(None)  # never an empty mask: the error says why
                 trained.append(None)
             else:
-                out_mask.append(list(m))
+                out_mask.append(m)
                 trained.append(m.count(1))
         out = {"input_ids": [x if e is None else None for x, e in zip(all_ids, errors)],
                "loss_mask": out_mask, "num_trained": trained}

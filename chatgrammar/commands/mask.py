@@ -277,7 +277,7 @@ def _work(chunk: list[tuple[int, Any]]) -> tuple[list[dict], list[dict], dict]:
         roles: list = []
         errors: list = []
         masks = _STATE["fm"].masks_flat(arr, starts, _STATE["policy"], _STATE["strict"],
-                                        roles=roles, errors=errors)
+                                        roles=roles, errors=errors, as_list=True)
         for (row, ids), m, r, err in zip(good, masks, roles, errors):
             if err is not None:
                 rejects.append({"row": row, "stage": "parse", "error": _msg(err)})
@@ -287,7 +287,7 @@ def _work(chunk: list[tuple[int, Any]]) -> tuple[list[dict], list[dict], dict]:
             stats["trained"] += k
             stats["empty"] += k == 0
             stats["roles"].update(r or ())
-            out.append({"row": row, "input_ids": ids, "loss_mask": list(m), "num_trained": k})
+            out.append({"row": row, "input_ids": ids, "loss_mask": m, "num_trained": k})
     rejects.sort(key=lambda r: r["row"])
     return out, rejects, stats
 
