@@ -293,6 +293,7 @@ class FastMasker:
         self.has_values = bool((self.gclass != BODY).any())
         self.pad = np.full(GRAM, PAD_SYM, dtype=np.uint16).tobytes()
         self._policy_ids: dict = {}
+        self._policy_by_obj: dict[int, tuple] = {}
         self.concat_decode = (lx.adapter.kind == "tiktoken"
                               and not any("\ufffd" in g for g in self.drv.gen_prompts))
         self.items: dict = {}
@@ -350,9 +351,18 @@ class FastMasker:
         if errors is not None:
             errors[:] = [None] * S
         if lexed is not None:
-            pid = self._policy_ids.get(policy)
-            if pid is None:
-                pid = self._policy_ids[policy] = len(self._policy_ids)
+            # policies are frozen dataclasses whose hash is recomputed on every call: look the
+            # object up by identity first (the object is kept, so its id is never reused)
+            hit = self._policy_by_obj.get(id(policy))
+            if hit is not None and hit[0] is policy:
+                pid = hit[1]
+            else:
+                pid = self._policy_ids.get(policy)
+                if pid is None:
+                    pid = self._policy_ids[policy] = len(self._policy_ids)
+                if len(self._policy_by_obj) > 256:
+                    self._policy_by_obj.clear()
+                self._policy_by_obj[id(policy)] = (policy, pid)
             for j in range(S):
                 if lexed[-1][j]:  # this sample needs the slow path
                     continue
