@@ -55,9 +55,12 @@ class _PassThroughLexer(Lexer):
 # A spec's patterns run on header strings of bounded length: at most ``max_tokens`` tokens in
 # id mode, at most ``max_tokens * HEADER_CHARS_PER_TOKEN`` characters in text mode (a longer
 # header is cut there and fails its checks). `between` text is read up to BETWEEN_MAX_TOKENS
-# tokens (the same budget in characters, times HEADER_CHARS_PER_TOKEN, in text mode).
+# tokens in id mode and BETWEEN_MAX_CHARS chars in text mode: between-text is whitespace, and
+# 16 whitespace tokens can hold 2,048 chars (Qwen's longest is 128 spaces), so text mode must
+# accept at least that much to agree with id mode.
 HEADER_CHARS_PER_TOKEN = 16
 BETWEEN_MAX_TOKENS = 16
+BETWEEN_MAX_CHARS = 4096
 
 _REPEAT_OPS = (sre_parse.MAX_REPEAT, sre_parse.MIN_REPEAT)
 _NO_BACKTRACK_OPS = tuple(op for op in (getattr(sre_parse, "POSSESSIVE_REPEAT", None),
@@ -339,7 +342,7 @@ def check_spec(spec: FormatSpec, src: SpecSource) -> None:
                             ("preamble", i), CompileError)
     for i, n in enumerate(spec.between_markers):
         need_marker(n, ("between_markers", i))
-    check_pattern(spec.between, ("between",), BETWEEN_MAX_TOKENS * HEADER_CHARS_PER_TOKEN)
+    check_pattern(spec.between, ("between",), BETWEEN_MAX_CHARS)
 
     split_delims: dict[str, str] = {}
     for ename, el in spec.elements.items():

@@ -18,8 +18,8 @@ import re
 from functools import lru_cache
 from typing import Any, Callable
 
-from .compile import (HEADER, HEADER_CHARS_PER_TOKEN, TEXT, ParseTables, rule_name,
-                      term_name)
+from .compile import (BETWEEN_MAX_CHARS, BETWEEN_MAX_TOKENS, HEADER, HEADER_CHARS_PER_TOKEN,
+                      TEXT, ParseTables, rule_name, term_name)
 from .errors import ParseError
 from .spans import Block, Issue, Turn
 from .spec import ROLE_NAMES, Element, FormatSpec
@@ -413,7 +413,10 @@ class _Ctx:
             if isinstance(v, Block):
                 self.emit(v)
             elif v[0] == TEXT and drv.between is not None:
-                txt = self.src.read(v[1], v[2], limit=16)
+                # id mode: 16 tokens; text mode: BETWEEN_MAX_CHARS chars (read() counts
+                # HEADER_CHARS_PER_TOKEN chars per unit of `limit` in text mode)
+                txt = self.src.read(v[1], v[2], limit=BETWEEN_MAX_TOKENS if self.src.mode ==
+                                    "ids" else BETWEEN_MAX_CHARS // HEADER_CHARS_PER_TOKEN)
                 if txt is None or not drv.between.fullmatch(txt):
                     self.problem(v[1], "text between turns does not match `between` "
                                        f"({drv.spec.between!r})")
