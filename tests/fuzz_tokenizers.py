@@ -215,23 +215,56 @@ def format_templates(fmt: Any) -> list[tuple[str, str, dict]]:
 
 # ------------------------------------------------------------------------ the contract
 
-def regression_snippet(fmt: Any, mode: str, data: Any, enc: Any = None, note: str = "") -> str:
+# Tokenizers a regression file can name (``"tokenizer"``): the fuzz tokenizer of the format,
+# its variant with soft markers left as text, and the real ones of tests/tokenizers.py.
+REAL_TOKENIZERS = {
+    "qwen": ("chatml", lambda: _tk().qwen_fast_tokenizer()),
+    "mistral-v3": ("mistral", lambda: _tk().mistral_tokenizer("v3")),
+    "mistral-v3-slow": ("mistral", lambda: _tk().mistral_tokenizer("v3", fast=False)),
+    "mistral-v7": ("mistral", lambda: _tk().mistral_tokenizer("v7")),
+    "phi3": ("phi3", lambda: _tk().phi3_tokenizer()),
+}
+
+
+def _tk():
+    from tests import tokenizers
+
+    return tokenizers
+
+
+def named_tokenizer(fmt: Any, name: str) -> Any:
+    """``"fuzz"`` / ``"fuzz-hard"`` (:func:`format_encoding` with soft markers as ids / as
+    text) or a real tokenizer of :data:`REAL_TOKENIZERS`."""
+    if name in ("fuzz", "fuzz-hard"):
+        return format_encoding(fmt, soft_as_specials=name == "fuzz")
+    return REAL_TOKENIZERS[name][1]()
+
+
+def marker_id_table(fmt: Any, tok: Any) -> dict[int, str]:
+    """Special id → marker text, for the markers of ``fmt`` the tokenizer has one id for."""
+    lx = fmt.id_lexer(tok)
+    return {tid: lx.cfg.marker_text[term] for term, tid in lx.marker_ids.items()}
+
+
+def regression_snippet(fmt: Any, mode: str, data: Any, enc: Any = None, note: str = "",
+                       tokenizer: str = "fuzz") -> str:
     """A ``tests/data/regressions/<format>/<name>.json`` body for a failing input (marker ids
     spelled as their marker text), to paste into a regression file."""
     import json
 
     if mode == "ids":
-        specials = {v: k for k, v in enc._special_tokens.items()} if enc is not None else {}
+        specials = marker_id_table(fmt, enc) if enc is not None else {}
         data = [specials.get(int(i), int(i)) for i in data]
     body = {"description": note, "found_by": "tests/test_fuzz.py", "mode": mode,
-            "tokenizer": "fuzz", "input": data, "strict": "ok"}
+            "tokenizer": tokenizer, "input": data, "strict": "ok"}
     if mode == "text":
         del body["tokenizer"]
     return (f"--- regression file for tests/data/regressions/{fmt.name}/<name>.json ---\n"
             + json.dumps(body, ensure_ascii=False))
 
 
-def check_contract(fmt: Any, data: Any, mode: str, enc: Any = None, *, policies=()) -> tuple:
+def check_contract(fmt: Any, data: Any, mode: str, enc: Any = None, *, policies=(),
+                   tokenizer: str = "fuzz") -> tuple:
     """Run both modes of the reliability contract on one input; returns (strict result —
     a Conversation or the ParseError —, lenient Conversation).
 
@@ -257,7 +290,7 @@ def check_contract(fmt: Any, data: Any, mode: str, enc: Any = None, *, policies=
 
     def fail(msg: str):
         raise AssertionError(f"{fmt.name} [{mode}]: {msg}\n"
-                             + regression_snippet(fmt, mode, data, enc, msg))
+                             + regression_snippet(fmt, mode, data, enc, msg, tokenizer))
 
     def check_conv(conv, label: str):
         if conv.length != n:

@@ -34,8 +34,9 @@ import pytest
 
 import chatgrammar as cg
 from chatgrammar.matrix import get_case, iter_renderable
-from tests.fuzz_tokenizers import (QWEN_BASE_VOCAB, check_contract, encode_rendered,
-                                   format_encoding, format_templates)
+from tests.fuzz_tokenizers import (QWEN_BASE_VOCAB, REAL_TOKENIZERS, check_contract,
+                                   encode_rendered, format_encoding, format_templates,
+                                   named_tokenizer)
 
 FORMATS = cg.list_formats()
 FUZZ_SECONDS = float(os.environ.get("CHATGRAMMAR_FUZZ_SECONDS", "60"))
@@ -194,6 +195,53 @@ def test_fuzz_format(name):
         cases[mode] += 1
     # both outcomes happen: the mutations reach valid and invalid inputs alike
     assert outcomes["ok"] > 0 and outcomes["error"] > 0, outcomes
+
+
+def _fuzz_ids_only(fmt, tok, tokenizer: str, encode, ordinary_noise: list[int], vocab: int,
+                   budget: float, min_cases: int) -> None:
+    """The id-mode loop with another tokenizer (a real one, or soft markers left as text)."""
+    rng = random.Random(zlib.crc32(f"{fmt.name}/{tokenizer}".encode()) ^ FUZZ_SEED)
+    marker_ids = sorted(fmt.id_lexer(tok).marker_ids.values())
+    id_seeds = [encode(s) for s in _seeds(fmt)]
+    noise = ordinary_noise + [-1, vocab - 1, vocab, vocab + 7, 10 ** 9, 2 ** 62]
+    stop = time.monotonic() + budget
+    n = 0
+    while n < min_cases or time.monotonic() < stop:
+        units = (_random_stream(rng, marker_ids, noise) if rng.random() < 0.15 else
+                 _mutate(rng.choice(id_seeds), rng, marker_ids, noise, id_seeds, None))
+        check_contract(fmt, units, "ids", tok, policies=POLICIES, tokenizer=tokenizer)
+        n += 1
+
+
+SOFT_FORMATS = [n for n in FORMATS
+                if any(not m.special for m in cg.load_format(n).spec.markers.values())]
+
+
+@pytest.mark.parametrize("name", SOFT_FORMATS)
+def test_fuzz_soft_markers_as_text(name):
+    """A tokenizer without single ids for the soft markers (``<think>`` as ordinary BPE text):
+    id mode finds them in decoded runs, straddling merged tokens."""
+    fmt = cg.load_format(name)
+    enc = format_encoding(fmt, soft_as_specials=False)
+    _fuzz_ids_only(fmt, enc, "fuzz-hard", lambda s: enc.encode(s, allowed_special="all"),
+                   enc.encode_ordinary(" ".join(_NOISE)), enc.n_vocab,
+                   FUZZ_SECONDS / max(1, len(FORMATS)) / 3, MIN_CASES // 3)
+
+
+@pytest.mark.parametrize("tokenizer", sorted(REAL_TOKENIZERS))
+def test_fuzz_real_tokenizers(tokenizer):
+    """transformers tokenizers (fast and slow, BPE and SentencePiece) decode hostile ids
+    through their own code paths: the contract holds there too."""
+    pytest.importorskip("transformers")
+    name, _build = REAL_TOKENIZERS[tokenizer]
+    if name not in FORMATS:
+        pytest.fail(f"{tokenizer}: format {name!r} is not bundled")
+    fmt = cg.load_format(name)
+    tok = named_tokenizer(fmt, tokenizer)
+    _fuzz_ids_only(fmt, tok, tokenizer,
+                   lambda s: tok.encode(s, add_special_tokens=False),
+                   tok.encode(" ".join(_NOISE), add_special_tokens=False), len(tok),
+                   FUZZ_SECONDS / max(1, len(FORMATS)) / 3, MIN_CASES // 3)
 
 
 def _prefix_renders(fmt) -> list[str]:

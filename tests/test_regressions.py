@@ -10,8 +10,9 @@ the format); each is a test of its own. Fields:
   survive (negative, out of range), and whose strings are marker texts, standing for that
   marker's special id (stable when a spec gains markers). Long inputs may be given as
   ``{"concat": [[piece, count], ...]}``: each piece (a string, or a list as above) repeated.
-- ``tokenizer``: id mode only: ``"fuzz"`` (every marker one special id) or ``"fuzz-hard"``
-  (soft markers stay ordinary text, found in decoded runs).
+- ``tokenizer``: id mode only: ``"fuzz"`` (every marker one special id), ``"fuzz-hard"``
+  (soft markers stay ordinary text, found in decoded runs), or a real tokenizer of
+  ``tests.fuzz_tokenizers.REAL_TOKENIZERS`` (``"qwen"``, ``"mistral-v3"``, ``"phi3"``, ...).
 - ``strict``: ``"ok"`` (parses) or ``"ParseError"`` (raises it, with an offset).
 - ``spans`` (optional): the trained ``[start, end]`` spans of the lenient parse under the
   format's default policy; ``warnings`` (optional): whether lenient parsing reports any.
@@ -28,32 +29,28 @@ import pytest
 
 import chatgrammar as cg
 from chatgrammar.errors import ChatGrammarError, ParseError
-from tests.fuzz_tokenizers import format_encoding
+from tests.fuzz_tokenizers import marker_id_table, named_tokenizer
 
 ROOT = Path(__file__).resolve().parent / "data" / "regressions"
 CASES = sorted(ROOT.glob("*/*.json"))
 
 
-def _expand(raw, mode: str, enc):
+def _expand(raw, mode: str, fmt, enc):
     """The input the case describes: text, or a list of ids."""
     if isinstance(raw, dict):
         parts = []
         for piece, count in raw["concat"]:
-            parts.extend([_expand(piece, mode, enc)] * count)
+            parts.extend([_expand(piece, mode, fmt, enc)] * count)
         return "".join(parts) if mode == "text" else [i for p in parts for i in p]
     if mode == "text":
         assert isinstance(raw, str)
         return raw
     if isinstance(raw, str):
         raw = [raw]
-    out = []
-    for i in raw:
-        if isinstance(i, int):
-            out.append(i)
-        else:  # a marker: its special id (encode_single_token may give an ordinary piece)
-            (tid,) = enc.encode(i, allowed_special={i})
-            out.append(tid)
-    return out
+    if hasattr(enc, "special_tokens_set"):  # tiktoken: the id encode() emits, not the adapter's
+        return [i if isinstance(i, int) else enc.encode(i, allowed_special={i})[0] for i in raw]
+    ids_of = {text: tid for tid, text in marker_id_table(fmt, enc).items()}
+    return [i if isinstance(i, int) else ids_of[i] for i in raw]
 
 
 @pytest.mark.parametrize("path", CASES, ids=[f"{p.parent.name}/{p.stem}" for p in CASES])
@@ -63,8 +60,8 @@ def test_regression(path):
     mode = case["mode"]
     enc = None
     if mode == "ids":
-        enc = format_encoding(fmt, soft_as_specials=case.get("tokenizer", "fuzz") == "fuzz")
-    data = _expand(case["input"], mode, enc)
+        enc = named_tokenizer(fmt, case.get("tokenizer", "fuzz"))
+    data = _expand(case["input"], mode, fmt, enc)
 
     def run(strict: bool):
         if mode == "text":
