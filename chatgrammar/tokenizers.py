@@ -159,6 +159,8 @@ class TokenizerAdapter:
         ids = [int(i) for i in ids]
         try:
             return self._decode(ids)
+        except _NotText:
+            raise
         except Exception:  # noqa: BLE001 - tokenizers raise KeyError, OverflowError, ...
             pass
         out: list[str] = []
@@ -166,6 +168,8 @@ class TokenizerAdapter:
         for i in ids:
             try:
                 self._decode([i])
+            except _NotText:
+                raise
             except Exception:  # noqa: BLE001
                 if run:
                     out.append(self._decode(run))
@@ -182,9 +186,13 @@ class TokenizerAdapter:
             return self._encoding.decode(ids, errors="replace")
         t = self.tokenizer
         try:
-            return t.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            text = t.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         except TypeError:
-            return t.decode(ids)
+            text = t.decode(ids)
+        if not isinstance(text, str):  # a broken tokenizer: say so, do not crash later
+            raise _NotText(f"{type(t).__name__}.decode() returned {type(text).__name__}, "
+                           "not str")
+        return text
 
     def decode_offsets(self, ids: Sequence[int]) -> tuple[str, list[int]]:
         """Decode ``ids`` and return (text, start char of each token)."""
@@ -231,6 +239,10 @@ class TokenizerAdapter:
             return [stream.step(backend, i) or "" for i in ids]
         except Exception:
             return None
+
+
+class _NotText(TypeError):
+    """The tokenizer's decode() broke the protocol (it must return a str)."""
 
 
 def _tiktoken_encoding(tok: Any) -> Any:

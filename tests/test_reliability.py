@@ -130,6 +130,41 @@ def test_wrong_types_are_usage_errors_not_parse_results(k2):
             k2.parse_ids(bad, enc, strict=False)
 
 
+class _RaisingTokenizer:
+    """Minimal protocol, but decode() fails on everything (a corrupt vocabulary)."""
+
+    def convert_tokens_to_ids(self, token):
+        raise KeyError(token)
+
+    def decode(self, ids, **kwargs):
+        raise RuntimeError("cannot decode")
+
+
+class _NoneTokenizer:
+    """Breaks the protocol: decode() returns None."""
+
+    def convert_tokens_to_ids(self, token):
+        return 7
+
+    def decode(self, ids, **kwargs):
+        return None
+
+
+def test_broken_tokenizers():
+    """A tokenizer that raises on every call leaves nothing to find (no marker ids): lenient
+    mode masks nothing, strict mode reports it. One that breaks the protocol (decode returns a
+    non-str) is a TypeError naming it — a usage error, like an unsupported object."""
+    fmt = cg.load_format("kimi-k2")
+    ids = [1, 2, 3, 4]
+    assert fmt.loss_mask(ids, _RaisingTokenizer(), strict=False) == [0, 0, 0, 0]
+    with pytest.raises(ParseError):
+        fmt.loss_mask(ids, _RaisingTokenizer())
+    with pytest.raises(TypeError, match="decode"):
+        fmt.loss_mask(ids, _NoneTokenizer(), strict=False)
+    with pytest.raises(TypeError):
+        fmt.loss_mask(ids, object())
+
+
 # ------------------------------------------------------------------------------ truncation
 
 def test_truncation_trains_what_is_there(k2, k3):
