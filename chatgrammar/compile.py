@@ -405,6 +405,16 @@ def check_spec(spec: FormatSpec, src: SpecSource) -> None:
             for i, hm in enumerate(h.markers):
                 need_marker(hm, hloc + ("markers", i))
             check_pattern(h.pattern, hloc + ("pattern",), h.max_tokens * HEADER_CHARS_PER_TOKEN)
+            if h.trained_after is not None:
+                if hloc[-2:] == ("close", "header"):
+                    raise src.error("`trained_after` is for an element's header (a close "
+                                    "header is part of the terminator)",
+                                    hloc + ("trained_after",), CompileError)
+                if h.pattern is None or h.trained_after not in re.compile(
+                        h.pattern, re.S).groupindex:
+                    raise src.error(f"`trained_after` names {h.trained_after!r}, which is not a "
+                                    "named group of this header's `pattern`",
+                                    hloc + ("trained_after",), CompileError)
             if h.until_text is not None:
                 if hloc[-2:] == ("close", "header"):
                     raise src.error("a close header must end at a marker (`until`)", hloc,
@@ -427,6 +437,16 @@ def check_spec(spec: FormatSpec, src: SpecSource) -> None:
                                 CompileError)
             for i, c in enumerate(el.close.after):
                 need_marker(c, base + ("close", "after", i))
+            if el.close.opens_follow:
+                # the follow element must start right at the marker: no header of its own to
+                # read first, and nothing of this element's end after the marker
+                f = spec.elements.get(el.follow) if el.follow else None
+                if f is None or f.header is not None or el.close.header is not None \
+                        or el.close.after:
+                    raise src.error("`close.opens_follow` needs a `follow` element without a "
+                                    "header, and a close marker without a close header or "
+                                    "`after` markers", base + ("close", "opens_follow"),
+                                    CompileError)
     # markers opening until_text headers must not open other elements with marker headers
     for ename, el in spec.elements.items():
         if el.header and el.header.until and any(o in split_delims for o in el.open):

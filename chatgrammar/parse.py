@@ -13,6 +13,7 @@ parsing resumes at the next token that can start a turn.
 """
 from __future__ import annotations
 
+import bisect
 import fnmatch
 import re
 from functools import lru_cache
@@ -94,6 +95,22 @@ class Source:
             if not lead.startswith(txt):
                 return 0, "absent"
         return e - s, "partial"
+
+    def locate(self, s: int, e: int, chars: int, limit: int = 64) -> tuple[int, bool]:
+        """Where char ``chars`` of the run ``[s, e)`` (decoded on its own, as the lexer reads
+        headers) falls: ``(position, straddles)``. Id mode: the index of the token that holds
+        that char, ``straddles`` True when the char is not that token's first (the token also
+        carries text before it); at most ``limit`` tokens are decoded (a header's budget)."""
+        if chars <= 0:
+            return s, False
+        if self.mode == "text":
+            return min(s + chars, e), False
+        stop = min(e, s + limit)
+        text, starts = self.adapter.decode_offsets(self.arr[s:stop].tolist())
+        if chars >= len(text):
+            return stop, False
+        t = bisect.bisect_right(starts, chars) - 1
+        return s + t, starts[t] != chars
 
     def read(self, s: int, e: int, limit: int = 64) -> str | None:
         """The text of ``[s, e)``, or None when longer than ``limit`` tokens (text mode:
@@ -463,6 +480,7 @@ class _Ctx:
         h = el.header
         has_body = True
         complete = True
+        hparts: list = []  # the header's tokens (where its text comes from)
         if h is not None:
             if until is not None:
                 parts = []
@@ -487,10 +505,12 @@ class _Ctx:
                         b.header_end = parts[-1][2]
                     pos = b.header_end
                 b.header = "".join(p[3] if isinstance(p[3], str) else "" for p in parts)
+                hparts = parts
             else:
                 if i < n and not isinstance(ch[i], Block) and ch[i][0] == HEADER:
                     ht = ch[i]
                     b.header = ht[3]
+                    hparts = [ht]
                     b.header_end = pos = ht[2]
                     i += 1
                 else:
@@ -548,10 +568,17 @@ class _Ctx:
             complete = False
         if i < n and isinstance(ch[i], Block):
             b.follow = ch[i]
+            if b.close is not None and el.close.opens_follow:
+                # the close marker is the first thing of the follow element (``opens_follow``)
+                f = b.follow
+                f.start = f.header_start = f.header_end = b.close_start
+                if f.body_start is not None:
+                    f.body_start = b.close_start
+                end = b.close_end = b.close_start
         b.end = end
         b.complete = complete and all(c.complete for c in b.children)
         if h is not None:
-            self._read_header(b, el, header_whole)
+            self._read_header(b, el, header_whole, hparts)
         if lead_run is not None and b.body_end > b.body_start:
             self._skip_lead(b, el.lead, lead_run)
         # kind: declared, by tag, or by attribute
@@ -575,13 +602,16 @@ class _Ctx:
         return all(v.name in pre if isinstance(v, Block) else
                    type(v) is tuple and by_term.get(v[0]) in pre for v in value_stack)
 
-    def _read_header(self, b: Block, el: Element, must_be_whole: bool) -> None:
+    def _read_header(self, b: Block, el: Element, must_be_whole: bool,
+                     parts: list | None = None) -> None:
         """Check and read a header. ``must_be_whole``: something real follows it (its
         terminator, a marker, a block), so it is checked even when the input ends later in
         the element; only a header cut by the end of input escapes the checks (and then
-        nothing of the element trains)."""
+        nothing of the element trains). ``parts``: the header's tokens, to place
+        ``trained_after``."""
         h = el.header
         text = b.header or ""
+        m = None
         if h.attributes == "xtml":
             parsed = parse_xtml_head(text) if text else None
             if parsed is None:
@@ -612,6 +642,32 @@ class _Ctx:
             if must_be_whole and h.required:
                 self.problem(b.header_start, f"header does not end with {h.until_text!r}", b)
             b.body_start = b.body_end
+            return
+        if h.trained_after is not None and m is not None and must_be_whole and b.valid \
+                and b.body_start is not None and m.end(h.trained_after) >= 0:
+            b.train_start = self._header_position(b, parts or [], m.end(h.trained_after),
+                                                  h.max_tokens)
+
+    def _header_position(self, b: Block, parts: list, chars: int, limit: int) -> int:
+        """The input position of char ``chars`` of the header text, from the header's tokens.
+        In id mode a token holding that char and text before it is the start (it trains, so
+        no trained character is left out) and the boundary is reported."""
+        acc = 0
+        for p in parts:
+            txt = p[3] if isinstance(p[3], str) else ""
+            if chars < acc + len(txt):
+                if p[0] not in (TEXT, HEADER):
+                    # inside a marker's text: the whole marker trains, in both modes
+                    at, straddle = p[1], chars > acc and self.src.mode == "ids"
+                else:
+                    at, straddle = self.src.locate(p[1], p[2], chars - acc, limit)
+                if straddle:
+                    self.src.boundaries.append(
+                        (at, "header `trained_after` boundary falls inside a merged token "
+                             "(trained)"))
+                return at
+            acc += len(txt)
+        return parts[-1][2] if parts else b.header_end
 
     def _skip_lead(self, b: Block, lead: str, run_end: int) -> None:
         """Move the body start past the element's ``lead`` (it belongs to the header)."""

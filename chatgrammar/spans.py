@@ -55,6 +55,9 @@ class Block:
     close_start: Optional[int] = None     # terminator region (close marker, close header, after)
     close_end: Optional[int] = None
     close: Optional[str] = None           # close marker name (None: none written, input ended)
+    # where the turn's trained region starts when part of its header is model output
+    # (``header.trained_after``); None: at ``body_start``
+    train_start: Optional[int] = None
     children: list = field(default_factory=list)
     complete: bool = True
     valid: bool = True
@@ -143,7 +146,9 @@ class Conversation:
         """The trained spans under ``policy`` (None: the format's default): sorted and
         non-overlapping.
 
-        A turn's body trains as its own kind (``"content"`` unless the element declares one);
+        A turn's body trains as its own kind (``"content"`` unless the element declares one),
+        from ``Block.train_start`` when the header's tail is model output
+        (``header.trained_after``);
         each nested block at any depth is a span of its own kind (a block without a kind takes
         its parent's), and a block whose kind the policy drops is left out whole, tags and
         nested blocks included.
@@ -165,7 +170,8 @@ class Conversation:
             if b.body_start is None:
                 continue
             base = b.kind or "content"
-            cur = b.body_start
+            # the header's model-written tail (``header.trained_after``) trains with the body
+            cur = b.body_start if b.train_start is None else b.train_start
             for c in b.children:
                 if c.start < b.body_start:
                     continue  # before the body (a header that never ended): not trained

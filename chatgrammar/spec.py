@@ -44,6 +44,12 @@ class Header(_Model):
 
     Exactly one of ``until`` (a marker ends the header: ``<|im_middle|>``, ``<|sep|>``) or
     ``until_text`` (a literal inside the text run after the opener ends it, e.g. ``"\\n"``).
+
+    ``trained_after``: the name of a group of ``pattern``. The header text after the end of
+    that group is model output (Harmony: the model writes ``<|channel|>final<|message|>``
+    after the prompt's ``<|start|>assistant``), so it trains with the turn's body, as the
+    body's kind. A header cut by the end of input still trains nothing; where the group did
+    not take part in the match, the header does not train.
     """
 
     until: Optional[str] = None
@@ -53,6 +59,7 @@ class Header(_Model):
     attributes: Optional[Literal["xtml"]] = None
     required: bool = True
     max_tokens: int = Field(default=64, ge=1, le=4096)
+    trained_after: Optional[str] = None
 
 
 class Close(_Model):
@@ -64,12 +71,18 @@ class Close(_Model):
     element ends where the next top-level element opens (Falcon-H1's tool system prompt has
     no ``<|im_end|>``). Such an element is reported like a truncated one (``complete`` False:
     its content trains under ``truncated=True``, no end marker trains) and a warning says so.
+
+    ``opens_follow: true``: the close marker ends this element but is the first thing of its
+    ``follow`` element, which starts at it (so it trains with the follow's body, as its kind).
+    DeepSeek-V3.2's function results end at the ``</think>`` the model's reply starts with.
+    Where no follow element comes (the input ends), the marker stays this element's end.
     """
 
     markers: list[str] = Field(min_length=1)
     header: Optional[Header] = None
     after: list[str] = Field(default_factory=list)
     required: bool = True
+    opens_follow: bool = False
 
 
 class Element(_Model):

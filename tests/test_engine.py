@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import re
 import textwrap
 
 import numpy as np
@@ -614,6 +615,166 @@ def test_close_alternatives_record_which_one_closed(fmts):
         ("a", "content"), ("<|eot|>", "end"), ("b", "content"), ("<|eom|>", "end")]
 
 
+TRAINED_AFTER = r'''
+    name: eng-trained-after
+    markers:
+      start: {text: "<|start|>"}
+      channel: {text: "<|channel|>"}
+      message: {text: "<|message|>"}
+      end: {text: "<|end|>"}
+      call: {text: "<|call|>"}
+    elements:
+      msg:
+        open: start
+        header:
+          until: message
+          markers: [channel]
+          pattern: "(?P<role>[\\w.]+)(?: to=(?P<to>[\\w.]+))?(?:<\\|channel\\|>(?P<channel>\\w+))?"
+          trained_after: role
+        close: {markers: [end, call]}
+        kind_by_attr: {to: {"*": tool_call}, channel: {analysis: think}}
+    top: [msg]
+    role_aliases: {functions.f: tool}
+    generation_prompt: ["<|start|>assistant"]
+'''
+HARMONYISH = ("<|start|>user<|message|>hi<|end|>"
+              "<|start|>assistant<|channel|>analysis<|message|>T<|end|>"
+              "<|start|>assistant to=functions.f<|channel|>commentary<|message|>{}<|call|>"
+              "<|start|>functions.f<|message|>42<|end|>"
+              "<|start|>assistant<|channel|>final<|message|>yo<|end|>")
+
+
+def test_header_trained_after_a_group(make):
+    """`header.trained_after`: the header text after the end of the named group is model
+    output (Harmony's channel and recipient after `<|start|>assistant`): it trains with the
+    body, as the turn's kind, its `until` marker included; the opener and the role do not."""
+    fmt = make(TRAINED_AFTER)
+    r = run_all(fmt, HARMONYISH)
+    assert r.kinds() == [("<|channel|>analysis<|message|>T", "think"),
+                         (" to=functions.f<|channel|>commentary<|message|>{}", "tool_call"),
+                         ("<|channel|>final<|message|>yo", "content")]
+    b = r.conv.turns[2].block
+    at = HARMONYISH.index(" to=")
+    assert (b.train_start, b.header_end, b.body_start) == \
+        (at, HARMONYISH.index("<|message|>{}"), HARMONYISH.index("{}"))
+    # a kind the policy drops goes whole, header included; so does its terminator
+    assert r.trained(cg.MaskPolicy(thinking=False, tool_calls=False, end_marker=True)) == \
+        ["<|channel|>final<|message|>yo", "<|end|>"]
+    assert r.kinds(cg.MaskPolicy(end_marker=True))[:2] == [
+        ("<|channel|>analysis<|message|>T", "think"), ("<|end|>", "end")]
+    # every role's header trains after the role; here a user header is only its terminator
+    assert r.trained(cg.MaskPolicy(roles=("user",))) == ["<|message|>hi"]
+    # an empty body still trains the header's tail
+    assert run_all(fmt, "<|start|>assistant<|channel|>final<|message|><|end|>").trained() == \
+        ["<|channel|>final<|message|>"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_trained_after_generation_prompt_and_cuts(make, mode):
+    """The generation prompt trains nothing; a turn cut inside its header trains nothing of
+    the header (even where the group already ended); once the header's terminator is in, the
+    header's tail and the content present train."""
+    fmt = make(TRAINED_AFTER)
+    head = "<|start|>user<|message|>hi<|end|>"
+    turn = "<|start|>assistant to=functions.f<|channel|>commentary<|message|>{\"a\": 1}<|call|>"
+    body_at = turn.index("{")
+    inside = {k for m in re.finditer(r"<\|\w+\|>", turn) for k in range(m.start() + 1, m.end())}
+    for k in range(len(turn) + 1):
+        if k in inside:
+            continue  # text cut inside a marker string: another test's subject
+        r = run(fmt, head + turn[:k], mode)
+        got = r.trained()
+        if k <= len("<|start|>assistant"):
+            assert got == [], k
+        elif k < body_at:
+            assert got == [], (k, turn[:k])
+        else:
+            want = turn[len("<|start|>assistant"):min(k, len(turn) - len("<|call|>"))]
+            assert got == [want], k
+    r = run(fmt, head + "<|start|>assistant", mode)
+    assert r.conv.turns[-1].generation_prompt and r.trained() == []
+
+
+def test_trained_after_straddling_a_merged_token(make):
+    """Id mode: a token that holds the end of the group and text after it trains (no trained
+    character is left out) and the boundary is reported."""
+    fmt = make(TRAINED_AFTER)
+    text = "<|start|>assistant to=functions.f<|channel|>commentary<|message|>{}<|call|>"
+    assert run(fmt, text, "text").trained() == \
+        [" to=functions.f<|channel|>commentary<|message|>{}"]
+    for mode in ("ids", "ids-soft-decoded"):
+        r = run(fmt, text, mode, merges=["nt to"])
+        k = r.ids.index(r.tok.vocab["nt to"])
+        assert r.trained() == ["nt to=functions.f<|channel|>commentary<|message|>{}"]
+        assert [(b.offset, b.message) for b in r.conv.boundaries] == \
+            [(k, "header `trained_after` boundary falls inside a merged token (trained)")]
+        assert r.conv.turns[0].block.train_start == k
+        assert fmt.loss_mask(r.ids, r.tok) == r.mask()
+    # a merged token that ends exactly at the group's end is no boundary
+    r = run(fmt, text, "ids", merges=["assistant"])
+    assert r.conv.boundaries == [] and r.trained() == run(fmt, text, "text").trained()
+
+
+def test_trained_after_a_group_that_did_not_match(make):
+    """A group that takes no part in the match: the header does not train, the body does."""
+    fmt = make(TRAINED_AFTER.replace("trained_after: role", "trained_after: to"))
+    r = run_all(fmt, HARMONYISH)
+    assert r.trained() == ["T", "<|channel|>commentary<|message|>{}", "yo"]
+
+
+OPENS_FOLLOW = r'''
+    name: eng-opens-follow
+    markers:
+      u: {text: "<U>"}
+      a: {text: "<A>"}
+      e: {text: "<E>"}
+      th: {text: "<think>", special: false}
+      the: {text: "</think>", special: false}
+    elements:
+      user: {open: u, role: user}
+      asst:
+        open: a
+        close: {markers: [e]}
+        role: assistant
+        inner_markers: [the]
+        follow: results
+      results:
+        close: {markers: [the, th], opens_follow: true}
+        role: tool
+        follow: reply
+      reply:
+        close: {markers: [e]}
+        role: assistant
+        inner_markers: [the]
+        follow: results
+    top: [user, asst]
+'''
+
+
+def test_close_opens_follow(make):
+    """`close.opens_follow`: the marker that ends an element is the first thing of its follow
+    element (DeepSeek-V3.2's reply starts with the `</think>` that ends the function results):
+    the follow starts at it and it trains with the follow's body."""
+    fmt = make(OPENS_FOLLOW)
+    text = "<U>q<A>call<E>\n\nRESULTS\n\n</think>answer<E>"
+    r = run_all(fmt, text)
+    assert r.turns() == [("user", 0, 4, True), ("assistant", 4, 14, True),
+                         ("tool", 14, 25, True), ("assistant", 25, 42, True)]
+    assert r.trained() == ["call", "</think>answer"]
+    tool = r.conv.turns[2].block
+    assert (tool.close, tool.close_start, tool.close_end) == ("the", 25, 25)
+    assert r.conv.turns[3].body_start == 25
+    # the tool turn has no terminator of its own left: nothing of it trains as `end`
+    assert r.kinds(cg.MaskPolicy(roles=("tool",), end_marker=True)) == \
+        [("\n\nRESULTS\n\n", "content")]
+    r = run_all(fmt, text.replace("</think>answer", "<think>r</think>answer"))
+    assert r.trained() == ["call", "<think>r</think>answer"]
+    # no follow element (the input ends at the marker): the marker stays the element's end
+    r = run_all(fmt, "<U>q<A>call<E>\n\nRESULTS\n\n</think>")
+    assert r.turns()[-1] == ("tool", 14, 33, True) and r.trained() == ["call"]
+    assert r.conv.turns[-1].block.close_end == 33
+
+
 # =========================================================================== bodies
 
 CONV = ("<bos><|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n"
@@ -1037,6 +1198,32 @@ def test_compile_errors(make, yaml_text, line, col, path, message):
     assert (e.line, e.col, e.path) == (line, col, path)
     assert e.message == message
     assert str(e).startswith(f"{e.file}:{line}:{col}: {path}: ")
+
+
+@pytest.mark.parametrize("yaml_text, path, message", [
+    (_edit("role: assistant", 'role: assistant\n    header: {until_text: ":", pattern: '
+           '"(?P<role>\\\\w+):", trained_after: name}'),
+     "elements.turn.header.trained_after",
+     "`trained_after` names 'name', which is not a named group of this header's `pattern`"),
+    (_edit("role: assistant", 'role: assistant\n    header: {until_text: ":", '
+           'trained_after: role}'),
+     "elements.turn.header.trained_after",
+     "`trained_after` names 'role', which is not a named group of this header's `pattern`"),
+    (_edit("close: {markers: [e]}", 'close: {markers: [e], header: {until: a, pattern: '
+           '"(?P<x>\\\\w*)", trained_after: x}}'),
+     "elements.turn.close.header.trained_after",
+     "`trained_after` is for an element's header (a close header is part of the terminator)"),
+    (_edit("close: {markers: [e]}", "close: {markers: [e], opens_follow: true}"),
+     "elements.turn.close.opens_follow",
+     "`close.opens_follow` needs a `follow` element without a header, and a close marker "
+     "without a close header or `after` markers"),
+])
+def test_construct_compile_errors(make, yaml_text, path, message):
+    """`header.trained_after` and `close.opens_follow` misuse, located in spec terms."""
+    with pytest.raises(CompileError) as info:
+        make(yaml_text)
+    assert (info.value.path, info.value.message) == (path, message)
+    assert info.value.line is not None
 
 
 def test_catastrophic_backtracking_pattern_is_rejected(make):

@@ -60,7 +60,8 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
     ("Element", "open"): "Opener marker(s) (one name or a list of alternatives). Empty: the "
                          "element starts with text and needs a close marker.",
     ("Element", "header"): "The header after the opener (role name, tag and attributes), up to "
-                           "a marker (`until`) or a literal (`until_text`). Never trained.",
+                           "a marker (`until`) or a literal (`until_text`). Not trained, "
+                           "except the part after `trained_after`.",
     ("Element", "close"): "The terminator: close marker(s), optional close header, trailing "
                           "markers (`after`). The `end` span of a turn.",
     ("Element", "children"): "Elements that may nest in the body (any depth; no recursion "
@@ -95,6 +96,9 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
     ("Header", "required"): "false: an element without its header terminator parses but has "
                             "no body (trains nothing), and later turns still parse.",
     ("Header", "max_tokens"): "How many tokens of header id mode decodes at most.",
+    ("Header", "trained_after"): "A named group of `pattern`: the header text after it is model "
+                                 "output and trains with the body, as its kind (Harmony: "
+                                 "everything after `<|start|>assistant`).",
     # Close
     ("Close", "markers"): "Close marker alternatives (at least one).",
     ("Close", "header"): "A header after the close marker (XTML <|close|>tag<|sep|>); must end "
@@ -103,6 +107,9 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
                         "(<|end_of_msg|>).",
     ("Close", "required"): "false (top-level only): a missing close ends the element where the "
                            "next one opens (reported incomplete).",
+    ("Close", "opens_follow"): "true: the close marker is the first thing of the `follow` "
+                               "element, which starts at it and trains it (DeepSeek-V3.2's "
+                               "reply starts with the `</think>` ending the function results).",
     # Policy
     ("Policy", "roles"): "Roles whose turns train (after role_aliases).",
     ("Policy", "thinking"): "Train reasoning blocks (kind think).",
