@@ -29,7 +29,9 @@ import numpy as np
 import pytest
 
 import chatgrammar as cg
+from chatgrammar.conformance import check_template
 from chatgrammar.matrix import MatrixCase, default_matrix, get_case
+from chatgrammar.registry import formats_dir
 from chatgrammar.render import TemplateError, render_chat, render_chat_with_spans
 from tests.family_tokenizers import REAL_IDS, SPECIAL_TOKENS, encoding_for
 from tests.tokenizers import mistral_tokenizer
@@ -331,8 +333,9 @@ def oracle_deepseek(tpl: str, case: MatrixCase) -> list[str]:
                 if pending_asst:
                     s = f"<think>{r}</think>" if on else "</think>"
                 elif pending_tool:
-                    # the function results end at the `<think>` / `</think>` opening the reply
-                    s = f"{r}</think>" if on else ""
+                    # the function results end at the `<think>` / `</think>` that opens the
+                    # reply (`close.opens_follow`): it trains with the reply
+                    s = f"<think>{r}</think>" if on else "</think>"
                 else:
                     s = ""
                 pending_asst = pending_tool = False
@@ -354,8 +357,11 @@ def oracle_deepseek(tpl: str, case: MatrixCase) -> list[str]:
 
 
 def oracle_harmony(tpl: str, case: MatrixCase) -> list[str]:
+    # every Harmony message trains from after `<|start|>assistant`: the header the model
+    # writes itself (recipient, channel, content type, <|message|>) and the text
     msgs = case.messages
     loop = msgs[1:] if msgs[0]["role"] in ("system", "developer") else msgs
+    analysis, final = "<|channel|>analysis<|message|>", "<|channel|>final<|message|>"
     out = []
     for i, m in enumerate(loop):
         if m["role"] != "assistant":
@@ -365,16 +371,18 @@ def oracle_harmony(tpl: str, case: MatrixCase) -> list[str]:
             future_final = any(f["role"] == "assistant" and "tool_calls" not in f
                                for f in loop[i + 1:])
             if m.get("content") and not future_final:
-                out.append(m["content"])
+                out.append(analysis + m["content"])
             elif thinking and not future_final:
-                out.append(thinking)
-            out.append(_tj(m["tool_calls"][0]["function"]["arguments"]))
+                out.append(analysis + thinking)
+            f = m["tool_calls"][0]["function"]
+            out.append(f" to=functions.{f['name']}<|channel|>commentary json<|message|>"
+                       + _tj(f["arguments"]))
         elif i == len(loop) - 1 and not case.add_generation_prompt:
             if thinking is not None:
-                out.append(thinking)
-            out.append(m["content"])
+                out.append(analysis + thinking)
+            out.append(final + m["content"])
         else:
-            out.append(m["content"])
+            out.append(final + m["content"])
     return out
 
 
@@ -675,6 +683,43 @@ def test_embedded_examples_text_and_ids(name: str) -> None:
         assert [t.role for t in conv_ids.turns] == [t.role for t in conv.turns], ex.name
 
 
+# ----------------------------------------------------------------------------- conformance
+
+_REPEATED_PROMPT = {"reasoning", "reasoning-thinking-on", "reasoning-tool-call"}
+
+
+@pytest.mark.parametrize("tpl", [GPTOSS, DSV3, DSR1, DQWEN, DLLAMA, DSV31, DSV32])
+def test_conformance_trains_what_the_model_writes(tpl: str) -> None:
+    """The render-diff oracle (chatgrammar.conformance): each assistant message trains from
+    where the template's generation prompt ends. Harmony: after `<|start|>assistant`, with the
+    one documented deviation (a message rendered as several Harmony messages leaves each later
+    `<|start|>assistant` untrained). R1-Distill-Qwen prompts with `<｜tool▁outputs▁end｜>\n`:
+    the reply after tool outputs trains from right after the marker."""
+    fam = FAMILY[tpl]
+    res = check_template(cg.load_format(fam), template(tpl), name=tpl,
+                         variables=SPECIAL_TOKENS[fam] if fam == "deepseek-v3" else None)
+    assert res.ok, [(c.case, c.reason) for c in res.cases if c.status == "fail"]
+    devs = {c.case for c in res.cases if c.deviations}
+    assert devs == (_REPEATED_PROMPT if tpl == GPTOSS else set())
+    for c in res.cases:
+        assert all(d.startswith("message [") and "'<|start|>assistant', untrained" in d
+                   for d in c.deviations)
+        if tpl == DQWEN and c.case == "tool-call":
+            assert c.text[c.expected[-1][0]:].startswith("It is sunny")
+
+
+def test_conformance_deviation_is_accepted_only_for_the_format_that_documents_it(tmp_path):
+    """The same spec under another name gets no pass for the repeated `<|start|>assistant`."""
+    spec = (formats_dir() / "harmony.yaml").read_text(encoding="utf-8")
+    path = tmp_path / "harmony-copy.yaml"
+    path.write_text(spec.replace("name: harmony", "name: harmony-copy", 1), encoding="utf-8")
+    res = check_template(cg.load_format(path), template(GPTOSS))
+    failed = {c.case: c.reason for c in res.cases if c.status == "fail"}
+    assert set(failed) == _REPEATED_PROMPT
+    assert all("the trained text has a gap" in r and "'<|start|>assistant'" in r
+               for r in failed.values())
+
+
 # ----------------------------------------------------------------------------- harmony goldens
 
 # Header words of the two o200k_harmony id goldens, at their o200k ids. They are read off
@@ -736,7 +781,8 @@ def test_harmony_golden_channels_typed():
     conv = fmt.parse(_golden("test_keep_analysis_between_finals.txt"))
     assert [t.block.kind for t in conv.turns if t.role == "assistant"] == \
         ["content", "think", "content"]
-    assert conv.trained_text(cg.MaskPolicy(thinking=False)) == ["4", "8"]
+    assert conv.trained_text(cg.MaskPolicy(thinking=False)) == \
+        ["<|channel|>final<|message|>4", "<|channel|>final<|message|>8"]
     conv = fmt.parse(_golden("test_does_not_drop_if_ongoing_analysis.txt"))
     call = [t for t in conv.turns if t.attrs.get("to") == "functions.lookup_weather"][0]
     assert call.role == "assistant" and call.block.kind == "tool_call"
@@ -766,9 +812,11 @@ def test_harmony_id_goldens(name: str) -> None:
         kinds = ["think", "tool_call"]
     assert [t.role for t in conv.turns] == ["assistant", "assistant"]
     assert [s.kind for s in conv.spans()] == kinds
-    # the trained ids are exactly each message's content (between <|message|> and its end)
+    # the trained ids are exactly each message after `<|start|>assistant` (the header the
+    # model writes, then the content) up to its end
     for s, t in zip(conv.spans(), conv.turns):
-        assert ids[s.start - 1] == 200008 and s.end == (t.end - 1 if t.complete else len(ids))
+        assert ids[t.start:s.start] == [200006, 173781]
+        assert s.end == (t.end - 1 if t.complete else len(ids))
     assert conv.spans(cg.MaskPolicy(thinking=False))[0].kind == kinds[1]
 
 
@@ -776,8 +824,7 @@ def test_harmony_id_goldens(name: str) -> None:
 
 TRL = {"trl-deepseekv3_training.jinja": "deepseek-v3", "trl-gptoss_training.jinja": "harmony",
        "trl-glm4moe_training.jinja": "glm4"}
-_HARMONY_HEADER = re.compile(r"<\|start\|>assistant[^<]*(?:<\|channel\|>[^<]*)?"
-                             r"(?:<\|constrain\|>[^<]*)?<\|message\|>")
+_HARMONY_OPENER = "<|start|>assistant"
 
 
 def _trl_renders(name: str):
@@ -797,9 +844,9 @@ def test_trl_generation_parity(name: str) -> None:
 
     - deepseek-v3: TRL also trains the turn's opener (`<｜Assistant｜>`, or the
       `<｜tool▁outputs▁end｜>` the reply follows), which is prompt here;
-    - harmony: one TRL span covers all of an assistant message's Harmony messages, including
-      the `<|start|>assistant…<|message|>` headers of the 2nd and later ones; ours are per
-      message, headers excluded;
+    - harmony: one TRL span covers all of an assistant message's Harmony messages, each with
+      its `<|start|>assistant`; ours are per message and start after `<|start|>assistant`
+      (the rest of the header is model output and trains);
     - glm4: TRL appends the *next* role marker (`<|user|>`, `<|observation|>`, `<|system|>`) to
       the span, even after the last message; here a turn ends where that marker starts.
     """
@@ -826,7 +873,7 @@ def test_trl_generation_parity(name: str) -> None:
                                if gen.startswith(o)), "")
                 assert got == gen[len(opener):], case.name
             elif fam == "harmony":
-                assert got == _HARMONY_HEADER.sub("", gen), case.name
+                assert got == gen.replace(_HARMONY_OPENER, ""), case.name
             else:
                 nxt = next(r for r in ("<|user|>", "<|observation|>", "<|system|>")
                            if gen.endswith(r))
@@ -901,12 +948,14 @@ def test_truncation_both_modes(tpl: str) -> None:
     text = dict(_renders(tpl)[0])[TRUNCATION[tpl]]
     full = fmt.parse(text)
     last = _last_assistant(full)
-    whole = text[last.body_start:last.body_end]
+    # where the turn starts training: its body, or (Harmony) its header after the role
+    ts = last.body_start if last.block.train_start is None else last.block.train_start
+    whole = text[ts:last.body_end]
 
-    # text: cut mid content -> the content present trains
+    # text: cut mid content -> the content present trains (with the header's trained tail)
     cut = last.body_start + max(1, (last.body_end - last.body_start) // 2)
     conv = fmt.parse(text[:cut])
-    assert "".join(trained_per_turn(conv, text[:cut])[-1:]) == whole[:cut - last.body_start]
+    assert "".join(trained_per_turn(conv, text[:cut])[-1:]) == whole[:cut - ts]
     if fmt.spec.elements[last.block.name].close is not None:
         assert not conv.turns[-1].complete
         assert sum(conv.mask(cg.MaskPolicy(truncated=False))[last.start:]) == 0

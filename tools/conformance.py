@@ -86,7 +86,7 @@ VARIABLES: dict[str, dict[str, str]] = {
     "chatml": {"eos_token": "<|im_end|>"},
 }
 
-MARK = {"pass": "✓", "fail": "✗", "skip": "–"}
+MARK = {"pass": "✓", "fail": "✗", "skip": "–", "deviation": "✓†"}
 
 
 def run(formats: list[str], template_dir: Path) -> tuple[list, list[str]]:
@@ -124,8 +124,9 @@ def markdown(results: list, missing: list[str], formats: list[str]) -> str:
         "--template FILE` runs the same check for one pair and shows every mismatch. Shapes a",
         "template rejects (it raises) are skipped.",
         "",
-        f"Legend: {MARK['pass']} pass · {MARK['fail']} fail · {MARK['skip']} skipped "
-        "(the template rejects this conversation).",
+        f"Legend: {MARK['pass']} pass · {MARK['deviation']} pass with a documented deviation "
+        f"(listed below) · {MARK['fail']} fail · {MARK['skip']} skipped (the template rejects "
+        "this conversation).",
         "",
         "## Summary",
         "",
@@ -147,7 +148,8 @@ def markdown(results: list, missing: list[str], formats: list[str]) -> str:
     head = "| format | template | " + " | ".join(str(i + 1) for i in range(len(cases))) + " |"
     lines += [head, "|---|---|" + "|".join(":-:" for _ in cases) + "|"]
     for r in results:
-        by = {c.case: c.status for c in r.cases}
+        by = {c.case: "deviation" if c.status == "pass" and c.deviations else c.status
+              for c in r.cases}
         cells = " | ".join(MARK.get(by.get(c, ""), " ") for c in cases)
         lines.append(f"| {r.format} | {r.template} | {cells} |")
     lines.append("")
@@ -162,6 +164,15 @@ def markdown(results: list, missing: list[str], formats: list[str]) -> str:
                 lines.append(f"- **{r.format} × {r.template}**: {_cell(r.error)}")
         for r, c in fails:
             lines.append(f"- **{r.format} × {r.template}**, `{c.case}`: {_cell(c.reason)}")
+        lines.append("")
+    devs = [(r, c, d) for r in results for c in r.cases if c.status == "pass"
+            for d in dict.fromkeys(c.deviations)]
+    if devs:
+        lines += ["## Documented deviations", "",
+                  "Cases that pass with a difference from the assistant output which the format "
+                  "makes on purpose and documents (`chatgrammar.conformance.ACCEPTED`).", ""]
+        for r, c, d in devs:
+            lines.append(f"- **{r.format} × {r.template}**, `{c.case}`: {_cell(d)}")
         lines.append("")
     skips: dict[tuple, list[str]] = {}
     for r in results:
