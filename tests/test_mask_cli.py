@@ -117,3 +117,23 @@ def test_usage_errors_exit_2(tmp_path, tok_dir):
                  str(tmp_path / "out.jsonl")]) == 2
     assert main(["mask", "-f", "chatml", "--tokenizer", str(tok_dir),
                  str(tmp_path / "missing.jsonl"), str(tmp_path / "out.jsonl")]) == 2
+
+
+@pytest.mark.parametrize("out_ext", [".parquet", ".jsonl"])
+def test_parquet_token_ids_stay_columnar_and_reject_bad_rows(tmp_path, tok_dir, out_ext):
+    good = [_expected(_conv(i)) for i in range(7)]
+    ids = [g[0] for g in good]
+    ids.insert(3, [151645, 151645, 872])           # row 3 does not parse
+    src = tmp_path / "ids.parquet"
+    pq.write_table(pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32()))}), src)
+    out = tmp_path / f"out{out_ext}"
+    rc = main(["mask", "-f", "chatml", "--tokenizer", str(tok_dir), str(src), str(out),
+               "--chunk-size", "4"])
+    assert rc == 1
+    got = _read(out)
+    assert [r["row"] for r in got] == [0, 1, 2, 4, 5, 6, 7]
+    for r, (want_ids, want_mask) in zip(got, good):
+        assert r["input_ids"] == want_ids and r["loss_mask"] == want_mask
+        assert r["num_trained"] == sum(want_mask)
+    rejects = _read(Path(str(out) + ".rejects.jsonl"))
+    assert [(r["row"], r["stage"]) for r in rejects] == [(3, "parse")]

@@ -153,6 +153,14 @@ def iter_chunks(path: str, size: int) -> Iterator[list[tuple[int, Any]]]:
         pf = pq.ParquetFile(path)
         cols = [c for c in ("messages", "input_ids", "tools") if c in pf.schema_arrow.names]
         for batch in pf.iter_batches(batch_size=size, columns=cols or None):
+            ids_chunk = _ids_columns(batch, row)
+            if ids_chunk is not None:  # token ids only: stay columnar (no Python lists)
+                if chunk:
+                    yield chunk
+                    chunk = []
+                yield ids_chunk
+                row += batch.num_rows
+                continue
             for rec in batch.to_pylist():
                 chunk.append((row, rec))
                 row += 1
@@ -177,6 +185,47 @@ def iter_chunks(path: str, size: int) -> Iterator[list[tuple[int, Any]]]:
         yield chunk
 
 
+def _ids_columns(batch, row0: int):
+    """A Parquet batch whose rows all carry ``input_ids`` (and no messages) as
+    ``("ids", first row, offsets, values)`` numpy arrays, else None."""
+    import numpy as np
+    import pyarrow as pa
+
+    names = batch.schema.names
+    if "input_ids" not in names:
+        return None
+    if "messages" in names and batch.column(names.index("messages")).null_count < batch.num_rows:
+        return None
+    col = batch.column(names.index("input_ids"))
+    if col.null_count or not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
+        return None
+    if not pa.types.is_integer(col.type.value_type):
+        return None
+    offsets = col.offsets.to_numpy().astype(np.int64)
+    values = col.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
+    if col.values.null_count:
+        return None
+    return ("ids", row0, offsets - offsets[0], values.astype(np.int64, copy=False))
+
+
+class _Columns:
+    """Accepted rows of a columnar chunk: row numbers, ids and masks as flat arrays."""
+
+    def __init__(self, rows, offsets, ids, mask, num_trained):
+        self.rows, self.offsets, self.ids, self.mask = rows, offsets, ids, mask
+        self.num_trained = num_trained
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def to_rows(self) -> list[dict]:
+        o = self.offsets.tolist()
+        ids, mask = self.ids.tolist(), self.mask.tolist()
+        return [{"row": r, "input_ids": ids[o[k]:o[k + 1]], "loss_mask": mask[o[k]:o[k + 1]],
+                 "num_trained": n}
+                for k, (r, n) in enumerate(zip(self.rows.tolist(), self.num_trained.tolist()))]
+
+
 class _Writer:
     def __init__(self, path: str):
         self.kind = _kind(path, "OUT")
@@ -193,9 +242,21 @@ class _Writer:
                                      ("num_trained", pa.int64())])
             self.w = pq.ParquetWriter(path, self.schema)
 
-    def write(self, rows: list[dict]) -> None:
-        if not rows:
+    def write(self, rows) -> None:
+        if not len(rows):
             return
+        if isinstance(rows, _Columns):
+            if self.kind == "jsonl":
+                rows = rows.to_rows()
+            else:
+                import pyarrow as pa
+
+                off = pa.array(rows.offsets.astype("int32"))
+                self.w.write_table(pa.Table.from_arrays(
+                    [pa.array(rows.rows), pa.ListArray.from_arrays(off, pa.array(rows.ids)),
+                     pa.ListArray.from_arrays(off, pa.array(rows.mask.astype("int8"))),
+                     pa.array(rows.num_trained)], schema=self.schema))
+                return
         if self.kind == "jsonl":
             self.f.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
         else:
@@ -255,9 +316,44 @@ def _ids_of(rec: Any) -> list[int]:
     return list(_STATE["tok"](text, add_special_tokens=False)["input_ids"])
 
 
-def _work(chunk: list[tuple[int, Any]]) -> tuple[list[dict], list[dict], dict]:
+def _work_ids(row0: int, offsets, values) -> tuple:
+    """A columnar chunk of token ids: masks computed on the flat array (no Python lists)."""
+    import numpy as np
+
+    starts = offsets.tolist()
+    roles: list = []
+    errors: list = []
+    masks = _STATE["fm"].masks_flat(values, starts, _STATE["policy"], _STATE["strict"],
+                                    roles=roles, errors=errors)
+    stats = {"roles": collections.Counter(), "tokens": 0, "trained": 0, "empty": 0}
+    rejects = [{"row": row0 + j, "stage": "parse", "error": _msg(e)}
+               for j, e in enumerate(errors) if e is not None]
+    keep = [j for j, e in enumerate(errors) if e is None]
+    lens = np.diff(offsets)[keep]
+    new_off = np.zeros(len(keep) + 1, dtype=np.int64)
+    np.cumsum(lens, out=new_off[1:])
+    if len(keep) == len(errors):
+        ids = values
+    else:
+        ids = np.concatenate([values[starts[j]:starts[j + 1]] for j in keep]) if keep else \
+            values[:0]
+    mask = np.frombuffer(b"".join(masks[j] for j in keep), dtype=np.uint8)
+    trained = np.asarray([masks[j].count(1) for j in keep], dtype=np.int64)
+    for j in keep:
+        stats["roles"].update(roles[j] or ())
+    stats["tokens"] = int(lens.sum())
+    stats["trained"] = int(trained.sum())
+    stats["empty"] = int((trained == 0).sum())
+    cols = _Columns(np.asarray(keep, dtype=np.int64) + row0, new_off, ids, mask, trained)
+    return cols, rejects, stats
+
+
+def _work(chunk) -> tuple[list[dict], list[dict], dict]:
     """One chunk: (output rows, reject rows, stats)."""
     from ..fastpath import _pack_many
+
+    if type(chunk) is tuple and chunk[0] == "ids":
+        return _work_ids(*chunk[1:])
 
     good: list[tuple[int, list[int]]] = []
     rejects: list[dict] = []
