@@ -12,7 +12,12 @@ The expected spans come from the template alone, by render-diffing (never from t
 - message ``i`` occupies ``[len(B_i), len(B_i+1))`` of the full rendering ``R``, where ``B_k``
   is the rendering of the first ``k`` messages (when ``R`` starts with it; a template that
   renders a message differently once later messages exist — Kimi-K2-Thinking drops history
-  reasoning — falls back to the parsed turn's extent, and says so in the case's notes);
+  reasoning — falls back to the parsed turn's extent, and says so in the case's notes; a
+  message rendered as several consecutive assistant turns, such as a Harmony analysis message
+  and the final answer, is located as that run of turns). Whitespace that ends ``B_k`` with or
+  without a generation prompt but is not in ``R`` (R1-Distill-Qwen's ``"\n"`` after
+  ``<｜tool▁outputs▁end｜>``) is the end of the prompt: message ``k`` starts where ``R`` leaves
+  ``B_k``;
 - the assistant output starts after the template's generation prompt ``g_i`` (the difference
   between ``B_i`` rendered with and without ``add_generation_prompt``; where the message is
   rendered with less than that — a prefilled ``<think>\n`` that history turns do not repeat —
@@ -24,7 +29,9 @@ The expected spans come from the template alone, by render-diffing (never from t
   policy the terminator is the format's ``end`` span, which must lie at the very end of the
   region and contain none of the assistant's words;
 - nothing outside the assistant messages trains (system, user and tool messages, text the
-  template adds before the first message, a trailing generation prompt).
+  template adds before the first message, a trailing generation prompt);
+- a difference a bundled format makes on purpose, in the precise shape :data:`ACCEPTED` names
+  for that format, passes with ``CaseResult.deviations`` (and a note) saying so.
 
 Every case also runs in id mode with :class:`MarkerTokenizer` (each marker one id, every other
 character one id), and with a real tokenizer when one is given: both must agree with text mode.
