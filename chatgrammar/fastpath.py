@@ -42,6 +42,7 @@ import dataclasses
 import itertools
 import struct
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,7 @@ class _Automaton:
         self.item_rules = frozenset({"_item"} | set(drv.preamble_rules))
         self.terms = terms          # code k (1-based) -> terminal; code 0 is begin-of-input
         self.nsym = nsym
+        self.lock = threading.Lock()
         self.stacks: list[tuple] = []
         self.ids: dict[tuple, int] = {}
         self.table: list[list] = []
@@ -94,12 +96,15 @@ class _Automaton:
     def _intern(self, stack: tuple) -> int:
         sid = self.ids.get(stack)
         if sid is None:
-            sid = len(self.stacks)
-            self.ids[stack] = sid
-            self.stacks.append(stack)
-            self.table.append([None] * self.nsym)
-            self.tgram.append({})
-            self.end_flags.append(None)
+            with self.lock:  # rows first, then the id: a reader never sees a missing row
+                sid = self.ids.get(stack)
+                if sid is None:
+                    sid = len(self.stacks)
+                    self.stacks.append(stack)
+                    self.table.append([None] * self.nsym)
+                    self.tgram.append({})
+                    self.end_flags.append(None)
+                    self.ids[stack] = sid
         return sid
 
     def _step(self, stack: list, term: str) -> bool | None:
@@ -1028,7 +1033,7 @@ class TextMemo:
             if st not in auto.ids and len(auto.stacks) >= _MAX_STACKS:
                 return -1
             nsid = auto._intern(st)
-            while len(self.trans) < len(auto.stacks):
+            while len(self.trans) <= nsid:
                 self.trans.append({})
             v = nsid << 1 | (1 if hit else 0)
         self.trans[sid][term] = v
