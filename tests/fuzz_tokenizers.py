@@ -263,6 +263,37 @@ def regression_snippet(fmt: Any, mode: str, data: Any, enc: Any = None, note: st
             + json.dumps(body, ensure_ascii=False))
 
 
+_MEMOLESS: dict[int, tuple[Any, Any]] = {}
+
+
+def _memoless(fmt: Any) -> Any:
+    """The same format with its text-mode memo switched off (chatgrammar.fastpath.TextMemo):
+    every parse takes the full pipeline."""
+    hit = _MEMOLESS.get(id(fmt))
+    if hit is not None and hit[0] is fmt:
+        return hit[1]
+    from chatgrammar.format import Format
+
+    plain = Format(fmt.spec, fmt.source)
+    try:
+        from chatgrammar.fastpath import TextMemo
+    except ImportError:  # no memo in this version: the plain format is the format
+        TextMemo = None
+    if TextMemo is not None and hasattr(plain, "_text_memo"):
+        memo = TextMemo(plain)
+        memo.enabled = False
+        plain._text_memo = memo
+    _MEMOLESS[id(fmt)] = (fmt, plain)
+    return plain
+
+
+def _summary(conv: Any, policies=()) -> tuple:
+    turns = tuple((t.role, t.start, t.end, t.complete, t.valid, t.generation_prompt)
+                  for t in conv.turns)
+    return (turns, tuple(conv.warnings), tuple(tuple(conv.spans(p)) for p in (None,) +
+                                               tuple(policies)))
+
+
 def check_contract(fmt: Any, data: Any, mode: str, enc: Any = None, *, policies=(),
                    tokenizer: str = "fuzz") -> tuple:
     """Run both modes of the reliability contract on one input; returns (strict result —
@@ -272,7 +303,8 @@ def check_contract(fmt: Any, data: Any, mode: str, enc: Any = None, *, policies=
     markers, excerpt) and nothing else; lenient parsing never raises; every mask has exactly
     one 0/1 value per input position; spans are sorted, non-overlapping, inside the input,
     under the default and every extra policy; when strict succeeds, lenient agrees with it
-    (same spans, same warnings).
+    (same spans, same warnings); text mode agrees with a memo-less parse, and id mode's
+    ``loss_mask`` / ``loss_masks`` fast path with ``parse_ids``.
 
     Raises:
         AssertionError: a violation, with a regression-file snippet for the input.
@@ -327,6 +359,20 @@ def check_contract(fmt: Any, data: Any, mode: str, enc: Any = None, *, policies=
     except Exception as exc:  # noqa: BLE001
         fail(f"lenient parsing raised {type(exc).__name__}: {exc}")
     check_conv(lenient, "lenient")
+    if mode == "text":
+        # Format.parse may rebuild items from its memo: a memo-less parse must agree exactly
+        plain = _memoless(fmt)
+        try:
+            ref = plain.parse(data, strict=True)
+        except ParseError as exc:
+            ref = exc
+        if isinstance(ref, ParseError) != isinstance(strict, ParseError):
+            fail(f"memoised and plain parses disagree: {strict!r} vs {ref!r}")
+        ref_l = plain.parse(data, strict=False)
+        for got, want in ((lenient, ref_l),) + (() if isinstance(strict, ParseError) else
+                                                ((strict, ref),)):
+            if _summary(got, policies) != _summary(want, policies):
+                fail("memoised parse differs from the plain parse")
     if mode == "ids":
         # the memoised fast path of loss_mask / loss_masks must give exactly the parse's mask
         for pol in (None,) + tuple(policies):

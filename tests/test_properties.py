@@ -174,6 +174,21 @@ def _mismatch(enc, ids, got, want) -> str:
     return f"first mismatch at token {i}:\n" + "\n".join(rows)
 
 
+# the id-mode mask must match the reference under other policies too (span boundaries move)
+POLICIES = (cg.MaskPolicy(thinking=False, tool_calls=False), cg.MaskPolicy(end_marker=True),
+            cg.MaskPolicy(roles=("assistant", "user", "system", "tool")))
+
+
+def _compare_ids(fmt, tok, ids, ref_masks, real, tname, label) -> None:
+    _, starts = token_char_starts(tok, ids)
+    for pol, ref_mask in ref_masks.items():
+        want = expected_token_mask(ref_mask, starts, len(real))
+        got = fmt.parse_ids(ids, tok).mask(pol)
+        if got != want:
+            raise AssertionError(f"{tname} [{label}, {pol}]: id-mode mask differs from the "
+                                 "reference\n" + _mismatch(tok, ids, got, want) + f"\n{real!r}")
+
+
 @pytest.mark.parametrize("name,template_name", _cases())
 def test_rendered_conversations_roundtrip(name, template_name):
     fmt = cg.load_format(name)
@@ -182,6 +197,8 @@ def test_rendered_conversations_roundtrip(name, template_name):
     table = placeholder_table(ALL_MARKERS)
     back = {ph: m for m, ph in table.items()}
     own = [m.text for m in fmt.spec.markers.values()]
+    soft = [m.text for m in fmt.spec.markers.values() if not m.special]
+    hard = format_encoding(fmt, soft_as_specials=False) if soft else None
     policy = fmt.default_policy
     stats: Counter = Counter()
 
@@ -220,6 +237,7 @@ def test_rendered_conversations_roundtrip(name, template_name):
                 f"{tname}: non-assistant string {s!r} is trained\ntrained={trained!r}")
         ref_mask = _expand_mask(masked, ref.mask(), back)
         assert len(ref_mask) == len(real)
+        ref_masks = {pol: _expand_mask(masked, ref.mask(pol), back) for pol in POLICIES}
 
         # id mode: exact, on the real ids (typed markers are ordinary ids)
         ids = encode_rendered(enc, masked, table)
@@ -233,6 +251,14 @@ def test_rendered_conversations_roundtrip(name, template_name):
             raise AssertionError(f"{tname}: id-mode mask differs from the reference\n"
                                  + _mismatch(enc, ids, got, want) + f"\n{real!r}")
         check_contract(fmt, ids, "ids", enc)
+        _compare_ids(fmt, enc, ids, ref_masks, real, tname, "fuzz")
+
+        # soft markers (<think>) without ids of their own: found in decoded runs, across
+        # merged tokens — unless one was typed (then it is a marker in the text, by definition)
+        if hard is not None and not any(table[m] in masked for m in soft):
+            ids_h = encode_rendered(hard, masked, table)
+            _compare_ids(fmt, hard, ids_h, ref_masks, real, tname, "fuzz-hard")
+            check_contract(fmt, ids_h, "ids", hard, tokenizer="fuzz-hard")
 
         # text mode on the real text
         strict, _lenient = check_contract(fmt, real, "text")
