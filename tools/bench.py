@@ -596,8 +596,64 @@ def report(results: dict, info: dict, args) -> str:
               "| formats | cold load of all (s, < 1) | cached load of all (s, < 0.05) | "
               "`import chatgrammar` (s) |", "|---|---|---|---|",
               f"| {k['formats']} | {k['cold_s']:.3f} | {k['cached_s']:.4f} | {k['import_s']:.3f} |"]
-    lines += ["", "## Method", "", METHOD]
+    lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
+    for label, value, ok in targets(results):
+        lines.append(f"| {label} | {value} | {'yes' if ok else '**no**'} |")
+    lines += ["", "## Method", "", METHOD, "", "## Where the time goes", "", NOTES]
     return "\n".join(lines) + "\n"
+
+
+def targets(results: dict) -> list[tuple[str, str, bool]]:
+    """The issue's targets against this run's numbers: (target, measured, met)."""
+    out = []
+    for v in ("kimi-k2", "kimi-k3"):
+        r = results[v]
+        x = r["ours"] / r["scanner"]
+        out.append((f"{v}: `loss_mask` per sample ≥ 2× the scanner (list in, list out)",
+                    f"{x:.2f}×", x >= 2))
+        x = r["ours_batch"] / r["scanner"]
+        out.append((f"{v}: `loss_masks` batch ≥ 2× the scanner (list in, list out)",
+                    f"{x:.2f}×", x >= 2))
+        x = r["ours_numpy"] / r["scanner"]
+        out.append((f"{v}: `loss_mask` per sample, numpy in, ≥ 2× the scanner", f"{x:.2f}×",
+                    x >= 2))
+        x = r["numpy"] / r["ours"]
+        out.append((f"{v}: within 4× of the numpy lower bound", f"{x:.2f}×", x <= 4))
+        x = r["ours"] / r["ours_1m"]
+        out.append((f"{v}: per-token cost on 1M tokens ≤ 1.5× the per-sample cost",
+                    f"{x:.2f}×", x <= 1.5))
+        x = r["text_ours"] / r["text_regex"]
+        out.append((f"{v}: text mode ≥ 0.5× one whole-turn regex", f"{x:.2f}×", x >= 0.5))
+    c = results.get("chatml")
+    if c is not None:
+        x = c["ours_added_us"] / c["hf_added_us"]
+        out.append(("chatml: our mask step ≤ 0.5× what `return_assistant_tokens_mask` adds",
+                    f"{x:.2f}×", x <= 0.5))
+    k = results["compile"]
+    out.append(("all bundled formats, cold load < 1 s", f"{k['cold_s']:.3f} s", k["cold_s"] < 1))
+    out.append(("all bundled formats, cached load < 50 ms", f"{1000 * k['cached_s']:.1f} ms",
+                k["cached_s"] < 0.05))
+    return out
+
+
+NOTES = """- **List input has a floor.** A Python list of ints must be converted before anything
+  vectorised can look at it: `struct.pack` (the fastest way we found; `np.asarray` is ~2× slower)
+  costs ~9-10 ns per token, building the list that comes back ~2 ns per token. The scanner spends
+  ~35-45 ns per token, so list-in/list-out is capped near 3-4× before any parsing happens; what is
+  left per sample (finding markers, walking the memoised automaton, looking up item programs,
+  filling spans) is a few tens of microseconds of Python and numpy call overhead, which is why
+  per-sample list calls land at ~1.4-1.6× and batches at ~1.8×. With arrays in (numpy or torch,
+  as `datasets` with a numpy format or a collator hands them over) the same call is ~2.7-2.9×
+  the scanner.
+- **What is memoised** (`chatgrammar/fastpath.py`): LALR transitions per stack configuration and
+  symbol (4 symbols per lookup), and each top-level item's turns, keyed by its marker kinds,
+  content-run presence, header ids and anything else the parse read; a new item shape is parsed
+  once by the full pipeline. Masks are always exactly `parse_ids(...).mask()`: anything unusual
+  (truncation, errors, lenient repairs, `last_turn_only`) takes the full pipeline.
+- **Text mode** rebuilds known items from templates (fresh objects with this text's positions);
+  lexing the markers with one regex pass is most of what remains.
+- Numbers move by ±20% between runs on a shared 2-core machine; ratios measured in the same run
+  (interleaved rounds, best of N) are the stable part."""
 
 
 METHOD = """\
@@ -608,7 +664,9 @@ METHOD = """\
   `moonshotai-Kimi-K3.jinja` through `chatgrammar.render` (byte-identical to transformers),
   tokenised with tiktoken (Qwen2.5 ranks + Kimi's special ids).
 - Every contender's mask is checked equal to ours on every sample (and on the 1M-token
-  sequence) before timing.
+  sequence) before timing. That pass also warms chatgrammar's memo (`chatgrammar/fastpath.py`),
+  as the first few hundred samples of any real run do: this workload has 5 (K2) and 7 (K3)
+  distinct item shapes, each parsed once by the full pipeline; timed rounds are warm.
 - The scanners walk the list one token at a time (K2: `<|im_assistant|>` → `<|im_middle|>` → mark
   to `<|im_end|>`; K3: `<|open|>` … `<|sep|>`, decode the header, count depth to the matching
   `<|close|>`). The numpy bound converts the list with `struct.pack` (the fastest conversion we
