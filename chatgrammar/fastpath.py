@@ -799,6 +799,11 @@ class _RecordingSource(Source):
             self.reads.append((s, e, limit))
         return super().read(s, e, limit)
 
+    def locate(self, s: int, e: int, chars: int, limit: int = 64):
+        if self.recording and chars > 0:
+            self.reads.append((s, e, limit))  # id mode decodes at most `limit` tokens of it
+        return super().locate(s, e, chars, limit)
+
     def match_lead(self, s: int, e: int, lead: str):
         if self.recording:
             self.reads.append((s, e, -len(lead)))  # negative: a lead match (see _read_key)
