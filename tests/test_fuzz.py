@@ -253,14 +253,21 @@ def _prefix_renders(fmt) -> list[str]:
     return out
 
 
-def _cut_expectation(conv, full_prefix: np.ndarray) -> np.ndarray:
-    """What a prefix must train: what the whole rendering trains there — except a last turn
+def _cut_expectation(fmt, conv, full_prefix: np.ndarray, end: int | None = None) -> np.ndarray:
+    """What a prefix must train: what the whole rendering trains there — except in a last turn
     the cut leaves looking exactly like a generation prompt (``<|im_start|>assistant\n``
     followed by an empty think block, say), which trains nothing by the generation-prompt
-    rule: the two cannot be told apart."""
+    rule (the two cannot be told apart), or cut inside its header, which trains nothing of
+    that turn (Harmony trains the header text after the role when the header is whole)."""
     want = full_prefix.copy()
-    if conv.turns and conv.turns[-1].generation_prompt:
-        want[conv.turns[-1].start:] = 0
+    end = len(full_prefix) if end is None else end
+    if conv.turns:
+        last = conv.turns[-1]
+        el = fmt.spec.elements.get(last.block.name)
+        in_header = (not last.complete and el is not None and el.header is not None
+                     and last.block.header_end >= end)
+        if last.generation_prompt or in_header:
+            want[last.start:] = 0
     return want
 
 
@@ -279,7 +286,7 @@ def test_every_prefix_trains_what_is_there(name):
         full = np.asarray(fmt.parse_ids(ids, enc).mask())
         for n in range(len(ids) + 1):
             conv = fmt.parse_ids(ids[:n], enc)
-            got, want = np.asarray(conv.mask()), _cut_expectation(conv, full[:n])
+            got, want = np.asarray(conv.mask()), _cut_expectation(fmt, conv, full[:n])
             if not np.array_equal(got, want):
                 bad = int(np.flatnonzero(got != want)[0])
                 raise AssertionError(f"{name}: ids[:{n}] trains token {bad} differently from "
@@ -295,12 +302,15 @@ def test_every_prefix_trains_what_is_there(name):
                 if 0 <= c <= len(text)})
         for n in cuts:
             conv = fmt.parse(text[:n])
-            got, want = np.asarray(conv.mask()), _cut_expectation(conv, full_t[:n])
-            # a trailing fragment that may start a marker is not content yet
+            # a trailing fragment that may start a marker is not content yet: the input
+            # effectively ends before it
+            end = n
             for j in range(min(n, longest - 1), 0, -1):
                 if text[n - j:n] in prefixes_of:
-                    want[n - j:] = 0
+                    end = n - j
                     break
+            got, want = np.asarray(conv.mask()), _cut_expectation(fmt, conv, full_t[:n], end)
+            want[end:] = 0
             if not np.array_equal(got, want):
                 bad = int(np.flatnonzero(got != want)[0])
                 raise AssertionError(f"{name}: text[:{n}] trains char {bad} differently from "

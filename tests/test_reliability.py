@@ -421,11 +421,11 @@ def test_catastrophic_pattern_in_a_spec_is_a_located_compile_error(tmp_path):
 
 def test_patterns_only_ever_see_bounded_strings(tmp_path):
     """A polynomial pattern that is fast on header-length strings is accepted; fed a 2 MB
-    header (and 2 MB between turns) it still runs on at most the header budget: the header
-    is over-long and fails its checks, at once, in both modes."""
+    header it still runs on at most the header budget: the header is over-long and fails its
+    checks, at once, in both modes. 2 MB between turns are not matched either."""
     path = tmp_path / "poly.yaml"
     # cubic on a long run of 'a' — harmless at 8 tokens * 16 chars, hours on 2 MB
-    path.write_text(_spec(r"(?P<role>a*a*a*)x?\n", max_tokens=8, between="a*a*a*"),
+    path.write_text(_spec(r"(?P<role>a*a*a*)x?\n", max_tokens=8, between=r"\\s*"),
                     encoding="utf-8")
     fmt = cg.load_format(path)
     assert fmt.parse("<|s|>aaaa\nhi<|e|>").trained_text() == ["hi"]
