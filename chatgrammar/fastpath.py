@@ -24,9 +24,9 @@ level, keyed by everything the item's parse can depend on:
 Whatever the fast path does not model falls back to the full pipeline for that sample, which
 also gives its errors: truncation (end of input inside an item), structure errors, lenient-mode
 warnings, span boundaries inside merged tokens, soft markers that may occur in a content run,
-``lstrip`` markers, headers that end by a literal not found within their budget, and
-``last_turn_only`` policies. The result is always exactly ``parse_ids(...).mask_array(policy)``
-(tests/test_fastpath.py checks it on many inputs).
+headers that end by a literal not found within their budget, and ``last_turn_only`` policies.
+The result is always exactly ``parse_ids(...).mask_array(policy)`` (tests/test_fastpath.py
+checks it on many inputs).
 
 :class:`TextMemo` does the same for :meth:`Format.parse` (text mode): an item seen before is
 rebuilt from a template — fresh Turn and Block objects carrying this text's positions — so the
@@ -263,7 +263,7 @@ class FastMasker:
         self.lx = lx
         self.drv = fmt._driver
         cfg = lx.cfg
-        self.enabled = not cfg.lstrip
+        self.enabled = True
         self.adapter = lx.adapter
         k = len(lx.terms)
         self.nsym = (k + 1) * 4
@@ -282,6 +282,9 @@ class FastMasker:
         self.budget = np.asarray(budget, dtype=np.int64)
         self.split_budget = list(budget)
         self.has_split = SPLIT in gclass
+        lcodes = [False] + [t in cfg.lstrip for t in lx.terms]
+        self.lstrip_code = np.asarray(lcodes, dtype=bool) if any(lcodes) else None
+        self.space_memo: dict = {}
         self.split_delim = {i: cfg.split_after[t] for i, t in enumerate(lx.terms, start=1)
                             if t in cfg.split_after}
         ids = [int(t) for t in np.flatnonzero(lx.lut)] if len(lx.lut) else []
@@ -455,6 +458,8 @@ class FastMasker:
             mend = P[:-1] + 1
             mend[bidx] = bof
         P[T] = N
+        if self.lstrip_code is not None:
+            self._absorb_lstrip(arr, P, Kx, mend, bidx, slow)
         glen = P[1:] - mend
         sym = Kx * 4 + (glen > 0)
         split_at = P[1:]
@@ -501,6 +506,29 @@ class FastMasker:
         B.append(N)
         bl = [0, T] if bidx is None else [*bidx.tolist(), T]
         return symb, meta, vals, off_l, B, bl, slow
+
+    def _absorb_lstrip(self, arr, P, Kx, mend, bidx, slow) -> None:
+        """The lexer's ``lstrip`` rule: a marker that absorbs whitespace before it starts at the
+        start of a whitespace-only text run (at most 16 ids) right before it. Memoised on the
+        run's ids."""
+        memo = self.space_memo
+        for i in np.flatnonzero(self.lstrip_code[Kx]).tolist():
+            s0, e0 = int(mend[i - 1]), int(P[i])
+            if not 0 < e0 - s0 <= 16:
+                continue
+            if self.gclass[Kx[i - 1]] == SPLIT:  # header + text: leave it to the slow path
+                j = 0 if bidx is None else int(np.searchsorted(bidx, i, side="right")) - 1
+                slow[j] = True
+                continue
+            key = arr[s0:e0].tobytes()
+            sp = memo.get(key)
+            if sp is None:
+                sp = self.adapter.decode(arr[s0:e0].tolist()).isspace()
+                if len(memo) > 100_000:
+                    memo.clear()
+                memo[key] = sp
+            if sp:
+                P[i] = s0  # the marker token now starts at the run; the run is gone
 
     def _split(self, arr, s: int, e: int, code: int) -> int | None:
         """End of a header that ends at a literal (the lexer's rule), memoised on id prefixes;
@@ -754,6 +782,9 @@ class FastMasker:
             runs = () if off is None else tuple(
                 (B[3 * i + 1], 3 * i + 1 - a, off[i + 1] - off[i]) for i in range(ia, ib)
                 if off[i + 1] > off[i] and a <= 3 * i + 1 <= b)
+            # and the ids the parse read (a `lead` literal, a header position): in the key too
+            runs += tuple((B[a + ks], ks, _read_len(B[a + ks], B[a + ke], lim))
+                          for ks, ke, lim in plan)
             it.progs[rkey] = _Prog(cturns, tstarts, slot_of, runs)
 
     def _same_tokens(self, toks, syms, B) -> bool:
@@ -821,6 +852,13 @@ def _in_generation_prompt() -> bool:
             return True
         f = f.f_back
     return False
+
+
+def _read_len(s: int, e: int, limit: int) -> int:
+    """How many ids of the read ``[s, e)`` its key holds (see :func:`_read_key`)."""
+    if limit < 0:
+        limit = 4 - limit
+    return max(0, min(e - s, limit))
 
 
 def _read_key(arr, B, js: int, je: int, limit: int):
@@ -953,28 +991,42 @@ def _fields_known() -> bool:
             and {f.name for f in dataclasses.fields(Turn)} == set(_TURN_FIELDS))
 
 
+def _placer(slot_of: dict[int, int], runs: tuple):
+    """position → ``(slot, offset)``: a token boundary, or a position inside a run whose
+    text is part of the item's key (a header, text the parse read); else :class:`_NoCache`."""
+    def place(pos: int) -> tuple[int, int]:
+        k = slot_of.get(pos)
+        if k is not None:
+            return k, 0
+        for p0, k, n in runs:
+            if p0 < pos <= p0 + n:
+                return k, pos - p0
+        raise _NoCache
+    return place
+
+
 class _BlockTpl:
-    """A harvested block with its positions as item-relative slots (token boundaries)."""
+    """A harvested block with its positions as item-relative slots (token boundaries), plus
+    an offset for positions inside keyed runs."""
 
     __slots__ = ("base", "pos", "children", "follow")
 
-    def __init__(self, b, slot_of: dict[int, int]):
+    def __init__(self, b, place):
         self.base = dict(b.__dict__)
         self.pos = []
         for f in _BLOCK_POS:
             v = self.base[f]
             if v is not None:
-                if v not in slot_of:
-                    raise _NoCache
-                self.pos.append((f, slot_of[v]))
-        self.children = [_BlockTpl(c, slot_of) for c in b.children]
-        self.follow = _BlockTpl(b.follow, slot_of) if b.follow is not None else None
+                k, d = place(v)
+                self.pos.append((f, k, d))
+        self.children = [_BlockTpl(c, place) for c in b.children]
+        self.follow = _BlockTpl(b.follow, place) if b.follow is not None else None
 
     def make(self, bounds: list[int], a: int, block_cls):
         b = object.__new__(block_cls)
         d = dict(self.base)
-        for f, k in self.pos:
-            d[f] = bounds[a + k]
+        for f, k, off in self.pos:
+            d[f] = bounds[a + k] + off
         d["attrs"] = dict(d["attrs"])
         d["children"] = [c.make(bounds, a, block_cls) for c in self.children]
         d["follow"] = self.follow.make(bounds, a, block_cls) if self.follow is not None else None
@@ -985,19 +1037,17 @@ class _BlockTpl:
 class _TurnTpl:
     __slots__ = ("base", "start", "end", "block")
 
-    def __init__(self, t, slot_of: dict[int, int]):
-        if t.start not in slot_of or t.end not in slot_of:
-            raise _NoCache
+    def __init__(self, t, place):
         self.base = dict(t.__dict__)
         self.base["generation_prompt"] = False
-        self.start, self.end = slot_of[t.start], slot_of[t.end]
-        self.block = _BlockTpl(t.block, slot_of)
+        self.start, self.end = place(t.start), place(t.end)
+        self.block = _BlockTpl(t.block, place)
 
     def make(self, bounds: list[int], a: int, turn_cls, block_cls):
         t = object.__new__(turn_cls)
         d = dict(self.base)
-        d["start"] = bounds[a + self.start]
-        d["end"] = bounds[a + self.end]
+        d["start"] = bounds[a + self.start[0]] + self.start[1]
+        d["end"] = bounds[a + self.end[0]] + self.end[1]
         d["block"] = self.block.make(bounds, a, block_cls)
         t.__dict__ = d
         return t
@@ -1173,7 +1223,19 @@ class TextMemo:
                 continue
             rkey = tuple(_text_read(text, pos, a + s, a + e, lim) for s, e, lim in plan)
             if rkey not in it.progs:
-                it.progs[rkey] = [_TurnTpl(t, slot_of) for t in sturns]
+                # keyed runs: header / decoded texts (their value is in the key; an over-long
+                # one is cut and marked with "…") and the text the parse read
+                runs = []
+                for j in range(a, b):
+                    t = toks[j]
+                    if t[0] in (TEXT, HEADER) and isinstance(t[3], str):
+                        n = len(t[3]) if len(t[3]) == t[2] - t[1] else len(t[3]) - 1
+                        runs.append((t[1], j - a, n))
+                for ks, ke, lim in plan:
+                    cap = -lim if lim < 0 else lim * HEADER_CHARS_PER_TOKEN
+                    runs.append((pos[a + ks], ks, max(0, min(pos[a + ke] - pos[a + ks], cap))))
+                place = _placer(slot_of, tuple(runs))
+                it.progs[rkey] = [_TurnTpl(t, place) for t in sturns]
 
 
 def _text_read(text: str, pos: list[int], js: int, je: int, limit: int):
