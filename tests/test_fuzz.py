@@ -225,7 +225,7 @@ def test_fuzz_soft_markers_as_text(name):
     enc = format_encoding(fmt, soft_as_specials=False)
     _fuzz_ids_only(fmt, enc, "fuzz-hard", lambda s: enc.encode(s, allowed_special="all"),
                    enc.encode_ordinary(" ".join(_NOISE)), enc.n_vocab,
-                   FUZZ_SECONDS / max(1, len(FORMATS)) / 3, MIN_CASES // 3)
+                   FUZZ_SECONDS / max(1, len(FORMATS)) / 5, MIN_CASES // 5)
 
 
 @pytest.mark.parametrize("tokenizer", sorted(REAL_TOKENIZERS))
@@ -241,7 +241,7 @@ def test_fuzz_real_tokenizers(tokenizer):
     _fuzz_ids_only(fmt, tok, tokenizer,
                    lambda s: tok.encode(s, add_special_tokens=False),
                    tok.encode(" ".join(_NOISE), add_special_tokens=False), len(tok),
-                   FUZZ_SECONDS / max(1, len(FORMATS)) / 3, MIN_CASES // 3)
+                   FUZZ_SECONDS / max(1, len(FORMATS)) / 5, MIN_CASES // 5)
 
 
 def _prefix_renders(fmt) -> list[str]:

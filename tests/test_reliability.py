@@ -217,17 +217,21 @@ def test_xtml_nesting_tens_of_thousands_deep(k3, depth):
     # per level: <|open|> think <|sep|> x ... <|close|> think <|sep|>, all inside the body
     n_mask, n_trained = len(mask), sum(mask)
     assert n_mask == len(ids) and n_trained == 7 * depth
-    # truncated in the middle of the nesting, lenient and strict alike
-    for data, mode in ((text[:len(text) // 2], "text"), (ids[:len(ids) // 2], "ids")):
-        strict, _ = check_contract(k3, data, mode, enc if mode == "ids" else None)
-        assert not isinstance(strict, ParseError)
-        assert not strict.turns[0].complete
-    # unbalanced: the message closes while 40k elements are open
+    # truncated in the middle of the nesting, strict and lenient alike
+    for conv in (k3.parse(text[:len(text) // 2]), k3.parse_ids(ids[:len(ids) // 2], enc),
+                 k3.parse_ids(ids[:len(ids) // 2], enc, strict=False)):
+        assert not conv.turns[0].complete and not conv.warnings
+        assert len(conv.mask_array()) == conv.length
+    # unbalanced: the message closes while 40k elements are open; the next message trains
     bad = head + opens + "<|close|>message<|sep|><|end_of_msg|>" + K3_ASSISTANT
-    strict, lenient = check_contract(k3, bad, "text")
-    assert isinstance(strict, ParseError) and lenient.warnings
-    strict, lenient = check_contract(k3, encode_rendered(enc, bad), "ids", enc)
-    assert isinstance(strict, ParseError)
+    bad_ids = encode_rendered(enc, bad)
+    with pytest.raises(ParseError):
+        k3.parse(bad)
+    with pytest.raises(ParseError):
+        k3.parse_ids(bad_ids, enc)
+    lenient = k3.parse(bad, strict=False)
+    assert lenient.warnings and lenient.trained_text()[-1].endswith("Hello!<|close|>response<|sep|>")
+    assert len(k3.loss_mask(bad_ids, enc, strict=False)) == len(bad_ids)
     assert sys.getrecursionlimit() == limit
 
 
