@@ -59,6 +59,12 @@ NONE, RUN, HEAD, HEAD_RUN = 0, 1, 2, 3
 # gap classes: what the lexer does with the run after a marker
 BODY, DECODE, SPLIT = 0, 1, 2
 _MAX_STACKS = 200_000
+# Memo size bounds: a long run over data with free-text headers (K2's message names) or varying
+# between-text learns a new item / variant per sample; unbounded, that is a memory leak
+# (~6 KB per item). Items beyond _MAX_ITEMS start the memo afresh; an item with more than
+# _MAX_PROGS variants of what its parse reads stops being memoised (it stays on the slow path).
+_MAX_ITEMS = 20_000
+_MAX_PROGS = 64
 # Configurations deeper than this are not memoised (a stack tuple per configuration would cost
 # memory quadratic in the nesting depth): such inputs take the full, non-recursive parser.
 _MAX_DEPTH = 128
@@ -764,7 +770,7 @@ class FastMasker:
             plan = tuple(plan)
             it = self.items.get(key)
             if it is None:
-                if len(self.items) > 200_000:
+                if len(self.items) > _MAX_ITEMS:
                     self.items.clear()
                 it = self.items[key] = _Item(plan)
             elif it.plan != plan:
@@ -772,6 +778,10 @@ class FastMasker:
                 continue
             rkey = tuple(_read_key(arr, B, a + s, a + e, lim) for s, e, lim in plan)
             if rkey in it.progs:
+                continue
+            if len(it.progs) >= _MAX_PROGS:
+                it.unstable = True  # what the parse reads varies without end: stay slow
+                it.progs.clear()
                 continue
             cturns = [dataclasses.replace(t, generation_prompt=False) for t in sturns]
             try:
@@ -1215,14 +1225,17 @@ class TextMemo:
             plan = tuple(plan)
             it = self.items.get(key)
             if it is None:
-                if len(self.items) > 200_000:
+                if len(self.items) > _MAX_ITEMS:
                     self.items.clear()
                 it = self.items[key] = _Item(plan)
             elif it.plan != plan:
                 it.unstable = True
                 continue
             rkey = tuple(_text_read(text, pos, a + s, a + e, lim) for s, e, lim in plan)
-            if rkey not in it.progs:
+            if rkey not in it.progs and len(it.progs) >= _MAX_PROGS:
+                it.unstable = True  # what the parse reads varies without end: stay slow
+                it.progs.clear()
+            elif rkey not in it.progs:
                 # keyed runs: header / decoded texts (their value is in the key; an over-long
                 # one is cut and marked with "…") and the text the parse read
                 runs = []

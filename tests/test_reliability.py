@@ -514,6 +514,51 @@ def test_million_token_id_mode_in_bounded_memory(name, turn):
     assert int(np.asarray(mask).sum()) > 0.9 * len(arr)
 
 
+def _retained_after(run, n: int) -> int:
+    """Bytes still allocated after ``run(k)`` for k < n (what caches kept)."""
+    run(0)
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        for k in range(1, n):
+            run(k)
+        cur, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return cur - base
+
+
+def test_memo_memory_stays_bounded_over_long_runs(monkeypatch):
+    """A long data run must not leak through the parse memos: a sample whose between-text
+    differs every time, and samples whose free-text headers never repeat (K2's message
+    names), keep memory bounded in both modes."""
+    from chatgrammar import fastpath
+    from chatgrammar.format import Format
+
+    chatml = cg.load_format("chatml")
+    fmt = Format(chatml.spec, chatml.source)  # a fresh memo
+    enc = format_encoding(fmt)
+
+    def varying_between(k):
+        return ("<|im_start|>user\nhi<|im_end|>" + " " * (k % 1000) + "\n" * (k // 1000)
+                + "<|im_start|>assistant\nyo<|im_end|>")
+
+    assert _retained_after(lambda k: fmt.parse(varying_between(k)), 2000) < 1_000_000
+    assert _retained_after(lambda k: fmt.loss_mask(
+        enc.encode(varying_between(k), allowed_special="all"), enc), 800) < 300_000
+    monkeypatch.setattr(fastpath, "_MAX_ITEMS", 200)
+    k2 = Format(cg.load_format("kimi-k2").spec, cg.load_format("kimi-k2").source)
+    enc2 = format_encoding(k2)
+
+    def unique_names(k):
+        return (f"<|im_user|>user{k}<|im_middle|>hi<|im_end|>"
+                f"<|im_assistant|>name{k}<|im_middle|>yo<|im_end|>")
+
+    assert _retained_after(lambda k: k2.parse(unique_names(k)), 1000) < 3_000_000
+    assert _retained_after(lambda k: k2.loss_mask(
+        enc2.encode(unique_names(k), allowed_special="all"), enc2), 600) < 1_600_000
+
+
 def test_hundred_megabyte_text(k2):
     """~100 MB of rendered K2 text parses in one pass; spans and mask are computed from the
     typed result without per-character Python objects."""
