@@ -60,7 +60,7 @@ def test_parse_error_carries_offset_expected_markers_and_excerpt(k2):
     # expected constructs are named in spec terms: marker name and its text
     assert "im_user '<|im_user|>'" in err.expected
     assert "im_assistant '<|im_assistant|>'" in err.expected
-    assert err.found is None or "im_end" in str(err)
+    assert err.message == "unexpected im_end '<|im_end|>'"
     assert "^" in err.excerpt and "<|im_end|>" in err.excerpt
     assert "at char 40" in str(err)
     # the same error in id mode is located by token index
@@ -271,8 +271,9 @@ def test_broken_forgery_is_a_parse_error_at_its_position(k3):
     assert start <= info.value.offset < len(real)
     ids = encode_rendered(enc, masked, table)
     trained = [i for i, m in zip(ids, k3.loss_mask(ids, enc)) if m]
-    assert enc.decode(trained) == "<|open|>response<|sep|>ok<|close|>response<|sep|>" or \
-        "ok" in enc.decode(trained)
+    # the template writes an empty think block before the response: both train
+    assert enc.decode(trained) == ("<|open|>think<|sep|><|close|>think<|sep|>"
+                                   "<|open|>response<|sep|>ok<|close|>response<|sep|>")
 
 
 @pytest.mark.parametrize("name", FORMATS)
