@@ -161,8 +161,10 @@ class FormatSpec(_Model):
     description: Optional[str] = None
     covers: list[str] = Field(default_factory=list)
     extends: Optional[str] = None
-    markers: dict[str, Marker]
-    elements: dict[str, Element]
+    # Bounded so that a hostile spec cannot make the LALR construction run for minutes (it is
+    # super-linear in the grammar size: 800 elements take ~10 s); real formats use < 30.
+    markers: dict[str, Marker] = Field(max_length=1024)
+    elements: dict[str, Element] = Field(max_length=256)
     top: list[str] = Field(min_length=1)
     preamble: list[str] = Field(default_factory=list)
     between: Optional[str] = None

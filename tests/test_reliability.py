@@ -351,6 +351,22 @@ def test_hostile_yaml_structures_are_spec_errors(yaml_text, message):
     assert time.monotonic() - t0 < 5
 
 
+def test_oversized_spec_is_refused_before_compiling():
+    """The LALR construction is super-linear in the grammar size; a spec cannot ask for
+    minutes of it (real formats have fewer than 30 elements)."""
+    n = 300
+    lines = ["name: big", "markers:"]
+    lines += [f'  o{i}: {{text: "<|o{i}|>"}}\n  c{i}: {{text: "<|c{i}|>"}}' for i in range(n)]
+    lines += ["elements:"] + [f"  e{i}: {{open: o{i}, close: {{markers: [c{i}]}}}}"
+                              for i in range(n)]
+    lines += ["top: [" + ", ".join(f"e{i}" for i in range(n)) + "]"]
+    t0 = time.monotonic()
+    with pytest.raises(SpecError) as info:
+        parse_spec("\n".join(lines))
+    assert info.value.path == "elements" and "256" in info.value.message
+    assert time.monotonic() - t0 < 5
+
+
 # exponential shapes, and polynomial ones that blow up on a header-length string
 CATASTROPHIC = [r"(a|a)*", r"(a|a)*b", r"(a+)+b", r"(\w+\s?)*$", r"(aa|a)*b", r"(.*a){20}",
                 r"(a?){25}a{25}", r"(x+x+)+y", r"(?:a|b|ab)*c", r"(a{1,3})*b", r"(?:a*)*b",
