@@ -386,11 +386,11 @@ class FastMasker:
                     n = starts[j + 1] - starts[j]
                     if as_list:
                         m = [0] * n
-                        for a, b in spans:
+                        for a, b, _ in spans:
                             m[a:b] = (1,) * (b - a)
                     else:
                         m = bytearray(n)
-                        for a, b in spans:
+                        for a, b, _ in spans:
                             m[a:b] = b"\x01" * (b - a)
                     outs[j] = m
                     self.stats["fast"] += 1
@@ -590,12 +590,16 @@ class FastMasker:
                     low = f & -f
                     bounds.append(slot + low.bit_length() - 1)
                     f ^= low
-        hit = auto.end(sid)
+        hit = auto.end_flags[sid]
         if hit is None:
+            auto.end(sid)
+            hit = auto.end_flags[sid]
+        if hit == -1:
             return None
         if hit:
             bounds.append(3 * b1)
         n = starts[j + 1]
+        s0 = starts[j]
         items = self.items
         spans: list = []
         last = None
@@ -629,18 +633,17 @@ class FastMasker:
                 last = (prog, a, len(spans))
                 if roles is not None:
                     roles.extend(t.role for t in prog.turns)
-            for ra, da, rb, db, t in sp:
-                spans.append((B[a + ra] + da, B[a + rb] + db, t))
+            for ra, da, rb, db, t in sp:  # sample-local positions
+                spans.append((B[a + ra] + da - s0, B[a + rb] + db - s0, t))
             a = b
         if last is not None and self.drv.gen_prompts:
             prog, pbase, first = last
             tslot = pbase + prog.starts[-1]
             start = B[tslot]
-            if n - start <= 64 and self._generation_prompt(arr, B, tslot, start, starts[j], n):
+            if n - start <= 64 and self._generation_prompt(arr, B, tslot, start, s0, n):
                 final = len(prog.turns) - 1
                 spans = spans[:first] + [s for s in spans[first:] if s[2] != final]
-        s0 = starts[j]
-        return [(s - s0, e - s0) for s, e, _ in spans]
+        return spans
 
     def _policy_spans(self, prog: _Prog, policy: MaskPolicy, pid: int):
         # The item's own turns through Conversation.spans: policy semantics live in one place.
@@ -651,7 +654,10 @@ class FastMasker:
             ra, rb = prog.place(s.start), prog.place(s.end)
             if ra is None or rb is None:
                 return None
-            out.append((*ra, *rb, s.turn))
+            if out and out[-1][4] == s.turn and out[-1][2:4] == ra:  # abutting: one span
+                out[-1] = (*out[-1][:2], *rb, s.turn)
+            else:
+                out.append((*ra, *rb, s.turn))
         out = tuple(out)
         if len(prog.by_policy) > 64:
             prog.by_policy.clear()
