@@ -56,6 +56,7 @@ from .format import Format
 from .matrix import MatrixCase, default_matrix
 from .policy import MaskPolicy
 from .render import TemplateError, compile_template, render_chat
+from .tokenizers import load_tokenizer as _load_tokenizer
 
 __all__ = ["MarkerTokenizer", "CaseResult", "ConformanceResult", "check_template",
            "load_tokenizer", "encode_text", "marked", "OUTPUT_POLICY"]
@@ -160,33 +161,10 @@ class MarkerTokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike, *, trust_remote_code: bool = False) -> Any:
-    """Load a local transformers tokenizer directory (never the network).
-
-    Args:
-        path: a directory with ``tokenizer.json`` / ``tokenizer_config.json`` (or a slow
-            tokenizer's files).
-        trust_remote_code: allow the directory's own tokenizer code (Kimi's
-            ``tokenization_kimi.py``); off by default, as in transformers.
-
-    Returns:
-        The tokenizer.
-
-    Raises:
-        ChatGrammarError: the directory is missing or transformers cannot load it.
-    """
-    p = os.fspath(path)
-    if not os.path.isdir(p):
-        raise ChatGrammarError(f"tokenizer directory not found: {p}")
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as exc:  # pragma: no cover - transformers is an optional dependency
-        raise ChatGrammarError(f"--tokenizer needs transformers: {exc}") from None
-    try:
-        return AutoTokenizer.from_pretrained(p, local_files_only=True,
-                                             trust_remote_code=trust_remote_code)
-    except Exception as exc:  # transformers raises many kinds; one clear line is what we owe
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ChatGrammarError(f"cannot load tokenizer from {p}: {msg}") from None
+    """Load a local transformers tokenizer directory offline (see
+    :func:`chatgrammar.tokenizers.load_tokenizer`; failures are ``TokenizerLoadError``, a
+    ``ChatGrammarError``)."""
+    return _load_tokenizer(os.fspath(path), trust_remote_code=trust_remote_code)
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:

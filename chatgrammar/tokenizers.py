@@ -14,7 +14,10 @@ objects are recognised by duck typing.
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 from typing import Any, Sequence
+
+from .errors import ChatGrammarError
 
 
 class TokenizerAdapter:
@@ -276,3 +279,56 @@ def adapt(tokenizer: Any) -> TokenizerAdapter:
             _ADAPTERS_BY_ID.clear()
         _ADAPTERS_BY_ID[id(tokenizer)] = (tokenizer, a)
         return a
+
+
+class TokenizerLoadError(ChatGrammarError):
+    """A tokenizer could not be loaded (missing, needs remote code, broken, no transformers)."""
+
+
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
+    """Load a transformers tokenizer offline (never the network).
+
+    Args:
+        name_or_path: a local tokenizer directory (a ``tokenizer_config.json`` /
+            ``tokenizer.json`` file stands for its directory), or a name in the local cache.
+        trust_remote_code: let a tokenizer that ships its own code run it.
+
+    Returns:
+        The tokenizer.
+
+    Raises:
+        TokenizerLoadError: transformers missing, path missing, remote code not allowed, or
+            any load failure (one line).
+    """
+    try:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise TokenizerLoadError("loading a tokenizer needs transformers: "
+                                 "pip install 'chatgrammar[transformers]'") from None
+    p = Path(name_or_path).expanduser()
+    looks_like_path = (p.exists() or name_or_path.startswith((".", "/", "~"))
+                       or name_or_path.count("/") > 1 or "\\" in name_or_path)
+    if looks_like_path and not p.exists():
+        raise TokenizerLoadError(f"no such tokenizer directory: {name_or_path}")
+    if p.is_file():
+        if p.name in ("tokenizer_config.json", "tokenizer.json", "chat_template.jinja"):
+            p = p.parent
+        else:
+            raise TokenizerLoadError(f"expected a tokenizer directory, got the file {p}")
+    target = str(p) if p.exists() else name_or_path
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # keep stderr to our one line
+    try:
+        return AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code,
+                                             local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - every failure is one line
+        msg = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+        if not trust_remote_code and ("trust_remote_code" in str(exc)
+                                      or "custom code" in str(exc)):
+            raise TokenizerLoadError(f"the tokenizer at {target} ships its own code; rerun "
+                                     "with --trust-remote-code to allow it to run") from None
+        raise TokenizerLoadError(f"cannot load tokenizer {target!r} offline: "
+                                 f"{type(exc).__name__}: {msg}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)

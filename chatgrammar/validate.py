@@ -38,6 +38,7 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
+from ._io import read_text
 from .compile import _regex_risk
 from .errors import ChatGrammarError, CompileError, ParseError, SpecError
 from .policy import MaskPolicy
@@ -439,17 +440,7 @@ def check_spec_file(path: str | Path) -> tuple[list[Problem], Any, tuple | None]
 
 
 def _read(path: str | Path) -> str:
-    p = Path(path)
-    try:
-        return p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ChatGrammarError(f"no such file: {p}") from None
-    except IsADirectoryError:
-        raise ChatGrammarError(f"is a directory: {p}") from None
-    except UnicodeDecodeError as exc:
-        raise ChatGrammarError(f"cannot read {p}: not UTF-8 text ({exc.reason})") from None
-    except OSError as exc:
-        raise ChatGrammarError(f"cannot read {p}: {exc.strerror or exc}") from None
+    return read_text(path, ChatGrammarError)
 
 
 # --------------------------------------------------------------------------- norms

@@ -97,7 +97,7 @@ def test_validate_compile_conflict_in_spec_terms():
     (["validate", "kimi-k3", "--template", "no/such.jinja"], "no such file: no/such.jinja"),
     (["validate", "kimi-k3", "--var", "bos_token"], "--var takes KEY=VALUE"),
     (["validate", "kimi-k3", "--case", "nope"], "unknown matrix case(s) nope"),
-    (["validate", "kimi-k3", "--tokenizer", "no/such/dir"], "tokenizer directory not found"),
+    (["validate", "kimi-k3", "--tokenizer", "no/such/dir"], "no such tokenizer directory"),
 ])
 def test_validate_usage_errors_are_one_line_exit_2(args, needle):
     p = run(*args)

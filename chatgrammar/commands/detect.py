@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..tokenizers import TokenizerLoadError
+from ..tokenizers import load_tokenizer as _load_tokenizer
 from ..errors import DetectionError
 
 
@@ -62,51 +64,11 @@ def _first_line(exc: BaseException) -> str:
 
 
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
-    """Load a transformers tokenizer offline, for ``chatgrammar detect``.
-
-    Args:
-        name_or_path: a local tokenizer directory (a ``tokenizer_config.json`` /
-            ``tokenizer.json`` file stands for its directory), or a name in the local cache.
-        trust_remote_code: let a tokenizer that ships its own code run it.
-
-    Returns:
-        The tokenizer.
-
-    Raises:
-        _UsageError: transformers missing, path missing, remote code not allowed, or any load
-            failure (one line).
-    """
+    """:func:`chatgrammar.tokenizers.load_tokenizer`, its failures as usage errors (exit 2)."""
     try:
-        from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        raise _UsageError("--tokenizer needs transformers: pip install 'chatgrammar[transformers]'")
-    p = Path(name_or_path).expanduser()
-    looks_like_path = (p.exists() or name_or_path.startswith((".", "/", "~"))
-                       or name_or_path.count("/") > 1 or "\\" in name_or_path)
-    if looks_like_path and not p.exists():
-        raise _UsageError(f"no such tokenizer directory: {name_or_path}")
-    if p.is_file():
-        if p.name in ("tokenizer_config.json", "tokenizer.json", "chat_template.jinja"):
-            p = p.parent
-        else:
-            raise _UsageError(f"--tokenizer expects a tokenizer directory, got the file {p}")
-    target = str(p) if p.exists() else name_or_path
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # keep stderr to our one line
-    try:
-        return AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code,
-                                             local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - every failure is one line, exit 2
-        msg = _first_line(exc)
-        if not trust_remote_code and ("trust_remote_code" in str(exc)
-                                      or "custom code" in str(exc)):
-            raise _UsageError(f"the tokenizer at {target} ships its own code; rerun with "
-                              "--trust-remote-code to allow it to run") from None
-        raise _UsageError(f"cannot load tokenizer {target!r} offline: "
-                          f"{type(exc).__name__}: {msg}") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
+        return _load_tokenizer(name_or_path, trust_remote_code=trust_remote_code)
+    except TokenizerLoadError as exc:
+        raise _UsageError(exc.args[0]) from None
 
 
 def _evidence_lines(name: str, ev: dict, winner: str | None) -> list[str]:

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .._io import read_text
+
 from ..errors import ChatGrammarError
 
 OPEN_MARK, CLOSE_MARK = "\u27e6", "\u27e7"
@@ -82,17 +84,8 @@ class _Usage(Exception):
 def _read_input(path: str) -> str:
     if path == "-":
         return sys.stdin.read()
-    p = Path(path)
-    try:
-        return p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise _Usage(f"no such file: {path}") from None
-    except IsADirectoryError:
-        raise _Usage(f"is a directory: {path}") from None
-    except UnicodeDecodeError:
-        raise _Usage(f"cannot read {path}: not UTF-8 text") from None
-    except OSError as exc:
-        raise _Usage(f"cannot read {path}: {exc.strerror or exc}") from None
+    return read_text(path, _Usage)
+
 
 
 def _policy(fmt, args) -> Any:

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .._io import read_text
+
 from ..errors import ChatGrammarError
 
 
@@ -81,17 +83,8 @@ def _vars(items: list[str]) -> dict:
 
 
 def _read_template(path: str) -> str:
-    p = Path(path)
-    try:
-        return p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise _Usage(f"no such file: {path}") from None
-    except IsADirectoryError:
-        raise _Usage(f"is a directory: {path}") from None
-    except UnicodeDecodeError:
-        raise _Usage(f"cannot read {path}: not UTF-8 text") from None
-    except OSError as exc:
-        raise _Usage(f"cannot read {path}: {exc.strerror or exc}") from None
+    return read_text(path, _Usage)
+
 
 
 def _beaten(cands: list, formats: dict) -> list:
