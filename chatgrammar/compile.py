@@ -400,8 +400,10 @@ def check_spec(spec: FormatSpec, src: SpecSource) -> None:
             if (h.until is None) == (h.until_text is None):
                 raise src.error("a header needs exactly one of `until` (a marker) or "
                                 "`until_text` (a literal)", hloc, CompileError)
-            if h.until:
+            if h.until is not None:  # an empty name is an unknown marker too
                 need_marker(h.until, hloc + ("until",))
+            if h.until_text == "":
+                raise src.error("empty `until_text`", hloc + ("until_text",), CompileError)
             for i, hm in enumerate(h.markers):
                 need_marker(hm, hloc + ("markers", i))
             check_pattern(h.pattern, hloc + ("pattern",), h.max_tokens * HEADER_CHARS_PER_TOKEN)

@@ -23,14 +23,17 @@ start of a marker, which is not content yet).
 """
 from __future__ import annotations
 
+import copy
 import os
 import random
 import re
 import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 import chatgrammar as cg
 from chatgrammar.matrix import get_case, iter_renderable
@@ -242,6 +245,94 @@ def test_fuzz_real_tokenizers(tokenizer):
                    lambda s: tok.encode(s, add_special_tokens=False),
                    tok.encode(" ".join(_NOISE), add_special_tokens=False), len(tok),
                    FUZZ_SECONDS / max(1, len(FORMATS)) / 5, MIN_CASES // 5)
+
+
+# ------------------------------------------------------------------------------ specs
+
+_SPEC_VALUES = [None, "", "x", 0, -1, 10 ** 9, True, [], {}, ["x"], {"a": 1}, "(a+)+", "\n",
+                [None], 3.5, "assistant", "think", "turn", "message", "<|im_end|>", "open",
+                "close", "sep", "im_end", "until", "text"]
+_SPEC_KEYS = ["x", "open", "close", "children", "header", "follow", "lead", "until",
+              "until_text", "pattern", "markers", "role", "kind", "tag", "after", "max_tokens",
+              "required", "attributes", "inner_markers", "text", "special", "trained_after"]
+
+
+def _spec_paths(d, p=()):
+    out = [p]
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out += _spec_paths(v, p + (k,))
+    elif isinstance(d, list):
+        for i, v in enumerate(d):
+            out += _spec_paths(v, p + (i,))
+    return out
+
+
+def _mutate_spec(d, rng: random.Random):
+    d = copy.deepcopy(d)
+    for _ in range(rng.randint(1, 3)):
+        paths = _spec_paths(d)[1:]
+        if not paths:
+            break
+        p = rng.choice(paths)
+        parent = d
+        for k in p[:-1]:
+            parent = parent[k]
+        k = p[-1]
+        op = rng.random()
+        if op < 0.3:
+            del parent[k]
+        elif op < 0.6:
+            parent[k] = rng.choice(_SPEC_VALUES)
+        elif op < 0.8:  # another value of the same spec
+            other = d
+            for kk in rng.choice(paths):
+                other = other[kk]
+            parent[k] = copy.deepcopy(other)
+        elif isinstance(parent, dict):
+            parent[rng.choice(_SPEC_KEYS)] = rng.choice(_SPEC_VALUES)
+        else:
+            parent.insert(k, rng.choice(_SPEC_VALUES))
+    return d
+
+
+def test_fuzz_specs():
+    """Mutated bundled specs (keys deleted, values replaced or swapped, keys added): loading
+    raises SpecError / CompileError or builds a Format — never another exception — and a
+    Format that builds keeps the parse contract on marker soup, in both modes."""
+    from chatgrammar.format import Format
+    from chatgrammar.spec import parse_spec
+
+    rng = random.Random(zlib.crc32(b"specs") ^ FUZZ_SEED)
+    sources = {n: yaml.safe_load(Path(cg.load_format(n).path).read_text(encoding="utf-8"))
+               for n in FORMATS}
+    stop = time.monotonic() + FUZZ_SECONDS / 6
+    n = built = 0
+    while n < MIN_CASES or time.monotonic() < stop:
+        name = rng.choice(FORMATS)
+        text = yaml.safe_dump(_mutate_spec(sources[name], rng), allow_unicode=True)
+        n += 1
+        try:
+            fmt = Format(*parse_spec(text, f"<mutated {name}>"))
+        except cg.ChatGrammarError:
+            continue
+        except Exception as exc:  # noqa: BLE001 - the violation
+            raise AssertionError(f"loading a mutated {name} spec raised "
+                                 f"{type(exc).__name__}: {exc}\n{text}") from exc
+        built += 1
+        markers = [m.text for m in fmt.spec.markers.values()]
+        if not markers:
+            continue
+        enc = format_encoding(fmt)
+        words = markers + ["user", "assistant", "\n", " ", "x", 'message role="assistant"']
+        for _ in range(4):
+            soup = "".join(rng.choice(words) for _ in range(rng.randint(0, 20)))
+            try:
+                check_contract(fmt, soup, "text")
+                check_contract(fmt, encode_rendered(enc, soup), "ids", enc)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\nspec:\n{text}") from None
+    assert built > 0
 
 
 def _prefix_renders(fmt) -> list[str]:

@@ -351,6 +351,22 @@ def test_hostile_yaml_structures_are_spec_errors(yaml_text, message):
     assert time.monotonic() - t0 < 5
 
 
+@pytest.mark.parametrize("header,where", [
+    ("{until: '', required: false}", "elements.turn.header.until"),
+    ("{until_text: '', required: false}", "elements.turn.header.until_text"),
+])
+def test_empty_header_delimiters_are_compile_errors(header, where):
+    """Found by the spec fuzzer: an empty `until` skipped the marker check and crashed the
+    parser with a TypeError on the first input."""
+    base = (Path(__file__).resolve().parent.parent / "formats" / "kimi-k2.yaml").read_text(
+        encoding="utf-8")
+    good = "header: {until: im_middle, required: false}"
+    assert good in base
+    with pytest.raises(CompileError) as info:
+        cg.Format(*parse_spec(base.replace(good, f"header: {header}"), "k2.yaml"))
+    assert info.value.path == where
+
+
 def test_oversized_spec_is_refused_before_compiling():
     """The LALR construction is super-linear in the grammar size; a spec cannot ask for
     minutes of it (real formats have fewer than 30 elements)."""
