@@ -282,17 +282,17 @@ def _mutate_spec(d, rng: random.Random):
         op = rng.random()
         if op < 0.3:
             del parent[k]
-        elif op < 0.6:
-            parent[k] = rng.choice(_SPEC_VALUES)
+        elif op < 0.6:  # (copies: the table's lists and dicts must never be shared)
+            parent[k] = copy.deepcopy(rng.choice(_SPEC_VALUES))
         elif op < 0.8:  # another value of the same spec
             other = d
             for kk in rng.choice(paths):
                 other = other[kk]
             parent[k] = copy.deepcopy(other)
         elif isinstance(parent, dict):
-            parent[rng.choice(_SPEC_KEYS)] = rng.choice(_SPEC_VALUES)
+            parent[rng.choice(_SPEC_KEYS)] = copy.deepcopy(rng.choice(_SPEC_VALUES))
         else:
-            parent.insert(k, rng.choice(_SPEC_VALUES))
+            parent.insert(k, copy.deepcopy(rng.choice(_SPEC_VALUES)))
     return d
 
 
