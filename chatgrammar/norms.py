@@ -208,8 +208,7 @@ class NormProblem:
 def norms_path() -> Path:
     """The bundled ``norms.yaml``.
 
-    Found through ``importlib.resources`` (``chatgrammar.formats``, installed or from a wheel),
-    falling back to ``formats/norms.yaml`` next to the package in a source checkout.
+    It sits with the bundled format specs (:func:`chatgrammar.registry.formats_dir`).
 
     Returns:
         The path of the bundled file.
@@ -218,15 +217,9 @@ def norms_path() -> Path:
         >>> norms_path().name
         'norms.yaml'
     """
-    try:
-        from importlib.resources import files
+    from .registry import formats_dir  # one rule for where bundled data lives
 
-        candidate = files("chatgrammar.formats") / "norms.yaml"
-        if candidate.is_file():
-            return Path(str(candidate))
-    except (ModuleNotFoundError, TypeError, ValueError, OSError):
-        pass
-    return Path(__file__).resolve().parent.parent / "formats" / "norms.yaml"
+    return formats_dir() / "norms.yaml"
 
 
 def _read_text(path: Path) -> str:

@@ -16,15 +16,20 @@ _lock = threading.RLock()
 
 
 def formats_dir() -> Path:
-    """The directory of bundled specs (``formats/`` in a checkout, ``chatgrammar/formats``
-    in a wheel)."""
+    """The directory of bundled specs: ``chatgrammar/formats`` in a wheel, ``formats/`` next to
+    the package in a checkout or editable install — always the one belonging to the
+    ``chatgrammar`` package actually imported."""
+    here = Path(__file__).resolve().parent
+    for p in (here / "formats", here.parent / "formats"):
+        if p.is_dir() and any(p.glob("*.yaml")):
+            return p
     try:
         p = Path(str(resources.files("chatgrammar.formats")))
-        if p.is_dir() and any(p.glob("*.yaml")):
+        if p.is_dir():
             return p
     except (ModuleNotFoundError, TypeError):
         pass
-    return Path(__file__).resolve().parent.parent / "formats"
+    return here.parent / "formats"
 
 
 def bundled_paths() -> dict[str, Path]:
