@@ -737,27 +737,7 @@ class FastMasker:
         if hit:
             bounds.append(3 * len(syms))
         self.stats["harvest"] += 1
-        segs = []
-        a = 0
-        for b in bounds:
-            if b > a:
-                segs.append((a, b))
-                a = b
-        starts_pos = [B[a] for a, _ in segs]
-        per_seg: list[list] = [[] for _ in segs]
-        for t in turns:
-            j = bisect.bisect_right(starts_pos, t.start) - 1
-            if j < 0 or not (B[segs[j][0]] <= t.start < B[segs[j][1]]):
-                raise _NoCache
-            per_seg[j].append(t)
-        reads_seg: list[list] = [[] for _ in segs]
-        for s, e, lim in reads:
-            j = bisect.bisect_right(starts_pos, s) - 1
-            if j < 0 or s >= B[segs[j][1]]:
-                if e <= s:
-                    continue  # an empty read past every item depends on nothing
-                raise _NoCache
-            reads_seg[j].append((s, e, lim))
+        segs, per_seg, reads_seg = _segments(bounds, B, turns, reads)
         for (a, b), sturns, sreads in zip(segs, per_seg, reads_seg):
             ia = a // 3
             ib = (b - 1) // 3 + 1
@@ -765,15 +745,7 @@ class FastMasker:
                 key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib], vals[8 * off[ia]:8 * off[ib]])
             else:
                 key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib])
-            slot_of: dict[int, int] = {}
-            for j in range(b, a - 1, -1):
-                slot_of.setdefault(B[j], j - a)
-            plan = []
-            for s, e, lim in sreads:
-                if s not in slot_of or e not in slot_of:
-                    raise _NoCache
-                plan.append((slot_of[s], slot_of[e], lim))
-            plan = tuple(plan)
+            plan, slot_of = _read_plan(B, a, b, sreads)
             it = self.items.get(key)
             if it is None:
                 if len(self.items) > _MAX_ITEMS:
@@ -868,6 +840,48 @@ def _in_generation_prompt() -> bool:
             return True
         f = f.f_back
     return False
+
+
+def _segments(bounds, pos, turns, reads) -> tuple[list, list, list]:
+    """Cut a sample at its item bounds (indices into ``pos``, the token / char position of
+    each parser symbol) and bucket the parse's turns and reads per item. Raises _NoCache when
+    a turn or a read crosses items (the sample cannot be memoised)."""
+    segs = []
+    a = 0
+    for b in bounds:
+        if b > a:
+            segs.append((a, b))
+            a = b
+    starts_pos = [pos[a] for a, _ in segs]
+    per_seg: list[list] = [[] for _ in segs]
+    for t in turns:
+        j = bisect.bisect_right(starts_pos, t.start) - 1
+        if j < 0 or not (pos[segs[j][0]] <= t.start < pos[segs[j][1]]):
+            raise _NoCache
+        per_seg[j].append(t)
+    reads_seg: list[list] = [[] for _ in segs]
+    for s, e, lim in reads:
+        j = bisect.bisect_right(starts_pos, s) - 1
+        if j < 0 or s >= pos[segs[j][1]]:
+            if e <= s:
+                continue  # an empty read past every item depends on nothing
+            raise _NoCache
+        reads_seg[j].append((s, e, lim))
+    return segs, per_seg, reads_seg
+
+
+def _read_plan(pos, a: int, b: int, sreads) -> tuple[tuple, dict[int, int]]:
+    """An item's reads as (start slot, end slot, limit), relative to the item ``[a, b)``, and
+    the map position → slot they were computed with."""
+    slot_of: dict[int, int] = {}
+    for j in range(b, a - 1, -1):
+        slot_of.setdefault(pos[j], j - a)
+    plan = []
+    for s, e, lim in sreads:
+        if s not in slot_of or e not in slot_of:
+            raise _NoCache
+        plan.append((slot_of[s], slot_of[e], lim))
+    return tuple(plan), slot_of
 
 
 def _read_len(s: int, e: int, limit: int) -> int:
@@ -1197,38 +1211,10 @@ class TextMemo:
         n = len(text)
         pos = [t[1] for t in toks]
         pos.append(n)
-        segs = []
-        a = 0
-        for b in bounds:
-            if b > a:
-                segs.append((a, b))
-                a = b
-        starts_pos = [pos[a] for a, _ in segs]
-        per_seg: list[list] = [[] for _ in segs]
-        for t in turns:
-            j = bisect.bisect_right(starts_pos, t.start) - 1
-            if j < 0 or not (pos[segs[j][0]] <= t.start < pos[segs[j][1]]):
-                raise _NoCache
-            per_seg[j].append(t)
-        reads_seg: list[list] = [[] for _ in segs]
-        for s, e, lim in reads:
-            j = bisect.bisect_right(starts_pos, s) - 1
-            if j < 0 or s >= pos[segs[j][1]]:
-                if e <= s:
-                    continue
-                raise _NoCache
-            reads_seg[j].append((s, e, lim))
+        segs, per_seg, reads_seg = _segments(bounds, pos, turns, reads)
         for (a, b), sturns, sreads in zip(segs, per_seg, reads_seg):
             key = self._key(toks, a, b)
-            slot_of: dict[int, int] = {}
-            for j in range(b, a - 1, -1):
-                slot_of.setdefault(pos[j], j - a)
-            plan = []
-            for s, e, lim in sreads:
-                if s not in slot_of or e not in slot_of:
-                    raise _NoCache
-                plan.append((slot_of[s], slot_of[e], lim))
-            plan = tuple(plan)
+            plan, slot_of = _read_plan(pos, a, b, sreads)
             it = self.items.get(key)
             if it is None:
                 if len(self.items) > _MAX_ITEMS:
