@@ -40,12 +40,20 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import os
 import struct
 import sys
 import threading
 from typing import Any
 
 import numpy as np
+
+try:  # optional C passes (setup.py builds them); same results without, ~2x slower list input
+    from . import _speedups
+except ImportError:  # pragma: no cover - depends on the build
+    _speedups = None
+if os.environ.get("CHATGRAMMAR_PURE"):
+    _speedups = None
 
 from .compile import HEADER, HEADER_CHARS_PER_TOKEN, TEXT
 from .errors import ParseError
@@ -384,7 +392,9 @@ class FastMasker:
                 spans = self._fast(arr, starts, j, lexed, policy, pid, got)
                 if spans is not None:
                     n = starts[j + 1] - starts[j]
-                    if as_list:
+                    if as_list and _speedups is not None:
+                        m = _speedups.mask_list(n, spans)
+                    elif as_list:
                         m = [0] * n
                         for a, b, _ in spans:
                             m[a:b] = (1,) * (b - a)
@@ -419,8 +429,13 @@ class FastMasker:
         included): its symbol, its header ids (the key), its slot positions."""
         N = len(arr)
         S = len(starts) - 1
-        if self.hi >= 0:
-            cand = np.flatnonzero(arr >= self.lo) if self.lo > 0 else np.arange(N)
+        if self.hi >= 0 and _speedups is not None and arr.flags.c_contiguous:
+            pos_b, code_b = _speedups.find_markers(arr, self.lo, self.lutr)
+            cand = np.frombuffer(pos_b, dtype=np.int64)
+            codes = np.frombuffer(code_b, dtype=np.int64)
+        elif self.hi >= 0:
+            # (negative ids are never markers: the lexer's lut slot 0)
+            cand = np.flatnonzero(arr >= self.lo)
             if len(cand):
                 codes = self.lutr.take(arr[cand] - self.lo, mode="clip")
                 nz = np.flatnonzero(codes)
@@ -960,24 +975,32 @@ def _soft_lut(lx: IdLexer):
 def ids_input(ids: Any) -> tuple[np.ndarray, list | None]:
     """``ids`` → (int64 array, the Python list when the input is one, else None).
 
-    A list of Python ints is converted with ``struct`` (about twice as fast as
-    ``np.asarray``, which first infers the dtype); anything else goes through
+    A list of Python ints is converted by the C accelerator (``chatgrammar._speedups``), or
+    with ``struct`` where it is not built (still about twice as fast as ``np.asarray``, which
+    first infers the dtype); anything else goes through
     :func:`~chatgrammar.lexers.as_id_array` (same errors as ``parse_ids``).
     """
     if type(ids) is list:
         try:
             return np.frombuffer(_pack(ids), dtype=np.int64), ids
-        except (struct.error, TypeError, OverflowError):
+        except (struct.error, TypeError, ValueError, OverflowError):
             pass
     return as_id_array(ids), None
 
 
 def _pack(lst: list) -> bytes:
+    if _speedups is not None:
+        return _speedups.pack_many((lst,), len(lst))
     return struct.pack(f"{len(lst)}q", *lst)
 
 
 def _pack_many(lsts: list[list], lens: list[int]) -> np.ndarray:
     """Many lists of ints → one int64 array (each packed straight into a shared buffer)."""
+    if _speedups is not None:
+        try:
+            return np.frombuffer(_speedups.pack_many(lsts, sum(lens)), dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            return np.concatenate([ids_input(x)[0] for x in lsts])
     buf = bytearray(8 * sum(lens))
     o = 0
     try:

@@ -1,0 +1,198 @@
+"""The optional C accelerator (chatgrammar/_speedups.c) against the numpy / struct code it
+replaces: unit properties of each pass, and whole masks with and without it on real renders."""
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import chatgrammar as cg
+from chatgrammar import fastpath
+from tests.fuzz_tokenizers import encode_rendered, format_encoding, format_templates
+from tests.test_fastpath import POLICIES, _bench, _samples
+
+S = fastpath._speedups
+needs_c = pytest.mark.skipif(S is None, reason="accelerator disabled (CHATGRAMMAR_PURE)")
+I64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+
+
+def test_accelerator_is_built():
+    # setup.py marks the extension optional, so a broken build would pass silently and only
+    # show up as a slower loss_mask. A machine that cannot build it says so explicitly.
+    if os.environ.get("CHATGRAMMAR_PURE"):
+        pytest.skip("CHATGRAMMAR_PURE is set")
+    assert S is not None, ("chatgrammar._speedups did not build (needs a C compiler and the "
+                           "Python headers); set CHATGRAMMAR_PURE=1 to run without it")
+
+
+def test_pure_env_disables_it():
+    code = "import chatgrammar.fastpath as f; print(f._speedups is None)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "CHATGRAMMAR_PURE": "1"}, check=True)
+    assert out.stdout.strip() == "True"
+
+
+# ----------------------------------------------------------------------------- pack_many
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(I64, max_size=40), max_size=6))
+def test_pack_many_is_native_int64(lists):
+    total = sum(map(len, lists))
+    got = np.frombuffer(S.pack_many(lists, total), dtype=np.int64)
+    want = struct.pack(f"{total}q", *[x for lst in lists for x in lst])
+    assert got.tobytes() == want
+
+
+@needs_c
+def test_pack_many_refuses_what_the_general_conversion_must_handle():
+    with pytest.raises(OverflowError):
+        S.pack_many([[1, 2**63]], 2)
+    for bad in ([[1, True]], [[1, np.int64(2)]], [[1, 2.0]], [(1, 2)]):
+        with pytest.raises(TypeError):
+            S.pack_many(bad, 2)
+    with pytest.raises(ValueError):
+        S.pack_many([[1, 2]], 3)
+    with pytest.raises(ValueError):
+        S.pack_many([[1, 2]], 1)
+
+
+@needs_c
+def test_lists_the_accelerator_refuses_still_give_the_general_result():
+    # ids_input falls back to as_id_array: bools / numpy ints are ints, huge ints are clipped
+    for ids in ([1, True, 3], [1, np.int64(2), 3], [1, 2**70, -2**70]):
+        arr, _ = fastpath.ids_input(ids)
+        assert arr.dtype == np.int64
+        assert arr.tolist() == [min(max(int(x), -2**63), 2**63 - 1) for x in ids]
+    arr = fastpath._pack_many([[1, 2], [True, 7], [2**70]], [2, 2, 1])
+    assert arr.tolist() == [1, 2, 1, 7, 2**63 - 1]
+
+
+# ----------------------------------------------------------------------------- find_markers
+
+def _numpy_markers(arr, lo, lut):
+    span = len(lut) - 1
+    d = arr.astype(object) - lo
+    ok = np.array([0 <= x < span for x in d.tolist()], dtype=bool)
+    pos = np.flatnonzero(ok)
+    codes = lut[(arr[pos] - lo)] if len(pos) else np.empty(0, np.int64)
+    keep = codes != 0
+    return pos[keep].tolist(), codes[keep].tolist()
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-5, 40) | I64, max_size=200), st.integers(-3, 30),
+       st.lists(st.integers(0, 5), min_size=1, max_size=12))
+def test_find_markers_matches_numpy(ids, lo, lut):
+    arr = np.asarray(ids, dtype=np.int64)
+    lut_a = np.asarray([*lut, 0], dtype=np.int64)  # the last slot is the "above" 0
+    pos, codes = S.find_markers(arr, lo, lut_a)
+    assert (np.frombuffer(pos, np.int64).tolist(),
+            np.frombuffer(codes, np.int64).tolist()) == _numpy_markers(arr, lo, lut_a)
+
+
+@needs_c
+def test_find_markers_wants_int64():
+    with pytest.raises(TypeError):
+        S.find_markers(np.zeros(3, np.int32), 0, np.zeros(2, np.int64))
+    with pytest.raises(TypeError):
+        S.find_markers(np.zeros(3, np.int64), 0, np.zeros(2, np.float64))
+
+
+# ----------------------------------------------------------------------------- mask_list
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 60).flatmap(lambda n: st.tuples(
+    st.just(n), st.lists(st.tuples(st.integers(0, n), st.integers(0, n)).map(sorted)
+                         .map(lambda ab: (ab[0], ab[1], 0)), max_size=5))))
+def test_mask_list(case):
+    n, spans = case
+    want = [0] * n
+    for a, b, _ in spans:
+        want[a:b] = [1] * (b - a)
+    got = S.mask_list(n, spans)
+    assert got == want and all(type(x) is int for x in got)
+
+
+@needs_c
+def test_mask_list_checks_spans():
+    with pytest.raises(ValueError):
+        S.mask_list(3, [(2, 4, 0)])
+    with pytest.raises(ValueError):
+        S.mask_list(3, [(2, 1, 0)])
+    with pytest.raises(TypeError):
+        S.mask_list(3, [[0, 1]])
+
+
+# ----------------------------------------------------------------------------- whole masks
+
+def _masks(fmt, samples, policy, monkeypatch, pure: bool):
+    monkeypatch.setattr(fastpath, "_speedups", None if pure else S)
+    out = []
+    for enc, ids in samples:
+        try:
+            out.append(fmt.loss_mask(ids, enc, policy=policy, strict=False))
+        except cg.ParseError:
+            out.append(cg.ParseError)
+    by_enc: dict = {}
+    for enc, ids in samples:
+        by_enc.setdefault(id(enc), (enc, []))[1].append(ids)
+    batches = [fmt.loss_masks(b, enc, policy=policy, strict=False) for enc, b in by_enc.values()]
+    return out, batches
+
+
+@needs_c
+@pytest.mark.parametrize("name", ["kimi-k2", "kimi-k3", "chatml", "harmony", "llama3"])
+def test_masks_are_the_same_with_and_without_it(name, monkeypatch):
+    fmt = cg.load_format(name)
+    samples = _samples(fmt)
+    for policy in POLICIES[:2]:
+        for _ in range(2):  # the second round is served by the memo
+            c = _masks(fmt, samples, policy, monkeypatch, pure=False)
+            p = _masks(fmt, samples, policy, monkeypatch, pure=True)
+            assert c == p
+            # and both are the full pipeline's mask
+            assert c[0] == [fmt.parse_ids(ids, enc, strict=False).mask(policy)
+                            for enc, ids in samples]
+
+
+@needs_c
+@pytest.mark.parametrize("version", ["kimi-k2", "kimi-k3"])
+def test_benchmark_workload_same_with_and_without_it(version, monkeypatch):
+    bench = _bench()
+    _texts, ids = bench.workload(version, 16, seed=3)
+    enc = bench.kimi_encoding(version)
+    fmt = cg.load_format(version)
+    with_c = [fmt.loss_mask(x, enc) for x in ids]
+    monkeypatch.setattr(fastpath, "_speedups", None)
+    assert with_c == [fmt.loss_mask(x, enc) for x in ids] == fmt.loss_masks(ids, enc)
+
+
+@needs_c
+@pytest.mark.parametrize("pure", [False, True])
+def test_marker_pass_is_the_same_from_id_0_and_ignores_negative_ids(pure, monkeypatch):
+    # Widening the marker range down to id 0 (as a tokenizer whose marker is id 0 has it) must
+    # not change the lexing, and negative ids are never markers (the full lexer's slot 0).
+    fmt = cg.load_format("chatml")
+    enc = format_encoding(fmt)
+    samples = [ids for e, ids in _samples(fmt) if e is not None][:6]
+    monkeypatch.setattr(fastpath, "_speedups", None if pure else S)
+    fm = fmt._fast_masker(enc)
+    for ids in samples:
+        arr = np.asarray([-1, *ids, -(2**63), -5], dtype=np.int64)
+        want = fm._lex(arr, [0, len(arr)])
+        lo, lutr = fm.lo, fm.lutr
+        try:
+            fm.lo, fm.lutr = 0, np.concatenate([np.zeros(lo, np.int64), lutr])
+            got = fm._lex(arr, [0, len(arr)])
+        finally:
+            fm.lo, fm.lutr = lo, lutr
+        assert got == want
