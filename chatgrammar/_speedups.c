@@ -260,6 +260,158 @@ fail:
     return NULL;
 }
 
+/* symbols(arr, starts, cand, codes, budget, budget1, has_values)
+ *     -> (symb, meta, vals, off, B, bl)
+ * FastMasker._lex after the marker pass, for formats without literal-ended headers or lstrip
+ * markers (see the Python code for the meaning of each output; it is the reference). */
+static PyObject *
+symbols(PyObject *self, PyObject *args)
+{
+    PyObject *arr_o, *starts_o, *cand_o, *codes_o, *bud_o, *bud1_o;
+    int has_values;
+    if (!PyArg_ParseTuple(args, "OOOOOOp:symbols", &arr_o, &starts_o, &cand_o, &codes_o,
+                          &bud_o, &bud1_o, &has_values))
+        return NULL;
+    Py_buffer av = {0}, cv = {0}, kv = {0}, bv = {0}, b1v = {0};
+    PyObject *starts = NULL, *res = NULL;
+    PyObject *symb = NULL, *meta = NULL, *vals = NULL, *off = NULL, *B = NULL, *bl = NULL;
+    int64_t *P = NULL, *K = NULL, *mend = NULL;
+    if (get_int64_buffer(arr_o, &av, "arr") < 0)
+        return NULL;
+    if (get_int64_buffer(cand_o, &cv, "cand") < 0 || get_int64_buffer(codes_o, &kv, "codes") < 0
+        || get_int64_buffer(bud_o, &bv, "budget") < 0
+        || get_int64_buffer(bud1_o, &b1v, "budget1") < 0)
+        goto done;
+    const int64_t *a = av.buf, *cand = cv.buf, *codes = kv.buf, *bud = bv.buf, *bud1 = b1v.buf;
+    Py_ssize_t N = av.len / 8, M = cv.len / 8, nb = bv.len / 8;
+    if (kv.len != cv.len || b1v.len != bv.len) {
+        PyErr_SetString(PyExc_ValueError, "symbols: mismatched buffer lengths");
+        goto done;
+    }
+    starts = PySequence_Fast(starts_o, "symbols: starts must be a sequence");
+    if (starts == NULL)
+        goto done;
+    Py_ssize_t S = PySequence_Fast_GET_SIZE(starts) - 1;
+    if (S < 1) {
+        PyErr_SetString(PyExc_ValueError, "symbols: need at least one sample");
+        goto done;
+    }
+    Py_ssize_t T = M + S;
+    P = PyMem_Malloc((T + 1) * sizeof(int64_t));
+    K = PyMem_Malloc((T + 1) * sizeof(int64_t));
+    mend = PyMem_Malloc((T + 1) * sizeof(int64_t));
+    bl = PyList_New(S + 1);
+    if (P == NULL || K == NULL || mend == NULL || bl == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* merge: each sample's begin-of-input (code 0, zero width) before its markers */
+    Py_ssize_t t = 0, c = 0, prev = 0;
+    for (Py_ssize_t j = 0; j < S; j++) {
+        Py_ssize_t s0 = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(starts, j));
+        Py_ssize_t s1 = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(starts, j + 1));
+        if ((s0 == -1 || s1 == -1) && PyErr_Occurred())
+            goto done;
+        if (s0 < prev || s1 < s0 || s1 > N || (j == 0 && s0 != 0)) {
+            PyErr_SetString(PyExc_ValueError, "symbols: starts must rise from 0 to len(arr)");
+            goto done;
+        }
+        prev = s0;
+        PyList_SET_ITEM(bl, j, PyLong_FromSsize_t(t));
+        P[t] = s0;
+        K[t] = 0;
+        mend[t] = s0;
+        t++;
+        while (c < M && cand[c] < s1) {
+            if (cand[c] < s0 || codes[c] <= 0 || codes[c] >= nb) {
+                PyErr_SetString(PyExc_ValueError, "symbols: bad marker position or code");
+                goto done;
+            }
+            P[t] = cand[c];
+            K[t] = codes[c];
+            mend[t] = cand[c] + 1;
+            t++;
+            c++;
+        }
+        if (j == S - 1 && s1 != N) {
+            PyErr_SetString(PyExc_ValueError, "symbols: starts must end at len(arr)");
+            goto done;
+        }
+    }
+    if (c != M) {
+        PyErr_SetString(PyExc_ValueError, "symbols: a marker lies outside every sample");
+        goto done;
+    }
+    PyList_SET_ITEM(bl, S, PyLong_FromSsize_t(T));
+    P[T] = N;
+    symb = PyBytes_FromStringAndSize(NULL, T * 2);
+    meta = PyBytes_FromStringAndSize(NULL, T * 8);
+    B = PyList_New(3 * T + 1);
+    if (symb == NULL || meta == NULL || B == NULL)
+        goto done;
+    uint16_t *sy = (uint16_t *)PyBytes_AS_STRING(symb);
+    int64_t *me = (int64_t *)PyBytes_AS_STRING(meta);
+    Py_ssize_t total = 0;
+    if (has_values) {
+        off = PyList_New(T + 1);
+        if (off == NULL)
+            goto done;
+        PyList_SET_ITEM(off, 0, PyLong_FromSsize_t(0));
+    }
+    for (t = 0; t < T; t++) {
+        int64_t glen = P[t + 1] - mend[t];
+        int64_t sym = K[t] * 4 + (glen > 0);
+        sy[t] = (uint16_t)sym;
+        if (has_values) {
+            int64_t take = glen < bud[K[t]] ? glen : bud[K[t]];
+            int64_t vlen = glen < bud1[K[t]] ? glen : bud1[K[t]];
+            me[t] = sym * 65536 + vlen;
+            total += take;
+            PyList_SET_ITEM(off, t + 1, PyLong_FromSsize_t(total));
+        } else {
+            me[t] = sym;
+        }
+        PyList_SET_ITEM(B, 3 * t, PyLong_FromLongLong(P[t]));
+        PyList_SET_ITEM(B, 3 * t + 1, PyLong_FromLongLong(mend[t]));
+        PyList_SET_ITEM(B, 3 * t + 2, PyLong_FromLongLong(P[t + 1]));
+    }
+    PyList_SET_ITEM(B, 3 * T, PyLong_FromSsize_t(N));
+    vals = PyBytes_FromStringAndSize(NULL, total * 8);
+    if (vals == NULL)
+        goto done;
+    if (has_values) {
+        int64_t *v = (int64_t *)PyBytes_AS_STRING(vals);
+        for (t = 0; t < T; t++) {
+            int64_t glen = P[t + 1] - mend[t];
+            int64_t take = glen < bud[K[t]] ? glen : bud[K[t]];
+            if (take > 0) {
+                memcpy(v, a + mend[t], take * sizeof(int64_t));
+                v += take;
+            }
+        }
+    }
+    if (PyErr_Occurred())  /* a PyLong allocation failed above */
+        goto done;
+    res = Py_BuildValue("(OOOOOO)", symb, meta, vals, has_values ? off : Py_None, B, bl);
+done:
+    Py_XDECREF(symb);
+    Py_XDECREF(meta);
+    Py_XDECREF(vals);
+    Py_XDECREF(off);
+    Py_XDECREF(B);
+    Py_XDECREF(bl);
+    Py_XDECREF(starts);
+    PyMem_Free(P);
+    PyMem_Free(K);
+    PyMem_Free(mend);
+    if (av.obj) PyBuffer_Release(&av);
+    if (cv.obj) PyBuffer_Release(&cv);
+    if (kv.obj) PyBuffer_Release(&kv);
+    if (bv.obj) PyBuffer_Release(&bv);
+    if (b1v.obj) PyBuffer_Release(&b1v);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"pack_many", pack_many, METH_VARARGS,
      "pack_many(lists, total) -> bytearray of native int64: the ints of every list."},
@@ -267,6 +419,9 @@ static PyMethodDef methods[] = {
      "find_markers(arr, lo, lut) -> (positions, codes) as native int64 bytes."},
     {"mask_list", mask_list, METH_VARARGS,
      "mask_list(n, spans) -> list of n ints: 1 inside any (start, end, ...) span, else 0."},
+    {"symbols", symbols, METH_VARARGS,
+     "symbols(arr, starts, cand, codes, budget, budget1, has_values) -> the symbol tables of "
+     "FastMasker._lex (formats without literal-ended headers or lstrip markers)."},
     {NULL, NULL, 0, NULL},
 };
 

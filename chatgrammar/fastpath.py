@@ -455,6 +455,11 @@ class FastMasker:
                 for j in set(np.searchsorted(starts, hits, side="right").tolist()):
                     if 1 <= j <= S:
                         slow[j - 1] = True
+        if (_speedups is not None and not self.has_split and self.lstrip_code is None
+                and arr.flags.c_contiguous):
+            # the same tables in one C pass (this method's code below is the reference)
+            return (*_speedups.symbols(arr, starts, cand, codes, self.budget, self.budget1,
+                                       self.has_values), slow)
         M = len(cand)
         if S == 1:
             bidx = None

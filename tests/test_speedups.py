@@ -2,6 +2,7 @@
 replaces: unit properties of each pass, and whole masks with and without it on real renders."""
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import subprocess
@@ -196,3 +197,93 @@ def test_marker_pass_is_the_same_from_id_0_and_ignores_negative_ids(pure, monkey
         finally:
             fm.lo, fm.lutr = lo, lutr
         assert got == want
+
+
+# ----------------------------------------------------------------------------- symbols
+
+def _lex_both(fm, arr, starts, monkeypatch):
+    monkeypatch.setattr(fastpath, "_speedups", S)
+    c = fm._lex(arr, starts)
+    monkeypatch.setattr(fastpath, "_speedups", None)
+    p = fm._lex(arr, starts)
+    monkeypatch.setattr(fastpath, "_speedups", S)
+    return c, p
+
+
+def _c_lexable():
+    out = []
+    for name in cg.list_formats():
+        fmt = cg.load_format(name)
+        enc = format_encoding(fmt)
+        fm = fmt._fast_masker(enc)
+        if fm.enabled and not fm.has_split and fm.lstrip_code is None and fm.hi >= 0:
+            out.append(name)
+    return out
+
+
+C_LEXABLE = _c_lexable()
+
+
+def test_the_c_symbol_pass_serves_the_kimi_formats():
+    assert {"kimi-k2", "kimi-k3"} <= set(C_LEXABLE)
+
+
+@needs_c
+@pytest.mark.parametrize("name", C_LEXABLE)
+def test_symbol_tables_are_the_same_from_c_and_numpy(name, monkeypatch):
+    fmt = cg.load_format(name)
+    samples = [(enc, ids) for enc, ids in _samples(fmt)]
+    by_enc: dict = {}
+    for enc, ids in samples:
+        by_enc.setdefault(id(enc), (enc, []))[1].append(ids)
+    for enc, batch in by_enc.values():
+        fm = fmt._fast_masker(enc)
+        for ids in batch:
+            arr = np.asarray(ids, dtype=np.int64)
+            c, p = _lex_both(fm, arr, [0, len(arr)], monkeypatch)
+            assert c == p
+        # a batch with empty samples and marker-only samples mixed in
+        mixed = [[], *batch[:8], [], [batch[0][0]] if batch[0] else []]
+        arr = np.asarray([x for ids in mixed for x in ids], dtype=np.int64)
+        starts = [0]
+        for ids in mixed:
+            starts.append(starts[-1] + len(ids))
+        c, p = _lex_both(fm, arr, starts, monkeypatch)
+        assert c == p
+
+
+@functools.lru_cache(maxsize=None)
+def _k3_masker():
+    enc = _bench().kimi_encoding("kimi-k3")
+    return cg.load_format("kimi-k3")._fast_masker(enc)
+
+
+@needs_c
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_symbol_tables_on_random_id_streams(data):
+    fm = _k3_masker()
+    markers = [int(t) - 1 for t in np.flatnonzero(fm.lut)]
+    ids = data.draw(st.lists(st.sampled_from(markers) | st.integers(0, 200_000), max_size=80))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=4)))
+    starts = [0, *cuts, len(ids)]
+    arr = np.asarray(ids, dtype=np.int64)
+    with pytest.MonkeyPatch.context() as mp:
+        c, p = _lex_both(fm, arr, starts, mp)
+    assert c == p
+
+
+@needs_c
+def test_symbols_checks_its_inputs():
+    a = np.arange(10, dtype=np.int64)
+    b = np.zeros(4, dtype=np.int64)
+    cand = np.asarray([3], dtype=np.int64)
+    code = np.asarray([1], dtype=np.int64)
+    with pytest.raises(ValueError):  # starts not ending at len(arr)
+        S.symbols(a, [0, 5], cand, code, b, b, True)
+    with pytest.raises(ValueError):  # a code outside the budget table
+        S.symbols(a, [0, 10], cand, np.asarray([9], dtype=np.int64), b, b, True)
+    with pytest.raises(ValueError):  # a marker outside every sample
+        S.symbols(a, [0, 10], np.asarray([12], dtype=np.int64), code, b, b, True)
+    with pytest.raises(ValueError):
+        S.symbols(a, [0], cand, code, b, b, True)
