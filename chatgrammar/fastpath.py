@@ -6,8 +6,10 @@ sequence of *items* (turns) whose shapes recur — "user turn", "assistant turn 
 a response", "assistant turn with one tool call" — so this module memoises the work at the item
 level, keyed by everything the item's parse can depend on:
 
-1. **Lexing, vectorised.** Marker ids are found with numpy (ordinary ids are never looked at
-   one by one). Each marker and the run of ordinary ids after it form one *symbol*: the marker's
+1. **Lexing, vectorised.** Marker ids are found with numpy, or in one C pass by the optional
+   accelerator (``chatgrammar/_speedups.c``: list conversion, marker search, symbol tables and
+   list masks; the numpy code here is the reference it is tested against). No Python code looks
+   at ordinary ids one by one. Each marker and the run of ordinary ids after it form one *symbol*: the marker's
    kind and the run's shape (none / text / header / header + text). The runs the lexer decodes
    (headers) contribute their ids to the key; content runs contribute only their presence.
 2. **Parsing, memoised.** The LALR automaton is run over symbols with memoised transitions
@@ -76,6 +78,8 @@ _MAX_PROGS = 64
 # Configurations deeper than this are not memoised (a stack tuple per configuration would cost
 # memory quadratic in the nesting depth): such inputs take the full, non-recursive parser.
 _MAX_DEPTH = 128
+# loss_masks works through a batch in groups of about this many tokens (2 MB as int64)
+_BATCH_TOKENS = 1 << 18
 # The walk steps GRAM symbols at a time: one dict lookup per GRAM markers.
 GRAM = 4
 FLAG_BITS = 3 * GRAM
@@ -340,6 +344,20 @@ class FastMasker:
         batch = list(batch)
         if not batch:
             return []
+        lens = [len(x) for x in batch]
+        if len(batch) > 1 and sum(lens) > _BATCH_TOKENS:
+            # Groups of about _BATCH_TOKENS: the per-token passes then run in cache, and the
+            # per-call overhead is still paid once per many samples.
+            out: list = []
+            i = 0
+            while i < len(batch):
+                j, n = i, 0
+                while j < len(batch) and (j == i or n + lens[j] <= _BATCH_TOKENS):
+                    n += lens[j]
+                    j += 1
+                out += self.masks(batch[i:j], policy, strict, tokenizer)
+                i = j
+            return out
         all_lists = all(type(x) is list for x in batch)
         if all_lists:
             lens = [len(x) for x in batch]

@@ -101,7 +101,7 @@ def test_scanner_semantics_on_hand_made_inputs(bench):
 def test_report_renders_every_section(bench):
     row = {"samples": 2, "tokens": 8000, "chars": 30000, "big_tokens": 1_000_000, "ours": 40.0,
            "ours_batch": 50.0, "ours_numpy": 70.0, "scanner": 20.0, "numpy": 60.0, "ours_1m": 35.0,
-           "text_ours": 100.0, "text_regex": 120.0}
+           "ours_pure": 30.0, "accelerated": True, "text_ours": 100.0, "text_regex": 120.0}
     results = {"kimi-k2": row, "kimi-k3": row, "chatml": None,
                "compile": {"formats": 12, "cold_s": 0.6, "cached_s": 0.02, "import_s": 0.4}}
 
@@ -110,7 +110,8 @@ def test_report_renders_every_section(bench):
 
     text = bench.report(results, {"cpu": "test", "cores": "2"}, Args)
     for needle in ("## Machine", "- cpu: test", "| kimi-k2 | 2 | 4000 | 40.0 | 50.0 | 20.0 | "
-                   "60.0 | 2.00 | 2.50 | 1.50 |", "| kimi-k2 | 70.0 | 3.50 |", "## Linear cost", "| kimi-k3 | 1000000 | 35.0 | 1.14 |",
+                   "60.0 | 2.00 | 2.50 | 1.50 |", "| kimi-k2 | 70.0 | 3.50 |",
+                   "| kimi-k3 | 30.0 | 1.50 |", "## Linear cost", "| kimi-k3 | 1000000 | 35.0 | 1.14 |",
                    "## Text mode", "0.83", "Skipped: the `chatml` format", "## Compile",
                    "| 12 | 0.600 | 0.0200 | 0.400 |"):
         assert needle in text, needle

@@ -193,3 +193,23 @@ def test_text_memo_serves_the_workload_and_returns_fresh_objects():
                    for x, y in zip(a.turns, b.turns))
     assert fmt._text_memo.stats["fast"] - before["fast"] >= 2 * len(texts)
     del memo_stats
+
+
+@pytest.mark.parametrize("group", [1, 700, 5000])
+def test_large_batches_are_worked_through_in_groups(group, monkeypatch):
+    # loss_masks splits a batch into groups of about _BATCH_TOKENS tokens (cache-sized);
+    # every grouping gives every sample its own mask, in order, for every container kind.
+    from chatgrammar import fastpath
+
+    bench = _bench()
+    _texts, ids = bench.workload("kimi-k2", 12, seed=5)
+    enc = bench.kimi_encoding("kimi-k2")
+    fmt = cg.load_format("kimi-k2")
+    want = [fmt.parse_ids(x, enc).mask() for x in ids]
+    monkeypatch.setattr(fastpath, "_BATCH_TOKENS", group)
+    assert fmt.loss_masks(ids, enc) == want
+    got = fmt.loss_masks([np.asarray(x) for x in ids], enc)
+    assert [g.tolist() for g in got] == want
+    bad = [*ids[:3], ids[3][: len(ids[3]) // 2], *ids[4:]]  # a truncated sample in the middle
+    assert fmt.loss_masks(bad, enc, strict=False) == \
+        [fmt.parse_ids(x, enc, strict=False).mask() for x in bad]

@@ -340,6 +340,10 @@ def machine() -> dict[str, str]:
     info = {"cpu": cpu, "cores": str(os.cpu_count()),
             "python": platform.python_version(), "numpy": np.__version__,
             "platform": platform.platform()}
+    from chatgrammar import fastpath
+
+    info["C accelerator"] = ("built (chatgrammar._speedups)" if fastpath._speedups is not None
+                             else "not built or disabled (pure numpy path)")
     for mod in ("lark", "tiktoken", "transformers", "tokenizers"):
         try:
             info[mod] = __import__(mod).__version__
@@ -422,8 +426,21 @@ def bench_loss_mask(version: str, n_samples: int, rounds: int) -> dict:
     if fmt.loss_masks(ids, enc) != [fmt.loss_mask(x, enc) for x in ids]:
         raise SystemExit(f"{version}: loss_masks disagrees with loss_mask")
     ntok = sum(map(len, ids))
-    per = race({"ours": lambda x: fmt.loss_mask(x, enc), "scanner": scanner,
-                "numpy bound": bound}, ids, rounds)
+    from chatgrammar import fastpath
+
+    accel = fastpath._speedups
+
+    def ours_pure(x):  # the same call where the C accelerator is not built
+        fastpath._speedups = None
+        try:
+            return fmt.loss_mask(x, enc)
+        finally:
+            fastpath._speedups = accel
+
+    if [ours_pure(x) for x in ids] != [fmt.loss_mask(x, enc) for x in ids]:
+        raise SystemExit(f"{version}: the pure path disagrees with the accelerated one")
+    per = race({"ours": lambda x: fmt.loss_mask(x, enc), "ours pure": ours_pure,
+                "scanner": scanner, "numpy bound": bound}, ids, rounds)
     batch = race_calls({"ours batch": lambda: fmt.loss_masks(ids, enc)}, rounds)
     # Loaders that already hold arrays (datasets' numpy format, torch) skip the list→array
     # conversion: numpy in, numpy out.
@@ -447,6 +464,7 @@ def bench_loss_mask(version: str, n_samples: int, rounds: int) -> dict:
     return {
         "samples": len(ids), "tokens": ntok, "chars": nchar, "big_tokens": len(big),
         "ours": _mtok(ntok, per["ours"]), "ours_batch": _mtok(ntok, batch["ours batch"]),
+        "ours_pure": _mtok(ntok, per["ours pure"]), "accelerated": accel is not None,
         "ours_numpy": _mtok(ntok, per_np["ours numpy"]),
         "scanner": _mtok(ntok, per["scanner"]), "numpy": _mtok(ntok, per["numpy bound"]),
         "ours_1m": _mtok(len(big), long["ours 1M"]),
@@ -558,6 +576,16 @@ def report(results: dict, info: dict, args) -> str:
                      f"{r['ours']:.1f} | {r['ours_batch']:.1f} | {r['scanner']:.1f} | "
                      f"{r['numpy']:.1f} | {r['ours'] / r['scanner']:.2f} | "
                      f"{r['ours_batch'] / r['scanner']:.2f} | {r['numpy'] / r['ours']:.2f} |")
+    lines += ["", "Same workload and call without the C accelerator (`chatgrammar._speedups`, built by "
+              "`pip install` where a C compiler is present; `CHATGRAMMAR_PURE=1` turns it off): "
+              "what a machine without a compiler gets.", "",
+              "| format | ours pure Mtok/s | ours pure / scanner |", "|---|---|---|"]
+    for v in ("kimi-k2", "kimi-k3"):
+        r = results[v]
+        pure = f"{r['ours_pure']:.1f} | {r['ours_pure'] / r['scanner']:.2f}"
+        if not r["accelerated"]:
+            pure += " (accelerator not built: same as ours)"
+        lines.append(f"| {v} | {pure} |")
     lines += ["", "Same workload with numpy arrays in (numpy out): no list→array conversion.", "",
               "| format | ours (numpy in) Mtok/s | ours (numpy in) / scanner (list in) |",
               "|---|---|---|"]
@@ -636,15 +664,17 @@ def targets(results: dict) -> list[tuple[str, str, bool]]:
     return out
 
 
-NOTES = """- **List input has a floor.** A Python list of ints must be converted before anything
-  vectorised can look at it: `struct.pack` (the fastest way we found; `np.asarray` is ~2× slower)
-  costs ~9-10 ns per token, building the list that comes back ~2 ns per token. The scanner spends
-  ~35-45 ns per token, so list-in/list-out is capped near 3-4× before any parsing happens; what is
-  left per sample (finding markers, walking the memoised automaton, looking up item programs,
-  filling spans) is a few tens of microseconds of Python and numpy call overhead, which is why
-  per-sample list calls land at ~1.4-1.6× and batches at ~1.8×. With arrays in (numpy or torch,
-  as `datasets` with a numpy format or a collator hands them over) the same call is ~2.7-2.9×
-  the scanner.
+NOTES = """- **List input.** A Python list of ints must be read one object at a time before
+  anything vectorised can look at it. The C accelerator (`chatgrammar/_speedups.c`) does that
+  read (~2.5 ns per token), finds the markers in the resulting int64 array and builds the list
+  that comes back (~1 ns per token); without it, `struct.pack` (the fastest pure way we found;
+  `np.asarray` is ~2× slower) costs ~9 ns per token and building the list ~2 ns. The scanner
+  spends ~33-47 ns per token. What is left per sample (walking the memoised automaton, looking
+  up item programs, filling spans, numpy calls on marker-sized arrays) is a few tens of
+  microseconds of Python, so per-sample calls gain most from batching (`loss_masks`) and from
+  arrays in (numpy or torch, as `datasets` with a numpy format or a collator hands them over).
+- **The numpy bound** converts with `struct.pack`, as a pure-Python program would; ours with the
+  accelerator can beat it (bound / ours < 1).
 - **What is memoised** (`chatgrammar/fastpath.py`): LALR transitions per stack configuration and
   symbol (4 symbols per lookup), and each top-level item's turns, keyed by its marker kinds,
   content-run presence, header ids and anything else the parse read; a new item shape is parsed
@@ -671,8 +701,9 @@ METHOD = """\
   to `<|im_end|>`; K3: `<|open|>` … `<|sep|>`, decode the header, count depth to the matching
   `<|close|>`). The numpy bound converts the list with `struct.pack` (the fastest conversion we
   found), finds the specials with `np.isin` and loops over markers only.
-- Converting a Python list of ints to an array costs ~10 ns per token and is part of every
-  contender that uses numpy: it is most of the numpy bound's time.
+- Converting a Python list of ints to an array with `struct` costs ~9 ns per token and is part of
+  every pure contender that uses numpy: it is most of the numpy bound's time. "Ours pure" is the
+  same `loss_mask` call with the C accelerator switched off (a machine without a compiler).
 - Text mode times `fmt.parse(text).spans()` (a typed parse, strict) against a regex that only
   extracts the assistant bodies (no validation).
 - ChatML: "adds" is the time a mask step adds on top of render + tokenize: for transformers the
