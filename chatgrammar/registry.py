@@ -109,7 +109,10 @@ def _load_path(path: str, mtime: float) -> Format:
         data = Path(path).read_bytes()
     except OSError:
         data = None
-    key = cache.key_for("spec", path, data) if data is not None else None
+    # A spec that extends another depends on the base's bytes too: not cached (its grammar's
+    # tables still are).
+    cacheable = data is not None and b"extends" not in data
+    key = cache.key_for("spec", path, data) if cacheable else None
     hit = cache.load("spec", key) if key is not None else None
     if hit is not None:
         spec, src = hit

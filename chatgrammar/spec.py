@@ -6,6 +6,7 @@ node tree alongside the data so pydantic's error locations map back to source po
 """
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -218,26 +219,135 @@ def format_path(loc: tuple) -> str:
 
 
 class SpecSource:
-    """Where a spec came from, so later stages can locate their errors too."""
+    """Where a spec came from, so later stages can locate their errors too.
 
-    def __init__(self, file: str, marks: dict):
+    ``origins`` maps the YAML paths a spec inherited through ``extends:`` to the file they were
+    written in (a path not in it belongs to ``file``)."""
+
+    def __init__(self, file: str, marks: dict, origins: dict | None = None):
         self.file = file
         self.marks = marks
+        self.origins = origins or {}
 
-    def locate(self, loc: tuple, key: bool = False) -> tuple[int | None, int | None]:
+    def where(self, loc: tuple, key: bool = False) -> tuple[str, int | None, int | None]:
+        """(file, line, col) of the nearest located node at or above ``loc``."""
         loc = tuple(loc)
         probe = loc + ("__key__",) if key else loc
         while probe:
             m = self.marks.get(probe)
             if m is not None:
-                return m.line + 1, m.column + 1
+                return self.origins.get(probe, self.file), m.line + 1, m.column + 1
             probe = probe[:-1]
         m = self.marks.get(())
-        return (m.line + 1, m.column + 1) if m else (None, None)
+        return (self.file, m.line + 1, m.column + 1) if m else (self.file, None, None)
+
+    def locate(self, loc: tuple, key: bool = False) -> tuple[int | None, int | None]:
+        return self.where(loc, key)[1:]
 
     def error(self, message: str, loc: tuple = (), cls=SpecError, key: bool = False) -> SpecError:
-        line, col = self.locate(loc, key=key)
-        return cls(message, file=self.file, line=line, col=col, path=format_path(loc) or None)
+        file, line, col = self.where(loc, key=key)
+        return cls(message, file=file, line=line, col=col, path=format_path(loc) or None)
+
+
+# --------------------------------------------------------------------------- extends
+
+# What a derived spec never inherits: its identity, how it is detected (a base's detector would
+# claim the base's tokenizers twice) and the base's examples (they test the base's behaviour).
+NOT_INHERITED = ("name", "description", "covers", "detect", "examples", "extends")
+MAX_EXTENDS_DEPTH = 8
+
+
+def _base_path(ref: str, file: str) -> Path | None:
+    """A base named by ``extends:``: a spec path (relative to the deriving file) or the name of
+    a bundled / plugin format. None when unknown."""
+    if ref.endswith((".yaml", ".yml")) or "/" in ref:
+        here = Path(file).parent if file and not file.startswith("<") else Path.cwd()
+        p = (here / ref)
+        return p if p.is_file() else None
+    from .registry import bundled_paths, plugin_paths  # (registry imports this module)
+
+    known = bundled_paths()
+    if ref not in known:
+        known = {**plugin_paths(), **known}
+    return known.get(ref)
+
+
+def _merge(base: Any, child: Any, bmarks: dict, cmarks: dict, bfile: str, path: tuple,
+           marks: dict, origins: dict, borigins: dict) -> Any:
+    """Deep-merge ``child`` over ``base``: mappings merge key by key (a ``null`` child value
+    removes the key), anything else is replaced. Records each kept node's mark and file."""
+    if isinstance(base, dict) and isinstance(child, dict):
+        out = {}
+        for k, v in base.items():
+            if k in child:
+                continue
+            out[k] = v
+            _copy_marks(bmarks, borigins, bfile, path + (k,), marks, origins)  # (+ its key)
+        for k, v in child.items():
+            if v is None and k in base:
+                continue  # `key: null` deletes an inherited entry
+            if k in base:
+                out[k] = _merge(base[k], v, bmarks, cmarks, bfile, path + (k,), marks, origins,
+                                borigins)
+            else:
+                out[k] = v
+                _copy_marks(cmarks, {}, None, path + (k,), marks, origins)
+            kp = path + (k, "__key__")
+            if kp in cmarks:
+                marks[kp] = cmarks[kp]
+        if path in cmarks:
+            marks[path] = cmarks[path]
+        return out
+    _copy_marks(cmarks, {}, None, path, marks, origins)
+    return child
+
+
+def _copy_marks(src: dict, src_origins: dict, file: str | None, prefix: tuple, marks: dict,
+                origins: dict) -> None:
+    n = len(prefix)
+    for p, m in src.items():
+        if p[:n] == prefix:
+            marks[p] = m
+            if file is not None:
+                origins[p] = src_origins.get(p, file)
+
+
+def _resolve_extends(data: dict, marks: dict, file: str, seen: tuple = ()
+                     ) -> tuple[dict, dict, dict]:
+    """``data`` with its ``extends:`` chain merged in: (data, marks, origins)."""
+    ref = data.get("extends")
+    if ref is None:
+        return data, marks, {}
+    src = SpecSource(file, marks)
+    if not isinstance(ref, str) or not ref.strip():
+        raise src.error("extends must name a format or a spec file", ("extends",))
+    if len(seen) >= MAX_EXTENDS_DEPTH:
+        raise src.error(f"extends chain longer than {MAX_EXTENDS_DEPTH}", ("extends",))
+    base_path = _base_path(ref, file)
+    if base_path is None:
+        from .registry import list_formats
+
+        close = difflib.get_close_matches(ref, list_formats(), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise src.error(f"extends {ref!r}: no such format or spec file{hint}", ("extends",))
+    key = str(base_path.resolve())
+    if key in seen:
+        chain = " -> ".join([*seen, key])
+        raise src.error(f"extends cycle: {chain}", ("extends",))
+    try:
+        btext = base_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise src.error(f"extends {ref!r}: cannot read {base_path}: {exc}", ("extends",)) from None
+    bfile = str(base_path)
+    bdata, bmarks = load_yaml(btext, bfile)
+    if not isinstance(bdata, dict):
+        raise SpecError("a format spec must be a YAML mapping", file=bfile, line=1, col=1)
+    bdata, bmarks, borigins = _resolve_extends(bdata, bmarks, bfile, (*seen, key))
+    bdata = {k: v for k, v in bdata.items() if k not in NOT_INHERITED}
+    out_marks: dict = {}
+    origins: dict = {}
+    merged = _merge(bdata, data, bmarks, marks, bfile, (), out_marks, origins, borigins)
+    return merged, out_marks, origins
 
 
 # A spec is a few hundred YAML nodes; aliases can multiply that exponentially (a "billion
@@ -344,6 +454,13 @@ def spec_errors(text: str, file: str = "<string>"
     src = SpecSource(file, marks)
     if not isinstance(data, dict):
         return None, src, [src.error("a format spec must be a YAML mapping")]
+    if data.get("extends") is not None:
+        try:
+            own = (str(Path(file).resolve()),) if Path(file).is_file() else ()
+            data, marks, origins = _resolve_extends(data, marks, file, own)
+        except SpecError as exc:
+            return None, src, [exc]
+        src = SpecSource(file, marks, origins)
     try:
         spec = FormatSpec.model_validate(data)
     except ValidationError as exc:

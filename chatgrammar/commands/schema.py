@@ -26,7 +26,11 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
     ("FormatSpec", "description"): "One paragraph: what the format is, for humans.",
     ("FormatSpec", "covers"): "Model families / models this format covers (listed by "
                               "`chatgrammar formats`).",
-    ("FormatSpec", "extends"): "Reserved: name of a format this one derives from.",
+    ("FormatSpec", "extends"): "Derive from another format: a bundled / plugin format name or "
+                               "a spec path relative to this file. Mappings merge key by key "
+                               "(`null` removes an inherited key), anything else is replaced; "
+                               "name, description, covers, detect and examples are not "
+                               "inherited.",
     ("FormatSpec", "markers"): "Marker name → literal string. Markers are the grammar's "
                                "terminals; everything else is text.",
     ("FormatSpec", "elements"): "Element name → element: turns (listed in `top`) and the blocks "
