@@ -46,7 +46,13 @@ TEMPLATES: dict[str, list[str]] = {
         "Qwen-Qwen3.5-2B.jinja", "Qwen3.5-4B.jinja", "Qwen-Qwen3.6.jinja",
         "HuggingFaceTB-SmolLM3-3B.jinja", "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
         "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", "MiMo-VL.jinja",
-        "tiiuae-Falcon-H1.jinja",
+        "tiiuae-Falcon-H1.jinja", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja",
+        "nvidia-NVIDIA-Nemotron-3-Super.jinja", "nvidia-NVIDIA-Nemotron-3-Ultra.jinja",
+        "stepfun-ai-Step-3.5-Flash.jinja", "StepFun3.5-Flash.jinja",
+        "Bielik-11B-v3.0-Instruct.jinja", "LiquidAI-LFM2.jinja", "LFM2.5-8B-A1B.jinja",
+        "LFM2.5-Instruct.jinja",
+        # LFM2-8B-A1B.jinja is left out: with tools it writes a bare notice before the first
+        # turn (docs/formats.md, chatml quirks)
     ],
     "deepseek-v3": [
         "deepseek-ai-DeepSeek-V3.jinja", "deepseek-ai-DeepSeek-R1.jinja",
