@@ -224,6 +224,8 @@ class SpecSource:
     ``origins`` maps the YAML paths a spec inherited through ``extends:`` to the file they were
     written in (a path not in it belongs to ``file``)."""
 
+    origins: dict = {}  # (a SpecSource pickled by an older version has none)
+
     def __init__(self, file: str, marks: dict, origins: dict | None = None):
         self.file = file
         self.marks = marks

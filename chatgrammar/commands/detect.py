@@ -22,10 +22,7 @@ from typing import Any
 from ..tokenizers import TokenizerLoadError
 from ..tokenizers import load_tokenizer as _load_tokenizer
 from ..errors import DetectionError
-
-
-class _UsageError(Exception):
-    """Exit 2 with a one-line message."""
+from ._common import UsageError
 
 
 def register(subparsers: Any) -> None:
@@ -68,7 +65,7 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any
     try:
         return _load_tokenizer(name_or_path, trust_remote_code=trust_remote_code)
     except TokenizerLoadError as exc:
-        raise _UsageError(exc.args[0]) from None
+        raise UsageError(exc.args[0]) from None
 
 
 def _evidence_lines(name: str, ev: dict, winner: str | None) -> list[str]:
@@ -142,14 +139,14 @@ def run(args: argparse.Namespace) -> int:
         if args.template:
             tp = Path(args.template)
             if not tp.is_file():
-                raise _UsageError(f"no such template file: {args.template}")
+                raise UsageError(f"no such template file: {args.template}")
             try:
                 template = tp.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
-                raise _UsageError(f"cannot read {args.template}: {exc}") from None
+                raise UsageError(f"cannot read {args.template}: {exc}") from None
         tokenizer = (load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
                      if args.tokenizer else None)
-    except _UsageError as exc:
+    except UsageError as exc:
         _err(str(exc))
         return 2
 

@@ -32,13 +32,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import ChatGrammarError
+from ._common import UsageError, add_policy_args, guarded, policy_changes, policy_for
 
 JSONL_EXT = (".jsonl", ".json", ".ndjson")
 PARQUET_EXT = (".parquet", ".pq")
-
-
-class _UsageError(Exception):
-    pass
 
 
 def register(subparsers: Any) -> None:
@@ -75,41 +72,18 @@ def register(subparsers: Any) -> None:
                    help="where rejected rows go (default: OUT.rejects.jsonl)")
     p.add_argument("--summary", metavar="FILE", help="also write the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g = p.add_argument_group("policy (default: the format's declared policy)")
-    g.add_argument("--roles", metavar="ROLE[,ROLE]", help="roles that train (default assistant)")
-    g.add_argument("--no-thinking", action="store_true", help="do not train reasoning blocks")
-    g.add_argument("--no-tool-calls", action="store_true", help="do not train tool calls")
-    g.add_argument("--end-marker", action="store_true", help="also train turn terminators")
-    g.add_argument("--last-turn-only", action="store_true", help="train only the last turn")
-    g.add_argument("--no-truncated", action="store_true",
-                   help="do not train turns cut off by the end of input")
+    add_policy_args(p)
+    g = p.add_argument_group("parsing")
     g.add_argument("--lenient", action="store_true",
                    help="skip malformed parts instead of rejecting the row")
     p.set_defaults(func=run)
-
-
-def _policy_changes(args: argparse.Namespace) -> dict:
-    ch: dict = {}
-    if args.roles:
-        ch["roles"] = tuple(r.strip() for r in args.roles.split(",") if r.strip())
-    if args.no_thinking:
-        ch["thinking"] = False
-    if args.no_tool_calls:
-        ch["tool_calls"] = False
-    if args.end_marker:
-        ch["end_marker"] = True
-    if args.last_turn_only:
-        ch["last_turn_only"] = True
-    if args.no_truncated:
-        ch["truncated"] = False
-    return ch
 
 
 def _template_kwargs(pairs: list[str]) -> dict:
     out = {}
     for kv in pairs:
         if "=" not in kv:
-            raise _UsageError(f"--template-kwarg expects KEY=VALUE, got {kv!r}")
+            raise UsageError(f"--template-kwarg expects KEY=VALUE, got {kv!r}")
         k, v = kv.split("=", 1)
         try:
             out[k] = json.loads(v)
@@ -126,7 +100,7 @@ def _kind(path: str, what: str) -> str:
         return "jsonl"
     if low.endswith(PARQUET_EXT):
         return "parquet"
-    raise _UsageError(f"{what} {path!r}: expected a .jsonl or .parquet file")
+    raise UsageError(f"{what} {path!r}: expected a .jsonl or .parquet file")
 
 
 def count_rows(path: str) -> int | None:
@@ -397,21 +371,17 @@ def _msg(exc: BaseException) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``chatgrammar mask``; returns the exit code."""
-    try:
-        return _run(args)
-    except _UsageError as exc:
-        print(f"chatgrammar mask: error: {exc}", file=sys.stderr)
-        return 2
+    return guarded("mask", _run, args)
 
 
 def _run(args: argparse.Namespace) -> int:
     import chatgrammar as cg
-    from .detect import _UsageError as DetectUsage, load_tokenizer
+    from .detect import load_tokenizer
 
     if args.jobs < 1 or args.chunk_size < 1:
-        raise _UsageError("-j and --chunk-size must be at least 1")
+        raise UsageError("-j and --chunk-size must be at least 1")
     if not os.path.isfile(args.input):
-        raise _UsageError(f"no such input file: {args.input}")
+        raise UsageError(f"no such input file: {args.input}")
     _kind(args.input, "IN")
     _kind(args.output, "OUT")
     template = None
@@ -419,23 +389,17 @@ def _run(args: argparse.Namespace) -> int:
         try:
             template = Path(args.template).read_text(encoding="utf-8")
         except OSError as exc:
-            raise _UsageError(f"cannot read --template: {exc}") from None
-    try:
-        tok = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
-    except DetectUsage as exc:
-        raise _UsageError(str(exc)) from None
+            raise UsageError(f"cannot read --template: {exc}") from None
+    tok = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
     try:
         fmt = cg.detect_format(tok) if args.format == "auto" else cg.load_format(args.format)
     except ChatGrammarError as exc:
-        raise _UsageError(str(exc).splitlines()[0]) from None
+        raise UsageError(str(exc).splitlines()[0]) from None
     cfg = {"tokenizer": args.tokenizer, "trust_remote_code": args.trust_remote_code,
            "format": str(fmt.path) if args.format == "auto" else args.format,
            "template": template, "template_kwargs": _template_kwargs(args.template_kwarg),
-           "policy": _policy_changes(args), "strict": not args.lenient}
-    try:
-        fmt.default_policy.replace(**cfg["policy"])
-    except (TypeError, ValueError) as exc:
-        raise _UsageError(f"bad policy: {exc}") from None
+           "policy": policy_changes(args), "strict": not args.lenient}
+    policy_for(fmt, args)  # a bad combination is a usage error here, not in every worker
     rejects_path = args.rejects or args.output + ".rejects.jsonl"
     total = count_rows(args.input)
 

@@ -22,6 +22,7 @@ from typing import Any
 from .._io import read_text
 
 from ..errors import ChatGrammarError
+from ._common import UsageError, add_policy_args, guarded, policy_for
 
 OPEN_MARK, CLOSE_MARK = "\u27e6", "\u27e7"
 KIND_STYLES = {"content": "bold green", "think": "bold magenta", "tool_call": "bold yellow",
@@ -60,53 +61,22 @@ def register(subparsers: Any) -> None:
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="colour trained spans (auto: when stdout is a terminal); without "
                         "colour they are marked \u27e6\u2026\u27e7")
-    g = p.add_argument_group("policy (default: the format's declared policy)")
-    g.add_argument("--roles", metavar="ROLE,…", help="roles that train (assistant,tool)")
-    g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
-                   help="train reasoning blocks (--no-thinking: don't)")
-    g.add_argument("--tool-calls", action=argparse.BooleanOptionalAction, default=None,
-                   help="train tool-call blocks")
-    g.add_argument("--end-marker", action=argparse.BooleanOptionalAction, default=None,
-                   help="train turn terminators")
-    g.add_argument("--last-turn-only", action=argparse.BooleanOptionalAction, default=None,
-                   help="train only the last trainable turn")
-    g.add_argument("--truncated", action=argparse.BooleanOptionalAction, default=None,
-                   help="train a turn cut off by the end of input")
+    add_policy_args(p)
     p.add_argument("--lenient", action="store_true",
                    help="skip malformed parts (reported as warnings) instead of failing")
     p.set_defaults(func=run)
 
 
-class _Usage(Exception):
-    pass
-
-
 def _read_input(path: str) -> str:
     if path == "-":
         return sys.stdin.read()
-    return read_text(path, _Usage)
+    return read_text(path, UsageError)
 
-
-
-def _policy(fmt, args) -> Any:
-    pol = fmt.default_policy
-    changes: dict = {}
-    if args.roles:
-        changes["roles"] = tuple(r.strip() for r in args.roles.split(",") if r.strip())
-    for name in ("thinking", "tool_calls", "end_marker", "last_turn_only", "truncated"):
-        v = getattr(args, name)
-        if v is not None:
-            changes[name] = v
-    return pol.replace(**changes) if changes else pol
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``chatgrammar show``; returns the exit code."""
-    try:
-        return _run(args)
-    except _Usage as exc:
-        print(f"chatgrammar show: error: {exc}", file=sys.stderr)
-        return 2
+    return guarded("show", _run, args)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -115,32 +85,32 @@ def _run(args: argparse.Namespace) -> int:
     from ..registry import load_format
 
     if args.ids and not args.tokenizer:
-        raise _Usage("--ids needs --tokenizer DIR")
+        raise UsageError("--ids needs --tokenizer DIR")
     raw = _read_input(args.input)
     tokenizer = None
     if args.tokenizer:
         try:
             tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
         except ChatGrammarError as exc:
-            raise _Usage(str(exc)) from None
+            raise UsageError(str(exc)) from None
     template = None
     if args.template:
         try:
             template = Path(args.template).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise _Usage(f"cannot read template {args.template}: "
+            raise UsageError(f"cannot read template {args.template}: "
                          f"{getattr(exc, 'strerror', None) or exc}") from None
     if args.format:
         try:
             fmt = load_format(args.format)
         except ChatGrammarError as exc:
             if "Unknown format" in str(exc) or "no such file" in str(exc):
-                raise _Usage(str(exc)) from None
+                raise UsageError(str(exc)) from None
             raise
     elif tokenizer is not None or template is not None:
         fmt = detect_format(tokenizer, chat_template=template)
     else:
-        raise _Usage("which format? pass -f NAME (or --tokenizer / --template to detect it)")
+        raise UsageError("which format? pass -f NAME (or --tokenizer / --template to detect it)")
 
     text = None
     ids = None
@@ -148,11 +118,11 @@ def _run(args: argparse.Namespace) -> int:
         try:
             data = json.loads(raw)
         except ValueError as exc:
-            raise _Usage(f"--template needs a JSON list of messages as input: {exc}") from None
+            raise UsageError(f"--template needs a JSON list of messages as input: {exc}") from None
         messages, tools = (data.get("messages"), data.get("tools")) if isinstance(data, dict) \
             else (data, None)
         if not isinstance(messages, list):
-            raise _Usage("--template needs a JSON list of messages (or {\"messages\": [...]})")
+            raise UsageError("--template needs a JSON list of messages (or {\"messages\": [...]})")
         from ..render import render_chat
         variables = {}
         if tokenizer is not None:
@@ -172,11 +142,11 @@ def _run(args: argparse.Namespace) -> int:
         try:
             ids = [int(x) for x in data]
         except (TypeError, ValueError):
-            raise _Usage("--ids needs a JSON list of integers") from None
+            raise UsageError("--ids needs a JSON list of integers") from None
     else:
         text = raw
 
-    policy = _policy(fmt, args)
+    policy = policy_for(fmt, args)
     strict = not args.lenient
     if ids is not None:
         conv = fmt.parse_ids(ids, tokenizer, strict=strict)
@@ -196,7 +166,7 @@ def _run(args: argparse.Namespace) -> int:
         try:
             Path(args.html).write_text(view.html(), encoding="utf-8")
         except OSError as exc:
-            raise _Usage(f"cannot write {args.html}: {exc.strerror or exc}") from None
+            raise UsageError(f"cannot write {args.html}: {exc.strerror or exc}") from None
     if args.output == "json":
         print(json.dumps(view.json(ids), ensure_ascii=False, indent=2))
     else:

@@ -18,6 +18,7 @@ from typing import Any
 from .._io import read_text
 
 from ..errors import ChatGrammarError
+from ._common import UsageError, guarded
 
 
 def register(subparsers: Any) -> None:
@@ -65,15 +66,11 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-class _Usage(Exception):
-    """A usage error: reported on one line, exit code 2."""
-
-
 def _vars(items: list[str]) -> dict:
     out = {}
     for item in items:
         if "=" not in item:
-            raise _Usage(f"--var takes KEY=VALUE, got {item!r}")
+            raise UsageError(f"--var takes KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
         try:
             out[k] = json.loads(v)
@@ -83,7 +80,7 @@ def _vars(items: list[str]) -> dict:
 
 
 def _read_template(path: str) -> str:
-    return read_text(path, _Usage)
+    return read_text(path, UsageError)
 
 
 
@@ -137,11 +134,7 @@ def _pick_for_tokenizer(tok: Any, formats: dict) -> tuple[Any, str | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``chatgrammar validate``; returns the exit code."""
-    try:
-        return _run(args)
-    except _Usage as exc:
-        print(f"chatgrammar validate: error: {exc}", file=sys.stderr)
-        return 2
+    return guarded("validate", _run, args)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -157,12 +150,12 @@ def _run(args: argparse.Namespace) -> int:
         known = {c.name: c for c in default_matrix()}
         bad = [c for c in args.case if c not in known]
         if bad:
-            raise _Usage(f"unknown matrix case(s) {', '.join(bad)}; known: {', '.join(known)}")
+            raise UsageError(f"unknown matrix case(s) {', '.join(bad)}; known: {', '.join(known)}")
         cases = [known[c] for c in args.case]
     try:
         report = validate_paths(args.paths, precedence_with_bundled=not args.isolated)
     except ChatGrammarError as exc:
-        raise _Usage(str(exc)) from None
+        raise UsageError(str(exc)) from None
     formats: dict = dict(getattr(report, "formats", {}))
 
     pinned = None
@@ -173,7 +166,7 @@ def _run(args: argparse.Namespace) -> int:
             try:
                 pinned = load_format(args.format)
             except ChatGrammarError as exc:
-                raise _Usage(f"--format: {exc}") from None
+                raise UsageError(f"--format: {exc}") from None
     elif (templates or args.tokenizer):
         given = [f for f in report.files if f.kind == "format"]
         if args.paths and len(given) == 1 and given[0].name in formats:
@@ -190,7 +183,7 @@ def _run(args: argparse.Namespace) -> int:
         try:
             tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
         except ChatGrammarError as exc:
-            raise _Usage(str(exc)) from None
+            raise UsageError(str(exc)) from None
 
     pool = formats
     if not pool:
