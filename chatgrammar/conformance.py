@@ -79,8 +79,15 @@ _WITH_END = OUTPUT_POLICY.replace(end_marker=True)
 #: model writes that repeated opener itself, but the format trains every turn from after its
 #: role, as it does after the generation prompt: which turn follows which is not part of one
 #: turn's parse, and a turn's spans never depend on its neighbours.
+#:
+#: ``unclosed-whitespace``: an assistant turn the template never closes (Command R+'s
+#: tool-use template writes no ``<|END_OF_TURN_TOKEN|>`` after a tool-calling message) ends
+#: where the next turn opens, and the whitespace the template writes before that opener
+#: trains with the body: with no terminator, the parse cannot tell the template's separator
+#: from the model's last characters.
 ACCEPTED: dict[str, dict[str, str]] = {
     "harmony": {"repeated-prompt": "docs/formats.md, harmony: what is not trained"},
+    "cohere": {"unclosed-whitespace": "docs/formats.md, cohere: Command R+ tool calls"},
 }
 
 
@@ -366,6 +373,22 @@ class _Renderer:
         return self._memo[key]
 
 
+def _fixed_suffix(renders: Sequence[str], openers: "_Openers",
+                  marker_rx: re.Pattern | None) -> str:
+    """Text a template writes after the messages whatever they are: the common suffix of the
+    renderings of every prefix of the conversation, from its first turn opener on (Command
+    R+'s closing instruction turn, the `<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>` Command R7B's
+    tool-use template always ends with). It belongs to no message. Empty when fewer than two
+    renderings, or when the common suffix holds no turn opener (a turn's own terminator)."""
+    if len(renders) < 2 or marker_rx is None:
+        return ""
+    cs = os.path.commonprefix([b[::-1] for b in renders])[::-1]
+    for m in marker_rx.finditer(cs):
+        if m.group() in openers.turn:
+            return cs[m.start():]
+    return ""
+
+
 def _snap_into_marker(g: str, p: int, marker_rx: re.Pattern | None) -> int:
     """A cut point inside a marker string moves back to the marker's start."""
     if marker_rx is not None:
@@ -567,8 +590,15 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
     tail = ""
     tails = sorted({v for v in variables.values() if isinstance(v, str) and v}, key=len,
                    reverse=True)
+    openers = _Openers(fmt)
+    suffix = _fixed_suffix([b for b in B.values() if b is not None], openers, marker_rx)
     for k in B:
-        P[k], t = _prefix_in(B[k], R, marker_rx, tails, r(k, True))
+        b = B[k]
+        if suffix and b is not None and b.endswith(suffix) and \
+                R.startswith(b[:len(b) - len(suffix)]):
+            P[k] = len(b) - len(suffix)  # the fixed suffix belongs to no message
+            continue
+        P[k], t = _prefix_in(b, R, marker_rx, tails, r(k, True))
         tail = tail or t
     stable = {k: P[k] is not None for k in P}
     asst = [i for i, m in enumerate(case.messages) if m.get("role") == "assistant"]
@@ -584,7 +614,6 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
         elif asst_turn:
             runs.append([t])
         prev_asst = asst_turn
-    openers = _Openers(fmt)
     generic_g = None
     # (message, region start, output start, earliest allowed training start, output end)
     regions: list[tuple[int, int, int, int, int]] = []
@@ -611,6 +640,11 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
             res.notes.append("some messages located by the parse (the template renders them "
                              "differently once later messages exist)")
         g = _generation_prompt(r, i, P.get(i)) if i >= 1 else None
+        if suffix and g is not None and g.startswith(suffix) and len(g) > len(suffix):
+            # the prompt follows the fixed suffix (Command R+: the instruction turn, then
+            # `<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>`); where the suffix is all the template
+            # adds (Command R7B always prompts), the suffix is the prompt
+            g = g[len(suffix):]
         if g is None:
             if generic_g is None:
                 probe = MatrixCase("probe", "", [{"role": "user", "content": "x"}])
@@ -661,6 +695,16 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
             k1 = k0
             while k1 < e and not allowed_mask[k1]:
                 k1 += 1
+            unclosed = [t for t in turns if t.start < k0 and t.end == k1 and not t.complete
+                        and k1 < len(R)]
+            if (R[k0:k1].isspace() and k0 > 0 and allowed_mask[k0 - 1] and unclosed
+                    and "unclosed-whitespace" in ACCEPTED.get(fmt.name, {})):
+                dev = (f"the assistant turn at char {unclosed[0].start} has no terminator: "
+                       f"{_show(R[k0:k1])} before the next turn trains with it "
+                       f"({ACCEPTED[fmt.name]['unclosed-whitespace']})")
+                res.deviations.append(dev)
+                res.notes.append("documented deviation: " + dev)
+                continue
             problems.append(f"trains text outside the assistant messages at char {k0}: "
                             f"{_show(R[k0:k1])}")
             break
