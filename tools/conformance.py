@@ -67,6 +67,7 @@ TEMPLATES: dict[str, list[str]] = {
         "meta-llama-Meta-Llama-3-8B-Instruct.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja",
         "meta-llama-Llama-3.2-3B-Instruct.jinja", "meta-llama-Llama-3.3-70B-Instruct.jinja",
     ],
+    "llama4": ["meta-llama-Llama-4-Scout-17B-16E-Instruct.jinja"],
     "minimax-m2": ["MiniMax-M2.jinja"],
     "mistral": [
         "mistralai-Mistral-7B-Instruct-v0.3.jinja", "mistralai-Mistral-Nemo-Instruct-2407.jinja",
