@@ -62,6 +62,8 @@ TEMPLATES: dict[str, list[str]] = {
     ],
     "gemma": ["google-gemma-2-2b-it.jinja", "google-gemma-3-it.jinja", "google-gemma-3n.jinja"],
     "glm4": ["zai-org-GLM-4.5.jinja", "GLM-4.6.jinja", "GLM-4.7-Flash.jinja"],
+    "granite": ["ibm-granite-granite-3.3-2B-Instruct.jinja", "ibm-granite-granite-4.0.jinja",
+                "ibm-granite-granite-4.1.jinja"],
     "harmony": ["openai-gpt-oss-120b.jinja"],
     "llama3": [
         "meta-llama-Meta-Llama-3-8B-Instruct.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja",
