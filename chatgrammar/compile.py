@@ -439,6 +439,18 @@ def check_spec(spec: FormatSpec, src: SpecSource) -> None:
                                 CompileError)
             for i, c in enumerate(el.close.after):
                 need_marker(c, base + ("close", "after", i))
+            for i, c in enumerate(el.close.follow_after):
+                need_marker(c, base + ("close", "follow_after", i))
+                if c not in el.close.markers:
+                    raise src.error(f"`follow_after` marker {c!r} is not one of this element's "
+                                    "close markers", base + ("close", "follow_after", i),
+                                    CompileError)
+            if el.close.follow_after and (not el.follow or el.close.header is not None
+                                          or el.close.after):
+                # the follow comes right after the marker, within the same alternative
+                raise src.error("`close.follow_after` needs a `follow` element, and a close "
+                                "marker without a close header or `after` markers",
+                                base + ("close", "follow_after"), CompileError)
             if el.close.opens_follow:
                 # the follow element must start right at the marker: no header of its own to
                 # read first, and nothing of this element's end after the marker
@@ -490,6 +502,14 @@ def _element_rule(name: str, el: Element, elements: dict[str, Element]) -> list[
         for a in el.close.after:
             close += f" {term_name(a)}?"
     follow = f" {rule_name(el.follow)}?" if el.follow else ""
+    if el.close and el.close.follow_after:
+        # the follow comes after these close markers, always, and after no other
+        fa = el.close.follow_after
+        calts = ([term_name(c) for c in el.close.markers if c not in fa]
+                 + [f"{term_name(c)} {rule_name(el.follow)}" for c in el.close.markers
+                    if c in fa])
+        close = f"({' | '.join(calts)})" if len(calts) > 1 else calts[0]
+        follow = ""
     h = el.header
     if h is None:
         alts.append(f"{open_part} {body} {close}{follow}")

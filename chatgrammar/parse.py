@@ -151,8 +151,11 @@ class Driver:
         self.elements = {rule_name(n): (n, el) for n, el in spec.elements.items()}
         self.preamble_rules = {rule_name(p) for p in spec.preamble if p in spec.elements}
         self.top_rules = {rule_name(t) for t in spec.top}
-        self.ambiguous_terms = frozenset(term_name(m) for el in spec.elements.values()
-                                         for m in el.inner_markers + el.open)
+        # markers that may open more input: tried last when closing a cut input (a close
+        # marker that a `follow_after` element must follow would open another element)
+        self.ambiguous_terms = frozenset(
+            term_name(m) for el in spec.elements.values()
+            for m in el.inner_markers + el.open + (el.close.follow_after if el.close else []))
         self.between = re.compile(spec.between, re.S) if spec.between is not None else None
         self.aliases = {k: v for k, v in spec.role_aliases.items() if not _is_glob(k)}
         # glob keys ("functions.*", "*") name roles no exact key and no canonical role matches
@@ -439,7 +442,12 @@ class _Ctx:
                                        f"({drv.spec.between!r})")
 
     def emit(self, b: Block) -> None:
+        top = b
         while b is not None:
+            if b is not top and b.start == b.end and not b.complete:
+                # a follow of which nothing was written: the input ended where it must come
+                # (`close.follow_after`); it is no turn
+                break
             self.turns.append(self.turn(b))
             b = b.follow
 

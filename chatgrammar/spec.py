@@ -77,6 +77,13 @@ class Close(_Model):
     ``follow`` element, which starts at it (so it trains with the follow's body, as its kind).
     DeepSeek-V3.2's function results end at the ``</think>`` the model's reply starts with.
     Where no follow element comes (the input ends), the marker stays this element's end.
+
+    ``follow_after``: the close markers after which the ``follow`` element comes; there it
+    always comes (an input that ends first is cut inside it, and a follow of which nothing was
+    written is no turn), and after the other close markers nothing follows. Without it the
+    follow may come after any close marker, or not at all. Gemma 4: a model turn that ends with
+    ``<|tool_response>`` (the model stops for a tool) goes on with the tool's response; one
+    that ends with ``<turn|>`` is followed by nothing but the newline between turns.
     """
 
     markers: list[str] = Field(min_length=1)
@@ -84,6 +91,7 @@ class Close(_Model):
     after: list[str] = Field(default_factory=list)
     required: bool = True
     opens_follow: bool = False
+    follow_after: list[str] = Field(default_factory=list)
 
 
 class Element(_Model):

@@ -775,6 +775,80 @@ def test_close_opens_follow(make):
     assert r.conv.turns[-1].block.close_end == 33
 
 
+FOLLOW_AFTER = r'''
+    name: eng-follow-after
+    markers:
+      t: {text: "<T>"}
+      e: {text: "<E>"}
+      w: {text: "<W>"}
+      r: {text: "<R>"}
+    elements:
+      turn:
+        open: t
+        header: {until_text: "\n", pattern: "(?P<role>\\w+)\n"}
+        close: {markers: [e, w], follow_after: [w]}
+        follow: result
+      result:
+        role: tool
+        close: {markers: [r], follow_after: [r]}
+        follow: reply
+      reply:
+        role: assistant
+        close: {markers: [e, w], follow_after: [w]}
+        follow: result
+    top: [turn]
+    between: "\\s*"
+    role_aliases: {model: assistant}
+'''
+
+
+def test_close_follow_after(make):
+    """`close.follow_after`: the follow comes after those close markers only, and always there
+    (Gemma 4: a model turn stopped by `<|tool_response>` goes on with the tool's response, then
+    the model again; one closed by `<turn|>` is followed only by the newline between turns,
+    which an optional follow starting with text could not tell from `between` text)."""
+    fmt = make(FOLLOW_AFTER)
+    assert "(M_E | M_W e_result)" in fmt.grammar and "e_result?" not in fmt.grammar
+    text = "<T>user\nq<E>\n<T>model\ncall<W>res<R>ans<E>\n"
+    r = run_all(fmt, text)
+    assert r.roles() == ["user", "assistant", "tool", "assistant"]
+    assert r.turns()[1:] == [("assistant", 13, 29, True), ("tool", 29, 35, True),
+                             ("assistant", 35, 41, True)]
+    assert r.trained() == ["call", "ans"]
+    assert r.kinds(cg.MaskPolicy(end_marker=True)) == [
+        ("call", "content"), ("<W>", "end"), ("ans", "content"), ("<E>", "end")]
+    # two rounds, and an empty reply between two results
+    r = run_all(fmt, "<T>model\nc1<W>r1<R>c2<W>r2<R><W>r3<R>done<E>")
+    assert r.roles() == ["assistant", "tool", "assistant", "tool", "assistant", "tool",
+                         "assistant"]
+    assert r.trained() == ["c1", "c2", "done"]
+    # the input ends where the follow must come: a follow of which nothing was written is no
+    # turn; one cut inside is a turn (incomplete)
+    for cut, roles, last_complete in (("<T>model\ncall<W>", ["assistant"], True),
+                                      ("<T>model\ncall<W>re", ["assistant", "tool"], False),
+                                      ("<T>model\ncall<W>res<R>", ["assistant", "tool"], True),
+                                      ("<T>model\ncall<W>res<R>an", ["assistant", "tool",
+                                                                    "assistant"], False)):
+        r = run_all(fmt, cut)
+        assert (r.roles(), r.conv.turns[-1].complete) == (roles, last_complete), cut
+        assert r.trained() == ["call"] + (["an"] if cut.endswith("an") else []), cut
+    # after the other close marker nothing follows: text there is `between` text
+    with pytest.raises(ParseError, match="does not match `between`"):
+        fmt.parse("<T>model\nx<E>stray")
+    turn_close = "close: {markers: [e, w], follow_after: [w]}\n        follow: result\n"
+    for bad, path, message in (
+            ("close: {markers: [e, w], follow_after: [r]}\n        follow: result\n",
+             "elements.turn.close.follow_after[0]",
+             "`follow_after` marker 'r' is not one of this element's close markers"),
+            ("close: {markers: [e, w], follow_after: [w]}\n",
+             "elements.turn.close.follow_after",
+             "`close.follow_after` needs a `follow` element, and a close marker without a "
+             "close header or `after` markers")):
+        with pytest.raises(CompileError) as info:
+            make(FOLLOW_AFTER.replace(turn_close, bad, 1))
+        assert (info.value.path, info.value.message) == (path, message)
+
+
 # =========================================================================== bodies
 
 CONV = ("<bos><|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n"

@@ -114,6 +114,9 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
     ("Close", "opens_follow"): "true: the close marker is the first thing of the `follow` "
                                "element, which starts at it and trains it (DeepSeek-V3.2's "
                                "reply starts with the `</think>` ending the function results).",
+    ("Close", "follow_after"): "Close markers after which the `follow` element always comes "
+                               "(and after no other): Gemma 4's model turn stopped by "
+                               "`<|tool_response>` goes on with the tool's response.",
     # Policy
     ("Policy", "roles"): "Roles whose turns train (after role_aliases).",
     ("Policy", "thinking"): "Train reasoning blocks (kind think).",
