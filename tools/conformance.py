@@ -54,6 +54,13 @@ TEMPLATES: dict[str, list[str]] = {
         # LFM2-8B-A1B.jinja is left out: with tools it writes a bare notice before the first
         # turn (docs/formats.md, chatml quirks)
     ],
+    "cohere": [
+        "CohereForAI-c4ai-command-r-v01.jinja", "CohereForAI-c4ai-command-r-plus-tool_use.jinja",
+        "CohereForAI-c4ai-command-r7b-12-2024-default.jinja",
+        "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja",
+        "CohereForAI-c4ai-command-r7b-12-2024-rag.jinja", "CohereLabs-c4ai-command-r7b-12-2024.jinja",
+        "CohereLabs-c4ai-command-a-03-2025.jinja", "Cohere2MoE.jinja",
+    ],
     "deepseek-v3": [
         "deepseek-ai-DeepSeek-V3.jinja", "deepseek-ai-DeepSeek-R1.jinja",
         "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
@@ -93,6 +100,8 @@ VARIABLES: dict[str, dict[str, str]] = {
     "phi3": {"bos_token": "<s>", "eos_token": "<|endoftext|>"},
     "phi4": {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"},
     "chatml": {"eos_token": "<|im_end|>"},
+    "cohere": {"bos_token": "<BOS_TOKEN>", "eos_token": "<|END_OF_TURN_TOKEN|>"},
+    "llama4": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>"},
 }
 
 MARK = {"pass": "✓", "fail": "✗", "skip": "–", "deviation": "✓†"}
