@@ -23,16 +23,18 @@ ids below were found with the project's code-search tool:
   ``<|channel>`` 100, ``<channel|>`` 101, ``<|turn>`` 105, ``<turn|>`` 106: raullenchai/vllm-mlx,
   ``tests/test_output_router.py`` @ 541734743a2c ("Uses real Gemma 4 token IDs (from tokenizer
   vocabulary)"). ``<|tool_response>`` = 50 is also quoted from a llama.cpp load log of a Gemma 4
-  GGUF in another project, and a third project quotes Gemma 4's ``generation_config.json``
-  ``eos_token_id`` as ``[1, 106, 50]`` (``<eos>``, ``<turn|>``, ``<|tool_response>``: the model
-  stops after its calls with ``<|tool_response>``).
+  GGUF in another project, and a third project's fixtures give Gemma 4's ``eos_token_id`` as
+  ``[1, 106]`` and DiffusionGemma's ``generation_config.json`` as ``[1, 106, 50]`` (``<eos>``,
+  ``<turn|>``, ``<|tool_response>``: the model stops after its calls with
+  ``<|tool_response>``, which is also what Google's template writes after calls that have no
+  response yet).
 - ``<|think|>`` 98: the same value in five independent test fixtures (a Gemma 4 tokenizer test
   asserting expected ids ``<pad>`` 0 … ``<|think|>`` 98, ``<|channel>`` 100, ``<turn|>`` 106,
   and others); the index did not name their repositories.
 - ``<|image|>`` 258880, ``<|audio|>`` 258881, ``<|video|>`` 258884 (and the processor's
   ``<|image>`` 255999, ``<image|>`` 258882, ``<|audio>`` 256000, ``<audio|>`` 258883, which the
   templates never write): several fixtures of Gemma 4 multimodal code, one listing all of them
-  "identically" to the real tokenizer; repositories not named by the index either.
+  together with ``<|turn>`` 105 and ``<turn|>`` 106; repositories not named by the index either.
 
 No id is unknown, so none had to be invented. The ordinary tokens are Qwen's byte-level BPE
 ranks (tests/data/tokenizers/Qwen-Qwen2.5/qwen.tiktoken, 151,643 ranks), renumbered around the
