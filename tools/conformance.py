@@ -68,6 +68,7 @@ TEMPLATES: dict[str, list[str]] = {
         "deepseek-ai-DeepSeek-V3.2.jinja",
     ],
     "gemma": ["google-gemma-2-2b-it.jinja", "google-gemma-3-it.jinja", "google-gemma-3n.jinja"],
+    "gemma4": ["google-gemma-4-31B-it.jinja", "google-gemma-4-31B-it-interleaved.jinja"],
     "glm4": ["zai-org-GLM-4.5.jinja", "GLM-4.6.jinja", "GLM-4.7-Flash.jinja"],
     "granite": ["ibm-granite-granite-3.3-2B-Instruct.jinja", "ibm-granite-granite-4.0.jinja",
                 "ibm-granite-granite-4.1.jinja"],
@@ -102,6 +103,7 @@ VARIABLES: dict[str, dict[str, str]] = {
     "chatml": {"eos_token": "<|im_end|>"},
     "cohere": {"bos_token": "<BOS_TOKEN>", "eos_token": "<|END_OF_TURN_TOKEN|>"},
     "llama4": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>"},
+    "gemma4": {"bos_token": "<bos>"},
 }
 
 MARK = {"pass": "✓", "fail": "✗", "skip": "–", "deviation": "✓†"}
