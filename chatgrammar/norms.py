@@ -50,9 +50,11 @@ _MAX_DEPTH = 8
 
 _MULTIPLY = ("after_cast", "float32")
 _WEIGHT_DTYPES = ("model", "float32")
+_OFFSET_DTYPES = ("float32", "weight")
 
 _TOP_KEYS = {"version", "eps_attributes", "kinds", "backbones", "overrides", "outer_types"}
-_KIND_KEYS = {"formula", "description", "center", "offset", "bias", "multiply", "weight_dtype"}
+_KIND_KEYS = {"formula", "description", "center", "offset", "bias", "multiply", "weight_dtype",
+              "offset_dtype"}
 _KIND_REQUIRED = ("formula", "center", "offset", "bias", "multiply", "weight_dtype")
 _BACKBONE_KEYS = {"kind", "eps", "eps_default", "source", "transformers", "note"}
 _BACKBONE_REQUIRED = ("kind", "eps", "source")
@@ -102,6 +104,10 @@ class NormKind:
         weight_dtype: ``"model"`` — the weight lives in the model dtype; ``"float32"`` — it is
             kept in fp32 whatever the model dtype (gpt-oss's ``_keep_in_fp32_modules``).
         description: free text.
+        offset_dtype: where ``offset + w`` is formed for a ``float32`` multiply: ``"float32"``
+            — ``1 + w.float()`` (Gemma); ``"weight"`` — ``w + 1`` in the weight's own dtype,
+            rounded to it before the fp32 multiply (Nemotron's ``LayerNorm1P``). Irrelevant when
+            ``offset`` is 0; an ``after_cast`` kind always forms it in the weight's dtype.
     """
 
     name: str
@@ -112,6 +118,7 @@ class NormKind:
     multiply: str
     weight_dtype: str
     description: str = ""
+    offset_dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -490,11 +497,12 @@ def _check(text: str, file: str, *, use_transformers: bool) -> tuple[list[NormPr
             for key, types in (("formula", (str,)), ("description", (str,)),
                                ("center", (bool,)), ("offset", (int, float)),
                                ("bias", (bool,)), ("multiply", (str,)),
-                               ("weight_dtype", (str,))):
+                               ("weight_dtype", (str,)), ("offset_dtype", (str,))):
                 if key in got:
                     vals[key] = _scalar(ck, got[key][1], f"{path}.{key}", types, key)
                     ok = ok and vals[key] is not None
-            for key, allowed in (("multiply", _MULTIPLY), ("weight_dtype", _WEIGHT_DTYPES)):
+            for key, allowed in (("multiply", _MULTIPLY), ("weight_dtype", _WEIGHT_DTYPES),
+                                 ("offset_dtype", _OFFSET_DTYPES)):
                 if vals.get(key) is not None and vals[key] not in allowed:
                     ck.add(f"{key} must be one of {', '.join(allowed)}; got {vals[key]!r}",
                            got[key][1], f"{path}.{key}")
@@ -508,7 +516,8 @@ def _check(text: str, file: str, *, use_transformers: bool) -> tuple[list[NormPr
                                        center=vals["center"], offset=float(vals["offset"]),
                                        bias=vals["bias"], multiply=vals["multiply"],
                                        weight_dtype=vals["weight_dtype"],
-                                       description=vals.get("description") or "")
+                                       description=vals.get("description") or "",
+                                       offset_dtype=vals.get("offset_dtype") or "float32")
         known_kinds = {k.value for k, _ in (kinds_node.value if isinstance(
             kinds_node, yaml.MappingNode) else [])}
     else:
@@ -993,6 +1002,8 @@ def apply_norm(kind: str | NormKind, x: Any, weight: Any = None, eps: float = 1e
 
     if kind.multiply == "float32":
         scale = (w + f32(kind.offset)).astype(f32) if kind.offset else w
+        if kind.offset and kind.offset_dtype == "weight" and model_weight:
+            scale = rnd(scale)  # `weight + 1.0` in the model dtype, then the fp32 multiply
         y = (xhat * scale).astype(f32)
         if b is not None:
             y = (y + b).astype(f32)
