@@ -41,6 +41,11 @@ def test_bundled_norms_file_is_found_and_valid():
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2",
     "kimi_linear", "gemma2", "gemma3_text", "gemma4_text", "minimax_m3_vl_text", "gpt_oss",
     "nemotron_h", "phi3", "glm4_moe",
+    # the families added in session 2 (Granite, Cohere, Falcon-H1, LFM2, EXAONE, Hunyuan, …)
+    "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "cohere2", "falcon_h1",
+    "apertus", "lfm2", "lfm2_moe", "olmoe", "exaone", "exaone_moe", "hunyuan_v1_dense",
+    "hunyuan_v1_moe", "ernie4_5", "glm", "phimoe", "nemotron", "bitnet", "helium", "arcee",
+    "dots1", "seed_oss",
 ])
 def test_required_backbones_are_in_the_table(model_type):
     assert final_norm_kind(model_type) in TABLE.kinds
@@ -58,6 +63,14 @@ def test_required_backbones_are_in_the_table(model_type):
     ("gpt_oss", "rmsnorm_fp32_weight"),
     ("phi", "layernorm"),
     ("cohere", "layernorm_no_bias"),
+    ("cohere2", "layernorm_no_bias"),
+    ("phimoe", "layernorm"),               # nn.LayerNorm with a bias, eps from rms_norm_eps
+    ("nemotron", "layernorm_one_plus"),    # LayerNorm1P: bias, 1 + w rounded to the model dtype
+    ("helium", "rmsnorm_fp32_mul"),
+    ("olmoe", "rmsnorm"),                  # Llama-style, unlike OLMo 2/3
+    ("granitemoehybrid", "rmsnorm"),
+    ("falcon_h1", "rmsnorm"),
+    ("lfm2", "rmsnorm"),
 ])
 def test_kinds_of_notable_backbones(model_type, kind):
     assert final_norm_kind(model_type) == kind
@@ -72,7 +85,9 @@ def test_gemma4_is_not_one_plus_and_gpt_oss_has_its_own_kind():
         TABLE.backbones["gpt_oss"]]
 
 
-@pytest.mark.parametrize("outer", ["kimi_k3", "kimi_k25", "gemma3", "gemma4", "minimax_m3_vl"])
+@pytest.mark.parametrize("outer", ["kimi_k3", "kimi_k25", "gemma3", "gemma4", "minimax_m3_vl",
+                                   "llava_next", "granite_docling", "cohere2_vision",
+                                   "aya_vision", "lfm2_vl", "exaone4_5", "hunyuan_vl"])
 def test_outer_wrapper_types_are_not_keys(outer):
     assert final_norm_kind(outer) is None
     assert outer in TABLE.outer_types
@@ -86,6 +101,15 @@ def test_every_backbone_names_its_source():
 def test_eps_attribute_of_nemotron_h():
     assert TABLE.backbones["nemotron_h"].eps == ("layer_norm_epsilon",)
     assert TABLE.backbones["nemotron_h"].transformers["module"] == "norm_f"
+
+
+def test_final_norm_modules_and_eps_names_that_are_not_norm_and_rms_norm_eps():
+    assert TABLE.backbones["lfm2"].transformers["module"] == "embedding_norm"
+    assert TABLE.backbones["lfm2"].eps == ("norm_eps",)
+    assert TABLE.backbones["falcon_h1"].transformers["module"] == "final_layernorm"
+    assert TABLE.backbones["nemotron"].eps == ("norm_eps",)
+    # EXAONE 3.x config.json spells it layer_norm_epsilon
+    assert resolve_final_norm({"model_type": "exaone", "layer_norm_epsilon": 3e-5}).eps == 3e-5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,6 +573,46 @@ def test_apply_norm_hand_computed_values():
                                [[3 / 5, 4 / 5]], rtol=1e-6)
 
 
+def test_offset_dtype_weight_rounds_one_plus_w_to_the_model_dtype():
+    # Nemotron's LayerNorm1P: `weight + 1.0` in bf16, then F.layer_norm's fp32 scaling
+    from chatgrammar.norms import _rounder
+
+    bf16 = _rounder("bfloat16")
+    rng = np.random.default_rng(4)
+    x, w, b = rng.normal(size=(32, 64)), rng.normal(size=64) * 0.5, rng.normal(size=64) * 0.5
+    kind = TABLE.kinds["layernorm_one_plus"]
+    assert (kind.center, kind.offset, kind.bias, kind.offset_dtype) == (True, 1, True, "weight")
+    ours = apply_norm(kind, x, w, 1e-5, bias=b, dtype="bfloat16")
+    np.testing.assert_array_equal(
+        ours, apply_norm("layernorm", x, bf16(bf16(w) + 1), 1e-5, bias=b, dtype="bfloat16"))
+    in_fp32 = dataclasses.replace(kind, offset_dtype="float32")  # 1 + w.float(), Gemma-style
+    assert not _bf16_match(apply_norm(in_fp32, x, w, 1e-5, bias=b, dtype="bfloat16"), ours)
+    np.testing.assert_allclose(apply_norm(kind, x, w, 1e-5, bias=b),
+                               apply_norm(in_fp32, x, w, 1e-5, bias=b), rtol=1e-6)
+    # the default is fp32 (every Gemma-style kind)
+    assert TABLE.kinds["rmsnorm_one_plus"].offset_dtype == "float32"
+
+
+def test_validation_of_offset_dtype(tmp_path):
+    path = tmp_path / "norms.yaml"
+    path.write_text(textwrap.dedent("""\
+        version: 1
+        kinds:
+          odd:
+            formula: y
+            center: true
+            offset: 1
+            bias: true
+            multiply: float32
+            weight_dtype: model
+            offset_dtype: model
+        backbones: {}
+        """), encoding="utf-8")
+    (problem,) = validate_norms(path, use_transformers=False)
+    assert (problem.line, problem.path) == (10, "kinds.odd.offset_dtype")
+    assert "offset_dtype must be one of float32, weight; got 'model'" in problem.message
+
+
 def test_apply_norm_bfloat16_values_are_bf16_exact():
     rng = np.random.default_rng(0)
     y = apply_norm("rmsnorm_fp32_mul", rng.normal(size=(4, 64)), rng.normal(size=64),
@@ -625,6 +689,8 @@ _TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
              v_head_dim=16, n_group=1, topk_group=1, max_position_embeddings=128,
              pad_token_id=0, bos_token_id=1, eos_token_id=2, vocab_size_per_layer_input=64,
              hidden_size_per_layer_input=8)
+# types whose config class needs more than _TINY to build a model (a per-type addition)
+_TINY_BY_TYPE = {"lfm2_moe": dict(layer_types=["full_attention"])}  # layer_types has no default
 _EPS = 0.05  # large on purpose: reading the wrong eps attribute shows in the outputs
 
 _IMPLEMENTED = sorted(name for name, b in TABLE.backbones.items() if b.transformers)
@@ -635,16 +701,18 @@ def _tiny_config(config_cls, eps_attr: str):
         accepted = {f.name for f in dataclasses.fields(config_cls)}
     else:  # older transformers: plain __init__ keyword arguments
         accepted = set(inspect.signature(config_cls.__init__).parameters)
-    kwargs = {k: v for k, v in _TINY.items() if k in accepted}
+    tiny = {**_TINY, **_TINY_BY_TYPE.get(getattr(config_cls, "model_type", ""), {})}
+    kwargs = {k: v for k, v in tiny.items() if k in accepted}
     kwargs[eps_attr] = _EPS
     return config_cls(**kwargs)
 
 
 def test_every_implemented_entry_is_checked():
     # the parametrisation below must not silently shrink
-    assert len(_IMPLEMENTED) >= 40
+    assert len(_IMPLEMENTED) >= 70
     assert {"gemma4_text", "gpt_oss", "nemotron_h", "minimax_m3_vl_text", "kimi_k2",
-            "kimi_linear", "phi", "cohere"} <= set(_IMPLEMENTED)
+            "kimi_linear", "phi", "cohere", "nemotron", "phimoe", "helium", "lfm2", "lfm2_moe",
+            "falcon_h1", "granitemoehybrid", "cohere2", "exaone"} <= set(_IMPLEMENTED)
 
 
 @pytest.mark.parametrize("name", _IMPLEMENTED)
