@@ -75,7 +75,8 @@ _WITH_END = OUTPUT_POLICY.replace(end_marker=True)
 #:
 #: ``repeated-prompt``: one message the template renders as several turns of the assistant,
 #: each later turn opening with exactly the template's generation prompt (Harmony: an
-#: ``analysis`` message, then ``<|start|>assistant`` and the final answer or a tool call). The
+#: ``analysis`` message, then ``<|start|>assistant`` and the final answer or a tool call;
+#: Solar Open: a ``<|think|>`` turn, then ``<|begin|>assistant`` and the answer or the calls). The
 #: model writes that repeated opener itself, but the format trains every turn from after its
 #: role, as it does after the generation prompt: which turn follows which is not part of one
 #: turn's parse, and a turn's spans never depend on its neighbours.
@@ -88,6 +89,7 @@ _WITH_END = OUTPUT_POLICY.replace(end_marker=True)
 ACCEPTED: dict[str, dict[str, str]] = {
     "harmony": {"repeated-prompt": "docs/formats.md, harmony: what is not trained"},
     "cohere": {"unclosed-whitespace": "docs/formats.md, cohere: Command R+ tool calls"},
+    "solar-open": {"repeated-prompt": "docs/formats.md, solar-open: what is not trained"},
 }
 
 
