@@ -514,8 +514,10 @@ def _element_rule(name: str, el: Element, elements: dict[str, Element]) -> list[
     if h is None:
         alts.append(f"{open_part} {body} {close}{follow}")
     elif h.until:
-        inner = (f"({' | '.join([TEXT] + [term_name(m) for m in h.markers])})*"
-                 if h.markers else f"{TEXT}?")
+        # without an opener the header text is what starts the element: it cannot be empty
+        # (so `between` text at the end of the input is not also an empty turn's header)
+        inner = (f"({' | '.join([TEXT] + [term_name(m) for m in h.markers])})"
+                 + ("*" if el.open else "+") if h.markers else TEXT + ("?" if el.open else ""))
         alts.append(f"{open_part} {inner} {term_name(h.until)} {body} {close}{follow}")
         if not h.required:
             # header without its terminator: the element has no body (trains nothing)

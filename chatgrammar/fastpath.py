@@ -294,6 +294,9 @@ class FastMasker:
             elif term in cfg.decode_after:
                 gclass[i] = DECODE
                 budget[i] = cfg.decode_after[term]
+        if None in cfg.decode_after:  # the run at the start of the input is read as a header
+            gclass[0] = DECODE
+            budget[0] = cfg.decode_after[None]
         if max(budget, default=0) >= 60_000:
             self.enabled = False
         self.gclass = np.asarray(gclass, dtype=np.int64)

@@ -30,7 +30,7 @@ class LexConfig:
     marker_text: dict[str, str]              # terminal -> text
     special: dict[str, bool]                 # terminal -> must be one special id
     split_after: dict[str, str]              # opener terminal -> literal ending its header
-    decode_after: dict[str, int]             # terminal -> max header tokens to read after it
+    decode_after: dict[str | None, int]      # terminal (None: input start) -> header budget
     split_max: dict[str, int]
     regex: re.Pattern | None = None
     by_text: dict[str, str] = field(default_factory=dict)
@@ -61,6 +61,13 @@ class LexConfig:
                 for o in el.close.markers + ch.markers:
                     decode_after[term_name(o)] = max(decode_after.get(term_name(o), 0),
                                                      ch.max_tokens)
+        # An element without an opener whose header ends at a marker (GigaChat's role name
+        # before `<|role_sep|>`) starts right where what precedes it ended: the run there is
+        # read as a header. Key None: the run at the start of the input.
+        for name, el in spec.elements.items():
+            if not el.open and el.header is not None and el.header.until is not None:
+                for t in _opener_less_starts(spec, name):
+                    decode_after[t] = max(decode_after.get(t, 0), el.header.max_tokens)
         texts = sorted(marker_text.values(), key=len, reverse=True)
         regex = re.compile("|".join(re.escape(t) for t in texts)) if texts else None
         by_text = {v: k for k, v in marker_text.items()}
@@ -69,6 +76,30 @@ class LexConfig:
                   prefixes, max((len(t) for t in texts), default=0))
         cfg.lstrip = frozenset(term_name(n) for n, m in spec.markers.items() if m.lstrip)
         return cfg
+
+
+def _opener_less_starts(spec: FormatSpec, name: str) -> set:
+    """The terminals after which element ``name`` (no opener) may start: the ends of the
+    elements it follows (their close markers, close header ends and ``after`` markers), and
+    for a top-level or preamble element also the preamble and between-turn markers and the
+    start of the input (None)."""
+    def ends(e) -> list[str]:
+        c = e.close
+        if c is None:
+            return []
+        return c.markers + c.after + ([c.header.until] if c.header and c.header.until else [])
+
+    out: set = set()
+    for el in spec.elements.values():
+        if el.follow == name:
+            out.update(term_name(m) for m in ends(el))
+    if name in spec.top or name in spec.preamble:
+        out.add(None)
+        out.update(term_name(m) for m in spec.between_markers)
+        out.update(term_name(p) for p in spec.preamble if p in spec.markers)
+        for t in list(spec.top) + [p for p in spec.preamble if p in spec.elements]:
+            out.update(term_name(m) for m in ends(spec.elements[t]))
+    return out
 
 
 # ----------------------------------------------------------------------------- text mode

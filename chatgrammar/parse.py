@@ -289,6 +289,18 @@ class Driver:
         prefs = (self.tables.close_terms, self.tables.until_terms)
         tried: set = set()
         for _ in range(4 * len(state_stack) + 16):
+            top = value_stack[-1] if value_stack else None
+            if (self.between is not None and type(top) is tuple and top[0] == TEXT
+                    and top[2] == end and self._can_feed(state_stack, "$END")
+                    and not self.between_ok(src, top)):
+                # Text at the end that `between` does not accept, where an element without an
+                # opener may start: that element, cut inside its header (GigaChat's
+                # `…<|message_sep|>\n\nassis`), not malformed between-turn text.
+                u = next((u for u in sorted(self.tables.until_terms)
+                          if self._can_feed(state_stack, u)), None)
+                if u is not None:
+                    self._feed(ctx, state_stack, value_stack, (u, end, end, SYNTH))
+                    continue
             if self._can_feed(state_stack, "$END"):
                 self._feed(ctx, state_stack, value_stack, ("$END", end, end, SYNTH))
                 return
@@ -319,6 +331,14 @@ class Driver:
         if strict:
             raise err
         warnings.append(Issue(end, "dropped an unfinishable item at end of input"))
+
+    def between_ok(self, src: Source, tok: tuple) -> bool:
+        """Does the text run ``tok`` match ``between``? Read within 16 tokens (id mode) or
+        BETWEEN_MAX_CHARS chars (text mode: ``read()`` counts HEADER_CHARS_PER_TOKEN chars per
+        unit of ``limit``)."""
+        txt = src.read(tok[1], tok[2], limit=BETWEEN_MAX_TOKENS if src.mode == "ids" else
+                       BETWEEN_MAX_CHARS // HEADER_CHARS_PER_TOKEN)
+        return txt is not None and self.between.fullmatch(txt) is not None
 
     def _can_feed(self, state_stack: list[int], term: str) -> bool:
         """Would ``term`` be shifted (after any reductions) from this configuration?
@@ -433,11 +453,7 @@ class _Ctx:
             if isinstance(v, Block):
                 self.emit(v)
             elif v[0] == TEXT and drv.between is not None:
-                # id mode: 16 tokens; text mode: BETWEEN_MAX_CHARS chars (read() counts
-                # HEADER_CHARS_PER_TOKEN chars per unit of `limit` in text mode)
-                txt = self.src.read(v[1], v[2], limit=BETWEEN_MAX_TOKENS if self.src.mode ==
-                                    "ids" else BETWEEN_MAX_CHARS // HEADER_CHARS_PER_TOKEN)
-                if txt is None or not drv.between.fullmatch(txt):
+                if not drv.between_ok(self.src, v):
                     self.problem(v[1], "text between turns does not match `between` "
                                        f"({drv.spec.between!r})")
 

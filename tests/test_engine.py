@@ -849,6 +849,59 @@ def test_close_follow_after(make):
         assert (info.value.path, info.value.message) == (path, message)
 
 
+OPENER_LESS = r'''
+    name: eng-opener-less
+    markers:
+      b: {text: "<B>"}
+      r: {text: "<R>"}
+      e: {text: "<E>"}
+      q: {text: "<Q>"}
+      a: {text: "<A>"}
+    elements:
+      turn:
+        header: {until: r, pattern: "(?:\n\n)?(?P<role>\\w+)"}
+        close: {markers: [e]}
+      ask:
+        open: q
+        close: {markers: [a], follow_after: [a]}
+        role: user
+        follow: answer
+      answer:
+        header: {until: r, pattern: "(?P<role>\\w+)"}
+        close: {markers: [e]}
+    top: [turn, ask]
+    preamble: [b]
+    between: "\\s*"
+    role_aliases: {model: assistant}
+'''
+
+
+def test_opener_less_headed_turns(make):
+    """An element without an opener whose header ends at a marker (GigaChat: the role text
+    before `<|role_sep|>`): the header is read where the element starts (input start, after a
+    preamble marker, after the close of what it follows); between-text can only end the
+    input (elsewhere it is the next header's start); a run at the end that `between` rejects
+    is a turn cut inside its header."""
+    fmt = make(OPENER_LESS)
+    assert "e_turn: TEXT M_R (TEXT)* M_E" in fmt.grammar
+    text = "<B>system<R>S<E>\n\nuser<R>Q<E>\n\nmodel<R>A<E>\n\n"
+    r = run_all(fmt, text)
+    assert r.roles() == ["system", "user", "assistant"]
+    assert [t.header for t in r.conv.turns] == ["system", "\n\nuser", "\n\nmodel"]
+    assert r.trained() == ["A"] and all(t.complete for t in r.conv.turns)
+    # at the start of the input (no BOS), and as a follow element
+    r = run_all(fmt, "model<R>A<E><Q>q<A>model<R>B<E>")
+    assert r.roles() == ["assistant", "user", "assistant"] and r.trained() == ["A", "B"]
+    # cut inside the next header: a turn (incomplete) that trains nothing, not between text
+    for cut, header in (("\n\nmod", "\n\nmod"), ("\n\nmodel", "\n\nmodel")):
+        r = run_all(fmt, text[:-2] + cut)
+        last = r.conv.turns[-1]
+        assert (len(r.conv.turns), last.header, last.complete) == (4, header, False)
+        assert r.trained() == ["A"]
+    r = run_all(fmt, text[:-2] + "\n\nmodel<R>Par")
+    assert r.trained() == ["A", "Par"] and not r.conv.turns[-1].complete
+
+
 # =========================================================================== bodies
 
 CONV = ("<bos><|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n"
