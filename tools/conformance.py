@@ -85,6 +85,8 @@ TEMPLATES: dict[str, list[str]] = {
         "Mistral-Small-3.2-24B-Instruct-2506.jinja",
         "mistralai-Ministral-3-14B-Reasoning-2512.jinja",
     ],
+    "seed-oss": ["ByteDance-Seed-OSS.jinja"],
+    "solar-open": ["upstage-Solar-Open-100B.jinja"],
     "phi3": ["microsoft-Phi-3-mini-4k-instruct.jinja", "microsoft-Phi-3.5-mini-instruct.jinja",
              "microsoft-Phi-4-mini-instruct.jinja"],
     "phi4": ["microsoft-phi-4.jinja", "microsoft-Phi-4-reasoning.jinja"],
@@ -104,6 +106,7 @@ VARIABLES: dict[str, dict[str, str]] = {
     "cohere": {"bos_token": "<BOS_TOKEN>", "eos_token": "<|END_OF_TURN_TOKEN|>"},
     "llama4": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>"},
     "gemma4": {"bos_token": "<bos>"},
+    "seed-oss": {"bos_token": "<seed:bos>", "eos_token": "<seed:eos>"},
 }
 
 MARK = {"pass": "✓", "fail": "✗", "skip": "–", "deviation": "✓†"}
