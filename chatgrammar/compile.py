@@ -437,6 +437,13 @@ def check_spec(spec: FormatSpec, src: SpecSource) -> None:
                 raise src.error("`close.required: false` is for top-level elements (they end "
                                 "where the next one opens)", base + ("close", "required"),
                                 CompileError)
+            if el.close.roles and ename not in spec.top:
+                raise src.error("`close.roles` is for top-level elements (a turn of another "
+                                "role ends where the next one opens)", base + ("close", "roles"),
+                                CompileError)
+            for i, r in enumerate(el.close.roles):
+                if not r:
+                    raise src.error("empty role", base + ("close", "roles", i), CompileError)
             for i, c in enumerate(el.close.after):
                 need_marker(c, base + ("close", "after", i))
             for i, c in enumerate(el.close.follow_after):

@@ -101,6 +101,10 @@ class _Automaton:
         self.states = drv.states
         self.shift = drv.shift
         self.item_rules = frozenset({"_item"} | set(drv.preamble_rules))
+        # the driver's rule: a top-level element whose close may be missing ends where the
+        # next one opens (the memo only holds items whose parse had no warning)
+        self.implicit = drv.implicit_closes
+        self.starters = drv.tables.starters
         self.terms = terms          # code k (1-based) -> terminal; code 0 is begin-of-input
         self.nsym = nsym
         self.lock = threading.Lock()
@@ -126,7 +130,26 @@ class _Automaton:
         return sid
 
     def _step(self, stack: list, term: str) -> bool | None:
-        """Shift ``term`` (after its reductions); True if an item was reduced, None on error."""
+        """Shift ``term`` (after its reductions); True if an item was reduced, None on error.
+        Where ``term`` opens a top-level element and cannot be shifted, a close that may be
+        missing is added first, as the driver does."""
+        trial = list(stack)
+        hit = self._shift(trial, term)
+        if hit is None and self.implicit and term in self.starters:
+            for c in self.implicit:
+                trial = list(stack)
+                closed = self._shift(trial, c)
+                if closed is not None:
+                    hit = self._shift(trial, term)
+                    if hit is not None:
+                        hit = hit or closed
+                    break
+        if hit is not None:
+            stack[:] = trial
+        return hit
+
+    def _shift(self, stack: list, term: str) -> bool | None:
+        """``_step`` without the implicit close (``stack`` is changed even on error)."""
         states, shift, items = self.states, self.shift, self.item_rules
         item = False
         for _ in range(10_000):

@@ -26,6 +26,9 @@ from .spans import Block, Issue, Turn
 from .spec import ROLE_NAMES, Element, FormatSpec
 
 SYNTH = object()  # value of zero-width synthetic terminators added at end of input
+# value of a zero-width close the driver adds where a top-level element whose close may be
+# missing (`close.required: false`, `close.roles`) ends at the next opener
+IMPLICIT = object()
 
 _XTML_HEAD = re.compile(r'\s*([A-Za-z_][\w.\-:]*)((?:\s+[\w.\-:]+="[^"]*")*)\s*\Z')
 _XTML_ATTR = re.compile(r'([\w.\-:]+)="([^"]*)"')
@@ -179,9 +182,11 @@ class Driver:
             after = frozenset(term_name(a) for a in el.close.after) if el.close else frozenset()
             self.el_info[n] = (until, hmarks, closes, cuntil, after)
         # close markers that may be missing: the element then ends at the next top-level opener
+        # (whether that is a cut, an error or the turn's normal end is decided with its role)
         self.implicit_closes = tuple(dict.fromkeys(
             term_name(c) for n in spec.top
-            if spec.elements[n].close is not None and not spec.elements[n].close.required
+            if spec.elements[n].close is not None
+            and (not spec.elements[n].close.required or spec.elements[n].close.roles)
             for c in spec.elements[n].close.markers))
 
     def alias(self, role: str) -> str:
@@ -253,9 +258,7 @@ class Driver:
                          None)
                 if c is not None:
                     implicit_at = i
-                    warnings.append(Issue(tok[1], f"missing {self.describe(c)}: the element "
-                                                  "ends where the next one opens"))
-                    self._feed(ctx, state_stack, value_stack, (c, tok[1], tok[1], SYNTH))
+                    self._feed(ctx, state_stack, value_stack, (c, tok[1], tok[1], IMPLICIT))
                     continue
             # ---- structure error
             err = ParseError("unexpected " + self.describe(ttype), offset=tok[1],
@@ -469,11 +472,7 @@ class _Ctx:
 
     def turn(self, b: Block) -> Turn:
         el = self.drv.spec.elements.get(b.name)
-        role = el.role if el is not None else None
-        if role is None and el is not None and b.open in el.role_by_marker:
-            role = el.role_by_marker[b.open]
-        if role is None:
-            role = b.attrs.get("role")
+        role = self._raw_role(b, el)
         if role is None:
             role = "unknown"
             if b.valid and b.complete and b.body_start is not None:
@@ -481,6 +480,17 @@ class _Ctx:
         role = self.drv.alias(role)
         return Turn(role=role, start=b.start, end=b.end, complete=b.complete, block=b,
                     valid=b.valid)
+
+    @staticmethod
+    def _raw_role(b: Block, el: Element | None) -> str | None:
+        """The role as written (before ``role_aliases``): the element's, its opener's, or the
+        header's ``role`` attribute; None when it cannot be told."""
+        role = el.role if el is not None else None
+        if role is None and el is not None and b.open in el.role_by_marker:
+            role = el.role_by_marker[b.open]
+        if role is None:
+            role = b.attrs.get("role")
+        return role
 
     # -------------------------------------------------------------- elements
     def element(self, rname: str, ch: list) -> Block:
@@ -562,13 +572,18 @@ class _Ctx:
             if b.body_end < b.body_start:
                 b.body_end = b.body_start
         end = b.body_end if b.body_end is not None else pos
+        implicit = None  # the close the driver added at the next opener (none was written)
         if i < n and not isinstance(ch[i], Block) and ch[i][0] in closes:
             ct = ch[i]
             b.close = drv.marker_by_term[ct[0]]
             b.close_start = ct[1]
-            if ct[3] is SYNTH:
+            if ct[3] is SYNTH or ct[3] is IMPLICIT:
                 complete = False
                 b.close = None  # no marker was written: the end of input closed it
+                if ct[3] is IMPLICIT:
+                    implicit = ct
+                    if not el.close.roles:  # `required: false`: missing for every role
+                        self._missing_close(b, el, ct)
             end = ct[2]
             i += 1
             if cuntil is not None:
@@ -603,6 +618,13 @@ class _Ctx:
         b.complete = complete and all(c.complete for c in b.children)
         if h is not None:
             self._read_header(b, el, header_whole, hparts)
+        if implicit is not None and el.close.roles:
+            role = self._raw_role(b, el)
+            if role is not None and drv.alias(role) not in el.close.roles:
+                # this role's turns have no terminator: ending at the next turn is no cut
+                b.complete = all(c.complete for c in b.children)
+            else:
+                self._missing_close(b, el, implicit)
         if lead_run is not None and b.body_end > b.body_start:
             self._skip_lead(b, el.lead, lead_run)
         # kind: declared, by tag, or by attribute
@@ -617,6 +639,16 @@ class _Ctx:
                     break
         b.kind = kind
         return b
+
+    def _missing_close(self, b: Block, el: Element, ct: tuple) -> None:
+        """A turn that needs its close ends at the next opener without it: an error, or with
+        ``close.required: false`` a warning (the turn stays incomplete)."""
+        what = self.drv.describe(ct[0])
+        if el.close.required:
+            self.problem(ct[1], f"missing {what} before the next turn", b)
+        else:
+            self.warnings.append(Issue(ct[1], f"missing {what}: the element ends where the "
+                                              "next one opens"))
 
     def _at_top(self, value_stack: list) -> bool:
         """Only preamble items below: a preamble element reduced at the top of the input, not
@@ -725,8 +757,8 @@ def _flatten(vals: list) -> list:
 
 
 def _real(x) -> bool:
-    """A block, or a token that is in the input (not a synthetic end-of-input terminator)."""
-    return isinstance(x, Block) or x[3] is not SYNTH
+    """A block, or a token that is in the input (not a synthetic terminator)."""
+    return isinstance(x, Block) or (x[3] is not SYNTH and x[3] is not IMPLICIT)
 
 
 def _start_of(x) -> int:

@@ -84,6 +84,15 @@ class Close(_Model):
     follow may come after any close marker, or not at all. Gemma 4: a model turn that ends with
     ``<|tool_response>`` (the model stops for a tool) goes on with the tool's response; one
     that ends with ``<turn|>`` is followed by nothing but the newline between turns.
+
+    ``roles`` (top-level elements only): the roles (after ``role_aliases``) whose turns end
+    with this close. A turn of another role has no terminator: it ends where the next
+    top-level element opens, complete and without a warning (Nemotron Nano v2: only the
+    assistant's ``<SPECIAL_11>Assistant`` turn ends with ``<SPECIAL_12>``; the user's
+    ``<SPECIAL_11>User`` turn, same opener, runs to the next one). A turn of a listed role
+    without its close is what ``required`` says (an error, or a warning and an incomplete
+    turn); at the end of input any turn without its close is cut (incomplete). Empty (the
+    default): every turn has it.
     """
 
     markers: list[str] = Field(min_length=1)
@@ -92,6 +101,7 @@ class Close(_Model):
     required: bool = True
     opens_follow: bool = False
     follow_after: list[str] = Field(default_factory=list)
+    roles: list[str] = Field(default_factory=list)
 
 
 class Element(_Model):

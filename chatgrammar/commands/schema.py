@@ -117,6 +117,9 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
     ("Close", "follow_after"): "Close markers after which the `follow` element always comes "
                                "(and after no other): Gemma 4's model turn stopped by "
                                "`<|tool_response>` goes on with the tool's response.",
+    ("Close", "roles"): "Top-level only: the roles whose turns end with this close; a turn of "
+                        "another role ends where the next one opens, complete (Nemotron Nano "
+                        "v2's user turns).",
     # Policy
     ("Policy", "roles"): "Roles whose turns train (after role_aliases).",
     ("Policy", "thinking"): "Train reasoning blocks (kind think).",
