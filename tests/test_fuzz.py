@@ -344,14 +344,22 @@ def _prefix_renders(fmt) -> list[str]:
     return out
 
 
-def _cut_expectation(fmt, conv, full_prefix: np.ndarray, end: int | None = None) -> np.ndarray:
+def _cut_expectation(fmt, conv, full_prefix: np.ndarray, end: int | None = None,
+                     whole=None) -> np.ndarray:
     """What a prefix must train: what the whole rendering trains there — except in a last turn
     the cut leaves looking exactly like a generation prompt (``<|im_start|>assistant\n``
     followed by an empty think block, say), which trains nothing by the generation-prompt
     rule (the two cannot be told apart), or cut inside its header, which trains nothing of
-    that turn (Harmony trains the header text after the role when the header is whole)."""
+    that turn (Harmony trains the header text after the role when the header is whole).
+    ``whole``: the whole rendering's parse; a cut inside the header of one of its turns trains
+    nothing of that turn either, even where the prefix holds too little of it to be a turn
+    (GigaChat's ``…<|message_sep|>\n\n`` before ``function call<|role_sep|>``: between-turn
+    text at the end of the prefix, the start of a trained header in the whole)."""
     want = full_prefix.copy()
     end = len(full_prefix) if end is None else end
+    for t in whole.turns if whole is not None else ():
+        if t.start < end <= t.block.header_end:
+            want[t.start:] = 0
     if conv.turns:
         last = conv.turns[-1]
         el = fmt.spec.elements.get(last.block.name)
@@ -374,15 +382,18 @@ def test_every_prefix_trains_what_is_there(name):
     prefixes_of = fmt._lexcfg.marker_prefixes
     for k, text in enumerate(renders):
         ids = encode_rendered(enc, text)
-        full = np.asarray(fmt.parse_ids(ids, enc).mask())
+        whole = fmt.parse_ids(ids, enc)
+        full = np.asarray(whole.mask())
         for n in range(len(ids) + 1):
             conv = fmt.parse_ids(ids[:n], enc)
-            got, want = np.asarray(conv.mask()), _cut_expectation(fmt, conv, full[:n])
+            got, want = np.asarray(conv.mask()), _cut_expectation(fmt, conv, full[:n],
+                                                                  whole=whole)
             if not np.array_equal(got, want):
                 bad = int(np.flatnonzero(got != want)[0])
                 raise AssertionError(f"{name}: ids[:{n}] trains token {bad} differently from "
                                      f"the whole rendering\n{enc.decode(ids[:n])!r}")
-        full_t = np.asarray(fmt.parse(text).mask())
+        whole_t = fmt.parse(text)
+        full_t = np.asarray(whole_t.mask())
         # every prefix for the first rendering; around each marker for the others
         if k == 0:
             cuts = range(len(text) + 1)
@@ -400,7 +411,8 @@ def test_every_prefix_trains_what_is_there(name):
                 if text[n - j:n] in prefixes_of:
                     end = n - j
                     break
-            got, want = np.asarray(conv.mask()), _cut_expectation(fmt, conv, full_t[:n], end)
+            got, want = np.asarray(conv.mask()), _cut_expectation(fmt, conv, full_t[:n], end,
+                                                                  whole_t)
             want[end:] = 0
             if not np.array_equal(got, want):
                 bad = int(np.flatnonzero(got != want)[0])
