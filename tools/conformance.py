@@ -69,6 +69,7 @@ TEMPLATES: dict[str, list[str]] = {
     ],
     "gemma": ["google-gemma-2-2b-it.jinja", "google-gemma-3-it.jinja", "google-gemma-3n.jinja"],
     "gemma4": ["google-gemma-4-31B-it.jinja", "google-gemma-4-31B-it-interleaved.jinja"],
+    "gigachat3": ["GigaChat3-10B-A1.8B.jinja", "GigaChat3.1-10B-A1.8B.jinja"],
     "glm4": ["zai-org-GLM-4.5.jinja", "GLM-4.6.jinja", "GLM-4.7-Flash.jinja"],
     "granite": ["ibm-granite-granite-3.3-2B-Instruct.jinja", "ibm-granite-granite-4.0.jinja",
                 "ibm-granite-granite-4.1.jinja"],
@@ -106,6 +107,7 @@ VARIABLES: dict[str, dict[str, str]] = {
     "cohere": {"bos_token": "<BOS_TOKEN>", "eos_token": "<|END_OF_TURN_TOKEN|>"},
     "llama4": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>"},
     "gemma4": {"bos_token": "<bos>"},
+    "gigachat3": {"bos_token": "<s>"},
     "seed-oss": {"bos_token": "<seed:bos>", "eos_token": "<seed:eos>"},
 }
 
