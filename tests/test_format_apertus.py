@@ -497,31 +497,32 @@ def test_tool_results_train_with_the_reply():
 # --------------------------------------------------------------------------- conformance
 
 # Cases whose tool results the format trains (the limit above): the render-diff checker sees
-# the results' text trained outside the assistant messages.
+# the results' text trained outside the assistant messages. (In `blocks` content the results
+# are part of the assistant message itself, so there the checker has nothing to object to.)
 WITH_TOOL_RESULTS = {"apertus-tool-call", "apertus-parallel-then-user",
-                     "apertus-tool-results-last", "apertus-prompt-after-results",
-                     "apertus-blocks-tools-in-thoughts"}
+                     "apertus-tool-results-last", "apertus-prompt-after-results"}
 
 
 def test_conformance():
-    """The render-diff oracle (chatgrammar.conformance) over the matrix and the Apertus cases
-    without tool results, in text mode, with the one-id-per-marker tokenizer and with the
-    Apertus tokenizer."""
+    """The render-diff oracle (chatgrammar.conformance) over the matrix and the Apertus cases,
+    in text mode, with the one-id-per-marker tokenizer and with the Apertus tokenizer. Only the
+    cases with tool-result messages fail it, and exactly on those results (the limit)."""
     fmt = cg.load_format(FORMAT)
-    # Also out of the checker's reach (covered by test_template_matrix's oracle): a prompt
-    # after an assistant message (`…Hello!<|assistant_start|>`: the template never closes the
-    # turn), and content given as blocks, which the checker cannot read as a message's text.
-    skip = WITH_TOOL_RESULTS | {"apertus-prompt-after-assistant"} | \
-        {c.name for c in EXTRA if "blocks" in c.name or c.name in (
-            "apertus-display-answers", "apertus-thoughts-only")}
-    cases = [c for c in all_cases() if c.name not in skip]
-    assert len(cases) >= 22
+    variables = {"bos_token": "<s>", "eos_token": "</s>"}
+    cases = [c for c in all_cases() if c.name not in WITH_TOOL_RESULTS]
     res = check_template(fmt, template(), name=TEMPLATE.name, cases=cases,
-                         tokenizer=encoding(), tokenizer_name="apertus",
-                         variables={"bos_token": "<s>", "eos_token": "</s>"})
+                         tokenizer=encoding(), tokenizer_name="apertus", variables=variables)
     assert res.ok, [(c.case, c.reason) for c in res.cases if c.status == "fail"]
     assert res.counts() == {"pass": len(cases) - len(REJECTED), "fail": 0,
                             "skip": len(REJECTED)}
+    bad = check_template(fmt, template(), name=TEMPLATE.name, variables=variables,
+                         cases=[c for c in all_cases() if c.name in WITH_TOOL_RESULTS])
+    assert len(bad.cases) == len(WITH_TOOL_RESULTS)
+    for c in bad.cases:
+        assert c.status == "fail" and c.reason.startswith(
+            "trains text outside the assistant messages"), (c.case, c.reason)
+        results = [m["content"] for m in CASES[c.case].messages if m["role"] == "tool"]
+        assert "[" + ", ".join(results) + "]" in c.reason, (c.case, c.reason)
 
 
 # --------------------------------------------------------------------------- examples

@@ -416,17 +416,20 @@ def test_conformance():
     cases, in text mode, with the one-id-per-marker tokenizer and with the Nemotron-H
     tokenizer (markers as text)."""
     fmt = cg.load_format(FORMAT)
-    # Out of the render-diff checker's reach, covered by test_template_matrix's oracle:
-    # - a last message with content and calls is written as two assistant turns, the second
-    #   opening with `<SPECIAL_11>Assistant\n` (not the template's generation prompt);
-    # - a prefilled last message: the checker takes the prefill for the prompt.
-    skip = {"nemo-last-content-and-calls", "nemo-prefill"}
-    cases = [c for c in all_cases() if c.name not in skip]
+    # Out of the render-diff checker's reach, covered by test_template_matrix's oracle: a last
+    # message with content and calls is written as two assistant turns, the second opening
+    # with `<SPECIAL_11>Assistant\n` (not the template's generation prompt), which the checker
+    # sees as an untrained gap inside the message.
+    cases = [c for c in all_cases() if c.name != "nemo-last-content-and-calls"]
     res = check_template(fmt, template(), name=TEMPLATE.name, cases=cases,
                          tokenizer=encoding("text"), tokenizer_name="nemotron-h")
     assert res.ok, [(c.case, c.reason) for c in res.cases if c.status == "fail"]
     counts = res.counts()
     assert counts == {"pass": len(cases) - len(REJECTED), "fail": 0, "skip": len(REJECTED)}
+    gap = check_template(fmt, template(), name=TEMPLATE.name,
+                         cases=[CASES["nemo-last-content-and-calls"]]).cases[0]
+    assert gap.status == "fail" and "the trained text has a gap" in gap.reason \
+        and "'\\n<SPECIAL_11>Assistant\\n'" in gap.reason, gap.reason
 
 
 # --------------------------------------------------------------------------- examples
