@@ -86,6 +86,8 @@ TEMPLATES: dict[str, list[str]] = {
         "Mistral-Small-3.2-24B-Instruct-2506.jinja",
         "mistralai-Ministral-3-14B-Reasoning-2512.jinja",
     ],
+    "nemotron-nano-v2": ["NVIDIA-Nemotron-Nano-v2.jinja"],
+    "apertus": ["Apertus-8B-Instruct.jinja"],
     "seed-oss": ["ByteDance-Seed-OSS.jinja"],
     "solar-open": ["upstage-Solar-Open-100B.jinja"],
     "phi3": ["microsoft-Phi-3-mini-4k-instruct.jinja", "microsoft-Phi-3.5-mini-instruct.jinja",
@@ -108,6 +110,7 @@ VARIABLES: dict[str, dict[str, str]] = {
     "llama4": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>"},
     "gemma4": {"bos_token": "<bos>"},
     "gigachat3": {"bos_token": "<s>"},
+    "apertus": {"bos_token": "<s>", "eos_token": "</s>"},
     "seed-oss": {"bos_token": "<seed:bos>", "eos_token": "<seed:eos>"},
 }
 
