@@ -77,6 +77,7 @@ TEMPLATES: dict[str, list[str]] = {
     "llama3": [
         "meta-llama-Meta-Llama-3-8B-Instruct.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja",
         "meta-llama-Llama-3.2-3B-Instruct.jinja", "meta-llama-Llama-3.3-70B-Instruct.jinja",
+        "meetkai-functionary-medium-v3.1.jinja",
     ],
     "llama4": ["meta-llama-Llama-4-Scout-17B-16E-Instruct.jinja"],
     "minimax-m2": ["MiniMax-M2.jinja"],
