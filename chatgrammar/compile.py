@@ -382,7 +382,9 @@ def check_spec(spec: FormatSpec, src: SpecSource) -> None:
                 raise src.error("an `ends_with_parent` element must be a child, not a top-level "
                                 "item", base, CompileError)
             for pname, pel in spec.elements.items():
-                if ename in pel.children and pel.close is None:
+                # the parent's close ends it; a parent that itself runs to its own parent's
+                # close (a chain of them: Functionary's `>>>` segments) ends there too
+                if ename in pel.children and pel.close is None and not pel.ends_with_parent:
                     raise src.error(f"`ends_with_parent` element {ename!r} is a child of "
                                     f"{pname!r}, which has no close marker",
                                     base, CompileError)

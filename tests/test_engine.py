@@ -608,6 +608,52 @@ def test_follow_element(fmts):
     assert r.trained(cg.MaskPolicy(truncated=False)) == []
 
 
+CHAIN = """
+    name: chain
+    markers: {t: {text: "<t>"}, e: {text: "<e>"}, s: {text: ">>"}}
+    elements:
+      turn: {open: t, header: {until_text: "\\n", pattern: "(?P<role>\\\\w+)\\n"},
+             close: {markers: [e]}, children: [seg]}
+      seg:
+        open: s
+        header: {until_text: "\\n", pattern: "(?P<to>\\\\w*)\\n", required: false}
+        ends_with_parent: true
+        children: [seg]
+        kind_by_attr: {to: {all: content, "*": tool_call}}
+    top: [turn]
+"""
+
+
+def test_a_chain_of_ends_with_parent_elements(make):
+    """An `ends_with_parent` element may be the child of another one: each runs to where its
+    parent ends, the chain to the first ancestor's close (Functionary's `>>>` segments, one
+    after the other with no terminator). Each is a span of its own kind."""
+    fmt = make(CHAIN)
+    assert "e_seg: M_S HEADER? (TEXT)* (e_seg)?" in fmt.grammar
+    text = "<t>user\nq >> x<e><t>bot\n>>all\nhi>>f\n{1}>>g\n{2}<e>"
+    r = run_all(fmt, text)
+    assert r.roles() == ["user", "bot"]
+    pol = cg.MaskPolicy(roles=("bot",))
+    # neighbouring spans of one kind merge; the call segments are two nested blocks
+    assert r.kinds(pol) == [(">>all\nhi", "content"), (">>f\n{1}>>g\n{2}", "tool_call")]
+    assert r.trained(pol.replace(tool_calls=False)) == [">>all\nhi"]
+    segs = r.conv.turns[1].block.children
+    assert [b.kind for b in (segs[0], segs[0].children[0], segs[0].children[0].children[0])] \
+        == ["content", "tool_call", "tool_call"]
+    assert len(segs) == 1 and not segs[0].children[0].children[0].children
+    # the parent of an ends_with_parent child needs a close, or to be ends_with_parent itself
+    with pytest.raises(CompileError, match="'tail' is a child of 'seg', which has no close"):
+        make("""
+            name: chain-bad
+            markers: {t: {text: "<t>"}, e: {text: "<e>"}, s: {text: ">>"}, x: {text: "<x>"}}
+            elements:
+              turn: {open: t, close: {markers: [e]}, children: [seg]}
+              seg: {open: s, children: [tail]}
+              tail: {open: x, ends_with_parent: true}
+            top: [turn]
+        """)
+
+
 def test_close_alternatives_record_which_one_closed(fmts):
     r = run_all(fmts["llama"], "<|sh|>assistant<|eh|>a<|eot|><|sh|>assistant<|eh|>b<|eom|>")
     assert [t.block.close for t in r.conv.turns] == ["eot", "eom"]
