@@ -80,7 +80,9 @@ TEMPLATES: dict[str, list[str]] = {
         "meetkai-functionary-medium-v3.1.jinja",
     ],
     "llama4": ["meta-llama-Llama-4-Scout-17B-16E-Instruct.jinja"],
+    "minimax-m1": ["MiniMaxAI-MiniMax-M1.jinja"],
     "minimax-m2": ["MiniMax-M2.jinja"],
+    "reka": ["Reka-Edge.jinja"],
     "mistral": [
         "mistralai-Mistral-7B-Instruct-v0.3.jinja", "mistralai-Mistral-Nemo-Instruct-2407.jinja",
         "mistralai-Mistral-Small-24B-Instruct-2501.jinja",
