@@ -91,6 +91,7 @@ TEMPLATES: dict[str, list[str]] = {
     ],
     "nemotron-nano-v2": ["NVIDIA-Nemotron-Nano-v2.jinja"],
     "apertus": ["Apertus-8B-Instruct.jinja"],
+    "apriel": ["ServiceNow-AI-Apriel-1.5-15b-Thinker.jinja"],
     "seed-oss": ["ByteDance-Seed-OSS.jinja"],
     "solar-open": ["upstage-Solar-Open-100B.jinja"],
     "phi3": ["microsoft-Phi-3-mini-4k-instruct.jinja", "microsoft-Phi-3.5-mini-instruct.jinja",
@@ -114,6 +115,7 @@ VARIABLES: dict[str, dict[str, str]] = {
     "gemma4": {"bos_token": "<bos>"},
     "gigachat3": {"bos_token": "<s>"},
     "apertus": {"bos_token": "<s>", "eos_token": "</s>"},
+    "apriel": {"bos_token": "<s>", "eos_token": "</s>"},
     "seed-oss": {"bos_token": "<seed:bos>", "eos_token": "<seed:eos>"},
 }
 
