@@ -68,6 +68,9 @@ TEMPLATES: dict[str, list[str]] = {
         "deepseek-ai-DeepSeek-V3.2.jinja",
     ],
     "gemma": ["google-gemma-2-2b-it.jinja", "google-gemma-3-it.jinja", "google-gemma-3n.jinja"],
+    "functiongemma": ["google-functiongemma.jinja",
+                      "google-ai-edge-LiteRT-LM-functiongemma.jinja"],
+    "functionary-v3": ["meetkai-functionary-medium-v3.2.jinja"],
     "gemma4": ["google-gemma-4-31B-it.jinja", "google-gemma-4-31B-it-interleaved.jinja"],
     "gigachat3": ["GigaChat3-10B-A1.8B.jinja", "GigaChat3.1-10B-A1.8B.jinja"],
     "glm4": ["zai-org-GLM-4.5.jinja", "GLM-4.6.jinja", "GLM-4.7-Flash.jinja"],
@@ -116,6 +119,8 @@ VARIABLES: dict[str, dict[str, str]] = {
     "gigachat3": {"bos_token": "<s>"},
     "apertus": {"bos_token": "<s>", "eos_token": "</s>"},
     "apriel": {"bos_token": "<s>", "eos_token": "</s>"},
+    "functiongemma": {"bos_token": "<bos>"},
+    "functionary-v3": {"bos_token": "<|begin_of_text|>"},
     "seed-oss": {"bos_token": "<seed:bos>", "eos_token": "<seed:eos>"},
 }
 
