@@ -183,7 +183,25 @@ FORMAT_TEMPLATES: dict[str, list[tuple[str, dict]]] = {
     "phi4": [("microsoft-phi-4.jinja", {})],
     "glm4": [("zai-org-GLM-4.5.jinja", {})],
     "minimax-m2": [("MiniMax-M2.jinja", {})],
+    "minimax-m1": [("MiniMaxAI-MiniMax-M1.jinja", {})],
 }
+
+# Templates that read every message's content as a list of parts (MiniMax-M1:
+# ``message['content'][0]['text']``). The generic tests build conversations with string content,
+# so these templates get a Jinja prelude that turns each string content into one text part (a
+# tool result's part also names the tool) before the template's own code runs: the template
+# then renders exactly what it renders for the same conversation given as parts.
+CONTENT_AS_PARTS = {"MiniMaxAI-MiniMax-M1.jinja"}
+_PARTS_PRELUDE = (
+    "{%- set _cg = namespace(items=[]) -%}"
+    "{%- for _m in messages -%}"
+    "{%- if _m.content is not defined or _m.content is none or _m.content is string -%}"
+    "{%- set _p = {'type': 'text', 'text': (_m.content if _m.content is string else '')} -%}"
+    "{%- if _m.role == 'tool' -%}{%- set _p = dict(_p, name=(_m.name or '')) -%}{%- endif -%}"
+    "{%- set _cg.items = _cg.items + [dict(_m, content=[_p])] -%}"
+    "{%- else -%}{%- set _cg.items = _cg.items + [_m] -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- set messages = _cg.items -%}")
 
 _BOS_NAMES = ("bos", "begin_of_text", "begin_of_sentence", "bos_token")
 _EOS_NAMES = ("eos", "end_of_text", "endoftext", "end_of_sentence", "eos_token")
@@ -210,7 +228,8 @@ def format_templates(fmt: Any) -> list[tuple[str, str, dict]]:
         names = dict.fromkeys(re.findall(r"[\w.\-]+\.jinja", spec_text))
         guess = _guess_special_tokens(fmt)
         entries = [(n, guess) for n in names if (TEMPLATES_DIR / n).is_file()][:2]
-    return [(n, (TEMPLATES_DIR / n).read_text(encoding="utf-8"), kw) for n, kw in entries]
+    return [(n, (_PARTS_PRELUDE if n in CONTENT_AS_PARTS else "")
+             + (TEMPLATES_DIR / n).read_text(encoding="utf-8"), kw) for n, kw in entries]
 
 
 # ------------------------------------------------------------------------ the contract
