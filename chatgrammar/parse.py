@@ -160,6 +160,12 @@ class Driver:
             term_name(m) for el in spec.elements.values()
             for m in el.inner_markers + el.open + (el.close.follow_after if el.close else []))
         self.between = re.compile(spec.between, re.S) if spec.between is not None else None
+        # An element without an opener whose header ends at a marker (GigaChat's role text)
+        # can start in the text at the end of the input; only then is that text read at the
+        # end (a read the memoised fast path would have to key every sample on).
+        self.openerless_headers = any(not el.open and el.header is not None
+                                      and el.header.until is not None
+                                      for el in spec.elements.values())
         self.aliases = {k: v for k, v in spec.role_aliases.items() if not _is_glob(k)}
         # glob keys ("functions.*", "*") name roles no exact key and no canonical role matches
         self.alias_globs = [(k, v) for k, v in spec.role_aliases.items() if _is_glob(k)]
@@ -293,7 +299,8 @@ class Driver:
         tried: set = set()
         for _ in range(4 * len(state_stack) + 16):
             top = value_stack[-1] if value_stack else None
-            if (self.between is not None and type(top) is tuple and top[0] == TEXT
+            if (self.openerless_headers and self.between is not None
+                    and type(top) is tuple and top[0] == TEXT
                     and top[2] == end and self._can_feed(state_stack, "$END")
                     and not self.between_ok(src, top)):
                 # Text at the end that `between` does not accept, where an element without an

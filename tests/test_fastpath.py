@@ -213,3 +213,26 @@ def test_large_batches_are_worked_through_in_groups(group, monkeypatch):
     bad = [*ids[:3], ids[3][: len(ids[3]) // 2], *ids[4:]]  # a truncated sample in the middle
     assert fmt.loss_masks(bad, enc, strict=False) == \
         [fmt.parse_ids(x, enc, strict=False).mask() for x in bad]
+
+
+# Formats whose renders never reach the fast path, and why: Apertus's template never closes the
+# last assistant turn, so every complete rendering ends inside an item (truncation takes the
+# full pipeline by design).
+NEVER_FAST = {"apertus"}
+
+
+@pytest.mark.parametrize("name", sorted(set(cg.list_formats()) - NEVER_FAST))
+def test_complete_renders_are_served_by_the_memo(name):
+    # A core change can make every sample miss the memo without changing a single mask (a read
+    # at the end of the input that every item's key then depends on); this catches that.
+    fmt = cg.load_format(name)
+    full = _samples(fmt)[0::3]  # _samples: each complete render, then two cuts of it
+    for enc, ids in full:
+        _fast(fmt, ids, enc, None, False)
+    served = 0
+    for enc, ids in full:
+        fm = fmt._fast_masker(enc)
+        before = fm.stats["fast"]
+        _fast(fmt, ids, enc, None, False)
+        served += fm.stats["fast"] - before
+    assert served > 0, f"{name}: no complete rendering was served by the memo"
