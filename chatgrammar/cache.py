@@ -4,7 +4,8 @@ Loading a format costs two things: reading its YAML (PyYAML's pure-Python compos
 values and for ``file:line:col`` marks) and Lark's LALR analysis. Both depend only on their
 input and on the code that computes them, so both are cached on disk:
 
-- ``spec-<key>.pkl``: ``(FormatSpec, SpecSource)``, keyed by the spec file's path and bytes;
+- ``spec-<key>.pkl``: ``(FormatSpec, SpecSource, ParseTables)`` of a spec that compiled, keyed
+  by the spec file's path and bytes;
 - ``lalr-<key>.pkl``: the parse tables, keyed by the compiled grammar text.
 
 Every key also hashes a *code fingerprint* — the source of the modules that produce the cached
@@ -109,17 +110,8 @@ def store(kind: str, key: str, obj: Any) -> bool:
 # ----------------------------------------------------------------------------- LALR tables
 
 def dump_tables(states: dict, start: int, end: int, shift: Any) -> tuple:
-    """Lark's parse table in a picklable form: actions become booleans (``Shift`` / ``Reduce``
-    are singletons compared with ``is``), rules are kept (Lark rules pickle)."""
+    """Lark's parse table in a picklable form, and the form the driver uses: each action is
+    ``(is_shift, arg)`` (Lark's ``Shift`` / ``Reduce`` are singletons compared with ``is``;
+    ``arg`` is the next state or the rule to reduce — Lark rules pickle)."""
     return ({s: {t: (a is shift, arg) for t, (a, arg) in acts.items()}
              for s, acts in states.items()}, start, end)
-
-
-def load_tables(data: tuple) -> tuple:
-    """Inverse of :func:`dump_tables`: ``(states, start, end, Shift)``."""
-    from lark.parsers.lalr_analysis import Reduce, Shift
-
-    raw, start, end = data
-    states = {s: {t: ((Shift if sh else Reduce), arg) for t, (sh, arg) in acts.items()}
-              for s, acts in raw.items()}
-    return states, start, end, Shift

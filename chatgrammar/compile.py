@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -32,12 +32,17 @@ TEXT = "TEXT"
 HEADER = "HEADER"
 
 
+_NON_WORD = re.compile(r"[^A-Za-z0-9]")
+
+
+@lru_cache(maxsize=4096)
 def term_name(marker: str) -> str:
-    return "M_" + re.sub(r"[^A-Za-z0-9]", "_", marker).upper()
+    return "M_" + _NON_WORD.sub("_", marker).upper()
 
 
+@lru_cache(maxsize=4096)
 def rule_name(element: str) -> str:
-    return "e_" + re.sub(r"[^A-Za-z0-9]", "_", element).lower()
+    return "e_" + _NON_WORD.sub("_", element).lower()
 
 
 class _PassThroughLexer(Lexer):
@@ -586,22 +591,25 @@ class ParseTables:
 def _lalr(grammar: str) -> tuple:
     # Lark's LALR analysis is most of a cold load: tables are also cached on disk, keyed by
     # the grammar text (see chatgrammar.cache; a grammar with conflicts raises, never cached).
+    # Actions are kept as (is_shift, arg) pairs whether built or loaded, so a cached load is
+    # one unpickling, with no rebuilding; the driver tests `is_shift is True`.
     from . import cache
 
     key = cache.key_for("lalr", grammar)
     hit = cache.load("lalr", key)
     if hit is not None:
         try:
-            return cache.load_tables(hit)
-        except Exception:  # an entry from an incompatible lark: rebuild it
+            raw, start, end = hit
+            return raw, start, end, True
+        except (TypeError, ValueError):  # an entry of another shape: rebuild it
             pass
     lk = Lark(grammar, parser="lalr", lexer=_PassThroughLexer, strict=True,
               maybe_placeholders=False)
     pt = lk.parser.parser.parser.parse_table
     from lark.parsers.lalr_analysis import Shift
-    out = pt.states, pt.start_states["start"], pt.end_states["start"], Shift
-    cache.store("lalr", key, cache.dump_tables(*out))
-    return out
+    data = cache.dump_tables(pt.states, pt.start_states["start"], pt.end_states["start"], Shift)
+    cache.store("lalr", key, data)
+    return (*data, True)
 
 
 @dataclass(frozen=True)

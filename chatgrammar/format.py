@@ -1,13 +1,14 @@
 """``Format``: a compiled spec with the user-facing parse / parse_ids / loss_mask calls."""
 from __future__ import annotations
 
+import functools
+
 import threading
 from typing import Any, Sequence
 
 import numpy as np
 
 from .compile import ParseTables, compile_spec, term_name
-from .errors import ParseError
 from .fastpath import FastMasker, TextMemo, ids_input, mask_like
 from .lexers import IdLexer, LexConfig, as_id_array, lex_text
 from .parse import Driver, Source
@@ -28,20 +29,26 @@ class Format:
         path: the spec file.
     """
 
-    def __init__(self, spec: FormatSpec, src: SpecSource):
+    def __init__(self, spec: FormatSpec, src: SpecSource, *, tables: ParseTables | None = None):
         self.spec = spec
         self.source = src
         self.path = src.file
         self.name = spec.name
-        self.tables: ParseTables = compile_spec(spec, src)
+        # `tables`: this spec's compiled tables, from the disk cache (see registry._load_path)
+        self.tables: ParseTables = tables if tables is not None else compile_spec(spec, src)
         self.grammar: str = self.tables.grammar
         self.default_policy = MaskPolicy.from_mapping(spec.policy.model_dump())
-        self._lexcfg = LexConfig.from_spec(spec)
         self._driver = Driver(spec, self.tables)
         self._id_lexers: dict[int, tuple[Any, IdLexer]] = {}
         self._fast: dict[int, tuple[Any, FastMasker]] = {}
         self._text_memo: TextMemo | None = None
         self._lock = threading.Lock()
+
+    @functools.cached_property
+    def _lexcfg(self) -> LexConfig:
+        # built on first use: loading every format (detection does) need not compile every
+        # format's lexer regexes
+        return LexConfig.from_spec(self.spec)
 
     def __repr__(self) -> str:
         return f"Format({self.name!r}, path={self.path!r})"

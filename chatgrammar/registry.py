@@ -15,6 +15,7 @@ ENTRY_POINT_GROUP = "chatgrammar.formats"
 _lock = threading.RLock()
 
 
+@lru_cache(maxsize=1)
 def formats_dir() -> Path:
     """The directory of bundled specs: ``chatgrammar/formats`` in a wheel, ``formats/`` next to
     the package in a checkout or editable install — always the one belonging to the
@@ -34,12 +35,17 @@ def formats_dir() -> Path:
 
 def bundled_paths() -> dict[str, Path]:
     """Bundled format name → spec path (norms.yaml is not a format)."""
-    out = {}
-    for p in sorted(formats_dir().glob("*.yaml")):
-        if p.stem == "norms":
-            continue
-        out[p.stem] = p
-    return out
+    d = formats_dir()
+    try:
+        stamp = d.stat().st_mtime_ns  # a file added or removed changes the directory's mtime
+    except OSError:
+        stamp = None
+    return dict(_bundled_paths(str(d), stamp))
+
+
+@lru_cache(maxsize=8)
+def _bundled_paths(d: str, stamp) -> tuple:
+    return tuple((p.stem, p) for p in sorted(Path(d).glob("*.yaml")) if p.stem != "norms")
 
 
 def _plugin_specs() -> list[tuple[str, Path]]:
@@ -114,13 +120,16 @@ def _load_path(path: str, mtime: float) -> Format:
     cacheable = data is not None and b"extends" not in data
     key = cache.key_for("spec", path, data) if cacheable else None
     hit = cache.load("spec", key) if key is not None else None
-    if hit is not None:
-        spec, src = hit
-    else:
-        spec, src = read_spec(path)
-        if key is not None:
-            cache.store("spec", key, (spec, src))
-    return Format(spec, src)
+    if type(hit) is tuple and len(hit) == 3:
+        # stored only after it compiled, by the same code (the key's fingerprint covers
+        # spec.py, compile.py and lark's version): one unpickling gives the spec and its tables
+        spec, src, tables = hit
+        return Format(spec, src, tables=tables)
+    spec, src = read_spec(path)
+    fmt = Format(spec, src)
+    if key is not None:
+        cache.store("spec", key, (spec, src, fmt.tables))
+    return fmt
 
 
 def load_format(name_or_path) -> Format:

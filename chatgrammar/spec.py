@@ -209,16 +209,18 @@ class _Loader(yaml.SafeLoader):
 
 
 def _node_marks(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dict:
-    """Map every YAML path (tuple of keys/indices) to its node's start mark (iteratively)."""
+    """Map every YAML path (tuple of keys/indices) to its node's start position, a 0-based
+    ``(line, column)`` tuple (iteratively). Not yaml ``Mark`` objects: specs are cached
+    pickled, and plain tuples unpickle fastest and carry no copy of the document."""
     out = {} if out is None else out
     stack = [(node, path)]
     while stack:
         n, p = stack.pop()
-        out[p] = n.start_mark
+        out[p] = (n.start_mark.line, n.start_mark.column)
         if isinstance(n, yaml.MappingNode):
             for k, v in n.value:
                 key = k.value if isinstance(k, yaml.ScalarNode) else str(k)
-                out[p + (key, "__key__")] = k.start_mark
+                out[p + (key, "__key__")] = (k.start_mark.line, k.start_mark.column)
                 stack.append((v, p + (key,)))
         elif isinstance(n, yaml.SequenceNode):
             for i, v in enumerate(n.value):
@@ -256,10 +258,10 @@ class SpecSource:
         while probe:
             m = self.marks.get(probe)
             if m is not None:
-                return self.origins.get(probe, self.file), m.line + 1, m.column + 1
+                return self.origins.get(probe, self.file), m[0] + 1, m[1] + 1
             probe = probe[:-1]
         m = self.marks.get(())
-        return (self.file, m.line + 1, m.column + 1) if m else (self.file, None, None)
+        return (self.file, m[0] + 1, m[1] + 1) if m else (self.file, None, None)
 
     def locate(self, loc: tuple, key: bool = False) -> tuple[int | None, int | None]:
         return self.where(loc, key)[1:]
