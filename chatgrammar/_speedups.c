@@ -5,8 +5,9 @@
  * chatgrammar.fastpath does the same work with struct + numpy (same results, ~2x slower for
  * Python-list input). CHATGRAMMAR_PURE=1 disables it at import time.
  *
- * pack_many(lists, total) -> bytearray
- *     Every int of every list, as native int64, back to back (total ints in all). Only exact
+ * pack_many(lists, total[, into]) -> bytearray
+ *     Every int of every list, as native int64, back to back (total ints in all), in a new
+ *     bytearray or written into `into` (a bytearray of at least 8 * total bytes). Only exact
  *     lists of exact ints are taken: anything else raises TypeError and the caller falls back
  *     to its general conversion, which gives the user-facing errors.
  *
@@ -55,9 +56,9 @@ compact_value(PyObject *v, int64_t *out)
 static PyObject *
 pack_many(PyObject *self, PyObject *args)
 {
-    PyObject *seq;
+    PyObject *seq, *into = NULL;
     Py_ssize_t total;
-    if (!PyArg_ParseTuple(args, "On:pack_many", &seq, &total))
+    if (!PyArg_ParseTuple(args, "On|O:pack_many", &seq, &total, &into))
         return NULL;
     if (total < 0) {
         PyErr_SetString(PyExc_ValueError, "pack_many: negative total");
@@ -66,7 +67,21 @@ pack_many(PyObject *self, PyObject *args)
     PyObject *fast = PySequence_Fast(seq, "pack_many: expected a sequence of lists");
     if (fast == NULL)
         return NULL;
-    PyObject *out = PyByteArray_FromStringAndSize(NULL, total * (Py_ssize_t)sizeof(int64_t));
+    PyObject *out;
+    if (into != NULL && into != Py_None) {
+        /* a caller's reusable bytearray: no fresh pages to fault in for a long input */
+        if (!PyByteArray_CheckExact(into)
+            || PyByteArray_GET_SIZE(into) < total * (Py_ssize_t)sizeof(int64_t)) {
+            PyErr_SetString(PyExc_ValueError, "pack_many: `into` must be a bytearray of at "
+                                              "least 8 * total bytes");
+            Py_DECREF(fast);
+            return NULL;
+        }
+        out = into;
+        Py_INCREF(out);
+    } else {
+        out = PyByteArray_FromStringAndSize(NULL, total * (Py_ssize_t)sizeof(int64_t));
+    }
     if (out == NULL) {
         Py_DECREF(fast);
         return NULL;
@@ -414,7 +429,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"pack_many", pack_many, METH_VARARGS,
-     "pack_many(lists, total) -> bytearray of native int64: the ints of every list."},
+     "pack_many(lists, total[, into]) -> bytearray of native int64: the ints of every list."},
     {"find_markers", find_markers, METH_VARARGS,
      "find_markers(arr, lo, lut) -> (positions, codes) as native int64 bytes."},
     {"mask_list", mask_list, METH_VARARGS,

@@ -62,6 +62,12 @@ def test_pack_many_refuses_what_the_general_conversion_must_handle():
         S.pack_many([[1, 2]], 3)
     with pytest.raises(ValueError):
         S.pack_many([[1, 2]], 1)
+    buf = bytearray(32)
+    assert S.pack_many([[7, -8]], 2, buf) is buf and buf[:16] == struct.pack("2q", 7, -8)
+    with pytest.raises(ValueError):  # too small
+        S.pack_many([[1, 2, 3, 4, 5]], 5, buf)
+    with pytest.raises(ValueError):  # not a bytearray
+        S.pack_many([[1]], 1, b"\0" * 8)
 
 
 @needs_c
@@ -287,3 +293,43 @@ def test_symbols_checks_its_inputs():
         S.symbols(a, [0, 10], np.asarray([12], dtype=np.int64), code, b, b, True)
     with pytest.raises(ValueError):
         S.symbols(a, [0], cand, code, b, b, True)
+
+
+# ----------------------------------------------------------------------------- scratch buffer
+
+@needs_c
+def test_long_inputs_reuse_a_per_thread_buffer_without_mixing_samples(monkeypatch):
+    # inputs of at least _SCRATCH_MIN ids are packed into one buffer kept per thread; a call
+    # must never see another call's ids, in sequence or from concurrent threads
+    import threading
+
+    monkeypatch.setattr(fastpath, "_SCRATCH_MIN", 64)
+    bench = _bench()
+    _texts, ids = bench.workload("kimi-k2", 8, seed=11)
+    enc = bench.kimi_encoding("kimi-k2")
+    fmt = cg.load_format("kimi-k2")
+    want = [fmt.parse_ids(x, enc).mask() for x in ids]
+    long_ = [x for x in ids if len(x) >= 64]
+    assert len(long_) >= 4
+    assert [fmt.loss_mask(x, enc) for x in ids] == want
+    assert fmt.loss_masks(ids, enc) == want
+    monkeypatch.setattr(fastpath, "_BATCH_TOKENS", 500)  # many groups, one buffer
+    assert fmt.loss_masks(ids, enc) == want
+    errors: list = []
+
+    def worker(order):
+        try:
+            for _ in range(20):
+                for i in order:
+                    if fmt.loss_mask(ids[i], enc) != want[i]:
+                        errors.append(i)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(o,)) for o in
+               (range(len(ids)), range(len(ids) - 1, -1, -1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

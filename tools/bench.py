@@ -456,7 +456,7 @@ def bench_loss_mask(version: str, n_samples: int, rounds: int) -> dict:
         k += 1
     if fmt.loss_mask(big, enc) != scanner(big):
         raise SystemExit(f"{version}: the 1M-token sequence masks disagree")
-    long = race_calls({"ours 1M": lambda: fmt.loss_mask(big, enc)}, max(2, rounds // 2))
+    long = race_calls({"ours 1M": lambda: fmt.loss_mask(big, enc)}, max(3, rounds))
     # Text mode against one whole-turn regex over the same text.
     nchar = sum(map(len, texts))
     text = race({"ours text": lambda t: fmt.parse(t).spans(),
