@@ -45,18 +45,18 @@ from __future__ import annotations
 
 import copy
 from functools import lru_cache
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 import chatgrammar as cg
 from chatgrammar.conformance import check_template
 from chatgrammar.matrix import MatrixCase, default_matrix
 from chatgrammar.render import TemplateError, render_chat
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
+from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, mapped_mask,
+                              merged_spans, parse_example, renumbered_encoding, template,
+                              user as _u)
 
-TEMPLATE = Path(__file__).resolve().parent / "data" / "templates" / "Apertus-8B-Instruct.jinja"
+TEMPLATE = "Apertus-8B-Instruct.jinja"
 FORMAT = "apertus"
 
 # --------------------------------------------------------------------------- tokenizer
@@ -69,55 +69,13 @@ APERTUS_IDS = {"<s>": 1, "</s>": 2, "<pad>": 10, "<think>": 32, "</think>": 33,
 assert APERTUS_IDS["<|assistant_end|>"] == 68 and APERTUS_IDS["<|tools_suffix|>"] == 72
 
 
-@lru_cache(maxsize=None)
-def _qwen_ranks() -> dict:
-    from tiktoken.load import load_tiktoken_bpe
-
-    ranks = load_tiktoken_bpe(str(QWEN_TIKTOKEN))
-    assert len(ranks) == QWEN_BASE_VOCAB
-    return ranks
-
-
 def _encoding(name: str, specials: dict):
-    """Qwen's BPE ranks, renumbered monotonically around the given special ids."""
-    import tiktoken
-
-    taken = set(specials.values())
-    ranks, next_id = {}, 0
-    for piece, _ in sorted(_qwen_ranks().items(), key=lambda kv: kv[1]):
-        while next_id in taken:
-            next_id += 1
-        ranks[piece] = next_id
-        next_id += 1
-    return tiktoken.Encoding(name=name, pat_str=QWEN_PATTERN, mergeable_ranks=ranks,
-                             special_tokens=dict(specials))
+    """Qwen's ranks renumbered around ``specials`` (format_kit.renumbered_encoding)."""
+    return renumbered_encoding(name, tuple(specials.items()))
 
 
-@lru_cache(maxsize=None)
 def encoding():
     return _encoding("apertus-test", APERTUS_IDS)
-
-
-def encode(tok, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """ids (the template's specials become their ids) and per-token char ranges."""
-    ids = tok.encode(text, allowed_special="all")
-    dec, starts = tok.decode_with_offsets(ids)
-    assert dec == text
-    ends, n = [], 0
-    for t in ids:  # a token that starts inside a multi-byte character covers that character
-        n += sum(1 for c in tok.decode_single_token_bytes(t) if not 0x80 <= c < 0xC0)
-        ends.append(n)
-    assert ends[-1:] in ([len(text)], [])
-    return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
-
-
-def mapped_mask(conv: cg.Conversation, ranges, n_chars: int, policy=None) -> list[int]:
-    """The documented rule: a token is trained iff it overlaps a trained character."""
-    chars = np.zeros(n_chars + 1, dtype=np.int64)
-    for s in conv.spans(policy):
-        chars[s.start:s.end] = 1
-    csum = np.concatenate([[0], np.cumsum(chars[:n_chars])])
-    return [int(b > a and csum[b] - csum[a] > 0) for a, b in ranges]
 
 
 POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
@@ -127,7 +85,7 @@ POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
 
 def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation, tok) -> cg.Conversation:
     """Every marker is one special id: id mode is the text-mode parse, token for token."""
-    ids, ranges = encode(tok, text)
+    ids, ranges = encode_with_ranges(tok, text)
     conv_ids = fmt.parse_ids(ids, tok)
     assert [w.message for w in conv_ids.warnings] == [w.message for w in conv.warnings]
     assert conv_ids.length == len(ids) and not conv_ids.boundaries
@@ -143,19 +101,7 @@ def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation, tok) -> cg.C
 
 # --------------------------------------------------------------------------- cases
 
-def _u(text):
-    return {"role": "user", "content": text}
-
-
-def _a(content, **kw):
-    return {"role": "assistant", "content": content, **kw}
-
-
-def _call(cid, name, args: str):
-    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-
-
-def _tool(cid, content):
+def _tool(cid, content):  # not format_kit.tool_result: no "name" in the message
     return {"role": "tool", "tool_call_id": cid, "content": content}
 
 
@@ -246,13 +192,8 @@ def all_cases() -> list[MatrixCase]:
 CASES = {c.name: c for c in all_cases()}
 
 
-@lru_cache(maxsize=None)
-def template() -> str:
-    return TEMPLATE.read_text(encoding="utf-8")
-
-
 def render(case: MatrixCase) -> str:
-    return render_chat(template(), copy.deepcopy(case.messages), bos_token="<s>",
+    return render_chat(template(TEMPLATE), copy.deepcopy(case.messages), bos_token="<s>",
                        eos_token="</s>", **case.render_kwargs())
 
 
@@ -510,12 +451,12 @@ def test_conformance():
     fmt = cg.load_format(FORMAT)
     variables = {"bos_token": "<s>", "eos_token": "</s>"}
     cases = [c for c in all_cases() if c.name not in WITH_TOOL_RESULTS]
-    res = check_template(fmt, template(), name=TEMPLATE.name, cases=cases,
+    res = check_template(fmt, template(TEMPLATE), name=TEMPLATE, cases=cases,
                          tokenizer=encoding(), tokenizer_name="apertus", variables=variables)
     assert res.ok, [(c.case, c.reason) for c in res.cases if c.status == "fail"]
     assert res.counts() == {"pass": len(cases) - len(REJECTED), "fail": 0,
                             "skip": len(REJECTED)}
-    bad = check_template(fmt, template(), name=TEMPLATE.name, variables=variables,
+    bad = check_template(fmt, template(TEMPLATE), name=TEMPLATE, variables=variables,
                          cases=[c for c in all_cases() if c.name in WITH_TOOL_RESULTS])
     assert len(bad.cases) == len(WITH_TOOL_RESULTS)
     for c in bad.cases:
@@ -528,47 +469,24 @@ def test_conformance():
 
 # --------------------------------------------------------------------------- examples
 
-def _example(text: str) -> tuple[str, list[tuple[int, int]]]:
-    plain, spans, start, n = [], [], None, 0
-    for ch in text:
-        if ch == "⟦":
-            start = n
-        elif ch == "⟧":
-            spans.append((start, n))
-        else:
-            plain.append(ch)
-            n += 1
-    return "".join(plain), spans
-
-
-def _merged(spans) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s in spans:
-        if out and out[-1][1] == s.start:
-            out[-1][1] = s.end
-        else:
-            out.append([s.start, s.end])
-    return [tuple(x) for x in out]
-
-
 def test_embedded_examples_text_and_ids() -> None:
     fmt = cg.load_format(FORMAT)
     assert len(fmt.spec.examples) >= 12
     tok = encoding()
     for ex in fmt.spec.examples:
-        text, want = _example(ex.text)
+        text, want = parse_example(ex.text)
         policy = cg.MaskPolicy.from_mapping(ex.policy, fmt.default_policy) if ex.policy else None
         if ex.error:
             with pytest.raises(cg.ParseError, match=ex.error):
                 fmt.parse(text)
             with pytest.raises(cg.ParseError, match=ex.error):
-                fmt.parse_ids(encode(tok, text)[0], tok)
+                fmt.parse_ids(encode_with_ranges(tok, text)[0], tok)
             continue
         conv = fmt.parse(text)
-        assert _merged(conv.spans(policy)) == want, ex.name
+        assert merged_spans(conv.spans(policy)) == want, ex.name
         if text.endswith("<|assista"):
             continue  # a cut inside a marker string: text only (covered by the truncation test)
-        ids, ranges = encode(tok, text)
+        ids, ranges = encode_with_ranges(tok, text)
         conv_ids = fmt.parse_ids(ids, tok)
         assert fmt.loss_mask(ids, tok, policy=policy) == \
             mapped_mask(conv, ranges, len(text), policy), ex.name
@@ -578,13 +496,13 @@ def test_embedded_examples_text_and_ids() -> None:
 # --------------------------------------------------------------------------- detection
 
 def test_detect_template():
-    assert cg.detect_format(chat_template=template()).name == FORMAT
+    assert cg.detect_format(chat_template=template(TEMPLATE)).name == FORMAT
 
 
 def test_detect_tokenizer():
     tok = encoding()
     assert cg.detect_format(tok).name == FORMAT
-    assert cg.detect_format(tok, chat_template=template()).name == FORMAT
+    assert cg.detect_format(tok, chat_template=template(TEMPLATE)).name == FORMAT
 
 
 def test_other_families_markers_decide():
@@ -637,7 +555,7 @@ def test_truncation_both_modes(name: str) -> None:
         assert conv.mask() == full.mask()[:min(k, last.start)] + [0] * max(0, k - last.start)
 
     tok = encoding()
-    ids, _ = encode(tok, text)
+    ids, _ = encode_with_ranges(tok, text)
     full_ids = fmt.parse_ids(ids, tok)
     full_mask = full_ids.mask_array().tolist()
     lt = _last_closed_assistant(full_ids)

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import copy
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,10 +59,11 @@ import chatgrammar as cg
 from chatgrammar.conformance import check_template
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
 from chatgrammar.render import TemplateError, render_chat
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN, phi3_tokenizer
+from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, merged_spans,
+                              parse_example, renumbered_encoding, template, user as _u)
+from tests.tokenizers import phi3_tokenizer
 
-TEMPLATE = (Path(__file__).resolve().parent / "data" / "templates"
-            / "ServiceNow-AI-Apriel-1.5-15b-Thinker.jinja")
+TEMPLATE = "ServiceNow-AI-Apriel-1.5-15b-Thinker.jinja"
 
 BOS, EOS = "<s>", "</s>"
 SYSTEM, USER, ASSISTANT = "<|system|>", "<|user|>", "<|assistant|>"
@@ -85,56 +85,22 @@ FMT = cg.load_format("apriel")
 # --------------------------------------------------------------------------- tokenizers
 
 
-@lru_cache(maxsize=None)
-def _qwen_ranks() -> dict:
-    from tiktoken.load import load_tiktoken_bpe
-
-    ranks = load_tiktoken_bpe(str(QWEN_TIKTOKEN))
-    assert len(ranks) == QWEN_BASE_VOCAB
-    return ranks
-
-
-@lru_cache(maxsize=None)
 def encoding(kind: str = "apriel"):
     """``apriel``: every Apriel marker one id; ``apriel-text``: the thinking and tool-call
     tags are BPE text."""
-    import tiktoken
-
     specials = {**TEKKEN_IDS, **REPORTED_IDS, **UNKNOWN_IDS}
     if kind == "apriel":
         specials.update(TAG_IDS)
-    taken = set(specials.values())
-    ranks, next_id = {}, 0
-    for piece, _ in sorted(_qwen_ranks().items(), key=lambda kv: kv[1]):
-        while next_id in taken:
-            next_id += 1
-        ranks[piece] = next_id
-        next_id += 1
-    return tiktoken.Encoding(name=f"{kind}-test", pat_str=QWEN_PATTERN, mergeable_ranks=ranks,
-                             special_tokens=specials)
+    return renumbered_encoding(f"{kind}-test", tuple(specials.items()))
 
 
 KINDS = ["apriel", "apriel-text"]
 
 
-def encode(tok, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """ids (the specials written by the template become their ids) and per-token char
-    ranges."""
-    ids = tok.encode(text, allowed_special="all")
-    dec, starts = tok.decode_with_offsets(ids)
-    assert dec == text
-    ends, n = [], 0
-    for t in ids:  # a token that starts inside a multi-byte character covers it
-        n += sum(1 for c in tok.decode_single_token_bytes(t) if not 0x80 <= c < 0xC0)
-        ends.append(n)
-    assert ends[-1:] in ([len(text)], [])
-    return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
-
-
 def mapped_mask(conv: cg.Conversation, ranges, n_chars: int, policy=None,
                 kind: str | None = None) -> list[int]:
     """The documented rule: a token is trained iff it overlaps a trained character (of
-    ``kind``, when given)."""
+    ``kind``, when given). Kept here, not format_kit.mapped_mask: that one has no ``kind``."""
     chars = np.zeros(n_chars + 1, dtype=np.int64)
     for s in conv.spans(policy):
         if kind is None or s.kind == kind:
@@ -163,7 +129,7 @@ def check_id_mode(text: str, conv: cg.Conversation, tok) -> cg.Conversation:
     span of its own, and the boundary is reported. Such reported tokens are the only
     difference allowed, and only where a policy drops a block (the newline belongs to the
     untrained terminator in text mode)."""
-    ids, ranges = encode(tok, text)
+    ids, ranges = encode_with_ranges(tok, text)
     conv_ids = FMT.parse_ids(ids, tok)
     assert conv_ids.length == len(ids)
     assert len(conv_ids.warnings) == len(conv.warnings)
@@ -194,19 +160,7 @@ def assert_mask(got, want, policy, soft) -> None:
 # --------------------------------------------------------------------------- cases
 
 
-def _u(text):
-    return {"role": "user", "content": text}
-
-
-def _a(text, **kw):
-    return {"role": "assistant", "content": text, **kw}
-
-
-def _call(cid, name, args):
-    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-
-
-def _result(cid, content):
+def _result(cid, content):  # not format_kit.tool_result: no "name" in the message
     return {"role": "tool", "tool_call_id": cid, "content": content}
 
 
@@ -273,13 +227,8 @@ def all_cases() -> list[MatrixCase]:
 CASES = {c.name: c for c in all_cases()}
 
 
-@lru_cache(maxsize=None)
-def template() -> str:
-    return TEMPLATE.read_text(encoding="utf-8")
-
-
 def render(case: MatrixCase) -> str:
-    return render_chat(template(), copy.deepcopy(case.messages), **SPECIALS,
+    return render_chat(template(TEMPLATE), copy.deepcopy(case.messages), **SPECIALS,
                        **case.render_kwargs())
 
 
@@ -450,7 +399,7 @@ def test_template_matrix(name: str) -> None:
     # before an empty body or a call block), the token goes with the body (it holds body text)
     # and the boundary is reported, once per such turn
     for kind in KINDS:
-        _, ranges = encode(encoding(kind), text)
+        _, ranges = encode_with_ranges(encoding(kind), text)
         merged_headers = [t for t in conv.turns if any(
             a < t.block.header_end < b for a, b in ranges)]
         conv_ids = check_id_mode(text, conv, encoding(kind))
@@ -506,7 +455,7 @@ def test_conformance(kind: str) -> None:
     """The render-diff oracle (chatgrammar.conformance) over the matrix and the Apriel cases, in
     text mode, with the one-id-per-marker tokenizer and with an Apriel tokenizer."""
     cases = [c for c in all_cases() if c.name not in NOT_CONFORMANCE]
-    res = check_template(FMT, template(), name=TEMPLATE.name, cases=cases,
+    res = check_template(FMT, template(TEMPLATE), name=TEMPLATE, cases=cases,
                          tokenizer=encoding(kind), tokenizer_name=kind, variables=SPECIALS)
     assert res.ok, [(c.case, c.reason) for c in res.cases if c.status == "fail"]
     assert res.counts() == {"pass": len(cases), "fail": 0, "skip": 0}
@@ -516,10 +465,10 @@ def test_conformance_needs_the_real_eos():
     """The template writes `eos_token` after each assistant turn: without it the check says
     the template needs the variable; with another string than Apriel's "</s>" the rendering
     does not parse (text between turns), so no case passes vacuously."""
-    res = check_template(FMT, template(), name=TEMPLATE.name)
+    res = check_template(FMT, template(TEMPLATE), name=TEMPLATE)
     fails = [c for c in res.cases if c.status == "fail"]
     assert fails and all("needs the variable 'eos_token'" in c.reason for c in fails)
-    res = check_template(FMT, template(), name=TEMPLATE.name, variables={"eos_token": "<eos>"})
+    res = check_template(FMT, template(TEMPLATE), name=TEMPLATE, variables={"eos_token": "<eos>"})
     fails = [c for c in res.cases if c.status == "fail"]
     assert fails and all("text between turns does not match" in c.reason for c in fails)
     # the one case that passes is the one without an assistant message
@@ -529,47 +478,24 @@ def test_conformance_needs_the_real_eos():
 # --------------------------------------------------------------------------- examples
 
 
-def _example(text: str) -> tuple[str, list[tuple[int, int]]]:
-    plain, spans, start, n = [], [], None, 0
-    for ch in text:
-        if ch == "⟦":
-            start = n
-        elif ch == "⟧":
-            spans.append((start, n))
-        else:
-            plain.append(ch)
-            n += 1
-    return "".join(plain), spans
-
-
-def _merged(spans) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s in spans:
-        if out and out[-1][1] == s.start:
-            out[-1][1] = s.end
-        else:
-            out.append([s.start, s.end])
-    return [tuple(x) for x in out]
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_embedded_examples_text_and_ids(kind: str) -> None:
     tok = encoding(kind)
     assert len(FMT.spec.examples) >= 12
     for ex in FMT.spec.examples:
-        text, want = _example(ex.text)
+        text, want = parse_example(ex.text)
         policy = cg.MaskPolicy.from_mapping(ex.policy, FMT.default_policy) if ex.policy else None
         if ex.error:
             with pytest.raises(cg.ParseError, match="unexpected"):
                 FMT.parse(text)
             with pytest.raises(cg.ParseError, match="unexpected"):
-                FMT.parse_ids(encode(tok, text)[0], tok)
+                FMT.parse_ids(encode_with_ranges(tok, text)[0], tok)
             continue
         conv = FMT.parse(text)
-        assert _merged(conv.spans(policy)) == want, ex.name
+        assert merged_spans(conv.spans(policy)) == want, ex.name
         if text.endswith("<|assist"):
             continue  # a cut inside a marker string: text only (covered by the truncation test)
-        ids, ranges = encode(tok, text)
+        ids, ranges = encode_with_ranges(tok, text)
         conv_ids = FMT.parse_ids(ids, tok)
         soft = {b.offset for b in conv_ids.boundaries if "soft marker" in b.message}
         assert not soft or kind == "apriel-text", ex.name
@@ -583,8 +509,8 @@ def test_embedded_examples_text_and_ids(kind: str) -> None:
 
 def test_detect_template() -> None:
     """Only apriel matches the template: Phi-3's detector declares <|tool_result|> absent."""
-    assert cg.detect_format(chat_template=template()).name == "apriel"
-    ex = cg.explain_detection(chat_template=template())
+    assert cg.detect_format(chat_template=template(TEMPLATE)).name == "apriel"
+    ex = cg.explain_detection(chat_template=template(TEMPLATE))
     assert ex.matched == ["apriel"] and ex.rule == {"kind": "only-match"}
 
 
@@ -597,7 +523,7 @@ def test_detect_tokenizer(kind: str) -> None:
     assert cg.detect_format(tok).name == "apriel"
     ex = cg.explain_detection(tok)
     assert sorted(ex.matched) == ["apriel", "phi3"]
-    assert cg.detect_format(tok, chat_template=template()).name == "apriel"
+    assert cg.detect_format(tok, chat_template=template(TEMPLATE)).name == "apriel"
 
 
 @pytest.mark.parametrize("apriel_only", [TOOL_RESULT, CONTENT, BEGIN_FINAL])
@@ -679,7 +605,7 @@ def test_truncation_both_modes(name: str) -> None:
 
     for kind in KINDS:
         tok = encoding(kind)
-        ids, _ = encode(tok, text)
+        ids, _ = encode_with_ranges(tok, text)
         full_ids = FMT.parse_ids(ids, tok)
         full_mask = full_ids.mask_array().tolist()
         lt = _last_assistant(full_ids)

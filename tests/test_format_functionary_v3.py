@@ -37,7 +37,6 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import chatgrammar as cg
@@ -45,10 +44,13 @@ from chatgrammar.conformance import check_template
 from chatgrammar.detect import explain_detection
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
 from chatgrammar.render import TemplateError, render_chat
-from tests.tokenizers import QWEN_PATTERN, QWEN_TIKTOKEN
+from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, mapped_mask,
+                              merged_spans, parse_example, qwen_ranks, template,
+                              tool_result as _result, user as _u)
+from tests.tokenizers import QWEN_PATTERN
 
 DATA = Path(__file__).resolve().parent / "data" / "templates"
-TEMPLATE = DATA / "meetkai-functionary-medium-v3.2.jinja"
+TEMPLATE = "meetkai-functionary-medium-v3.2.jinja"
 LLAMA31 = DATA / "meta-llama-Llama-3.1-8B-Instruct.jinja"
 
 BOT, EOT = "<|begin_of_text|>", "<|eot_id|>"
@@ -70,12 +72,11 @@ FMT = cg.load_format("functionary-v3")
 
 @lru_cache(maxsize=None)
 def encoding():
-    """Qwen's ranks (those >= 128000 shifted up by 256) with Llama 3.1's specials."""
+    """Qwen's ranks (those >= 128000 shifted up by 256) with Llama 3.1's specials. Not
+    format_kit.renumbered_encoding: the ranks are shifted, not renumbered around the ids."""
     import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
 
-    ranks = {b: (r if r < 128000 else r + 256)
-             for b, r in load_tiktoken_bpe(str(QWEN_TIKTOKEN)).items()}
+    ranks = {b: (r if r < 128000 else r + 256) for b, r in qwen_ranks().items()}
     assert not set(LLAMA31_IDS.values()) & set(ranks.values())
     return tiktoken.Encoding(name="functionary-llama31-test", pat_str=QWEN_PATTERN,
                              mergeable_ranks=ranks, special_tokens=LLAMA31_IDS)
@@ -94,27 +95,7 @@ def with_template(template_src: str):
 
 
 def encode(text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """ids (the specials written by the template become their ids) and per-token char
-    ranges."""
-    tok = encoding()
-    ids = tok.encode(text, allowed_special="all")
-    dec, starts = tok.decode_with_offsets(ids)
-    assert dec == text
-    ends, n = [], 0
-    for t in ids:  # a token that starts inside a multi-byte character covers it
-        n += sum(1 for c in tok.decode_single_token_bytes(t) if not 0x80 <= c < 0xC0)
-        ends.append(n)
-    assert ends[-1:] in ([len(text)], [])
-    return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
-
-
-def mapped_mask(conv: cg.Conversation, ranges, n_chars: int, policy=None) -> list[int]:
-    """The documented rule: a token is trained iff it overlaps a trained character."""
-    chars = np.zeros(n_chars + 1, dtype=np.int64)
-    for s in conv.spans(policy):
-        chars[s.start:s.end] = 1
-    csum = np.concatenate([[0], np.cumsum(chars[:n_chars])])
-    return [int(b > a and csum[b] - csum[a] > 0) for a, b in ranges]
+    return encode_with_ranges(encoding(), text)
 
 
 POLICIES = [None, cg.MaskPolicy(end_marker=True), cg.MaskPolicy(tool_calls=False),
@@ -140,22 +121,6 @@ def check_id_mode(text: str, conv: cg.Conversation) -> cg.Conversation:
 
 
 # --------------------------------------------------------------------------- cases
-
-
-def _u(text):
-    return {"role": "user", "content": text}
-
-
-def _a(text, **kw):
-    return {"role": "assistant", "content": text, **kw}
-
-
-def _call(cid, name, args: str):
-    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-
-
-def _result(cid, name, content):
-    return {"role": "tool", "tool_call_id": cid, "name": name, "content": content}
 
 
 NESTED_TOOL = {"type": "function", "function": {
@@ -231,13 +196,8 @@ def all_cases() -> list[MatrixCase]:
 CASES = {c.name: c for c in all_cases()}
 
 
-@lru_cache(maxsize=None)
-def template() -> str:
-    return TEMPLATE.read_text(encoding="utf-8")
-
-
 def render(case: MatrixCase, tpl: str | None = None) -> str:
-    return render_chat(tpl or template(), copy.deepcopy(case.messages), **SPECIALS,
+    return render_chat(tpl or template(TEMPLATE), copy.deepcopy(case.messages), **SPECIALS,
                        **case.render_kwargs())
 
 
@@ -385,7 +345,7 @@ def test_conformance() -> None:
     # writes it, which the checker's expected output (JSON arguments) cannot read; the oracle of
     # test_template_matrix covers it in text and id mode.
     cases = [c for c in all_cases() if c.name != "fn-code-interpreter"]
-    res = check_template(FMT, template(), name=TEMPLATE.name, cases=cases, variables=SPECIALS,
+    res = check_template(FMT, template(TEMPLATE), name=TEMPLATE, cases=cases, variables=SPECIALS,
                          tokenizer=encoding(), tokenizer_name="llama31")
     assert res.ok, [(c.case, c.reason) for c in res.cases if c.status == "fail"]
     assert res.counts() == {"pass": len(cases) - len(REJECTED), "fail": 0,
@@ -399,7 +359,7 @@ def test_llama3_would_train_the_prompt_end():
     """Why a format of its own: llama3 parses these renderings but trains the `>>>` that ends
     the generation prompt as header-less text and cannot type the calls."""
     llama3 = cg.load_format("llama3")
-    res = check_template(llama3, template(), name=TEMPLATE.name,
+    res = check_template(llama3, template(TEMPLATE), name=TEMPLATE,
                          cases=[CASES["basic"]], variables=SPECIALS)
     assert not res.ok and "its header is trained" in res.cases[0].reason
     text = dict(_renders()[0])["fn-text-and-calls"]
@@ -409,37 +369,14 @@ def test_llama3_would_train_the_prompt_end():
 # --------------------------------------------------------------------------- examples
 
 
-def _example(text: str) -> tuple[str, list[tuple[int, int]]]:
-    plain, spans, start, n = [], [], None, 0
-    for ch in text:
-        if ch == "⟦":
-            start = n
-        elif ch == "⟧":
-            spans.append((start, n))
-        else:
-            plain.append(ch)
-            n += 1
-    return "".join(plain), spans
-
-
-def _merged(spans) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s in spans:
-        if out and out[-1][1] == s.start:
-            out[-1][1] = s.end
-        else:
-            out.append([s.start, s.end])
-    return [tuple(x) for x in out]
-
-
 def test_embedded_examples_text_and_ids() -> None:
     tok = encoding()
     assert len(FMT.spec.examples) >= 10
     for ex in FMT.spec.examples:
-        text, want = _example(ex.text)
+        text, want = parse_example(ex.text)
         policy = cg.MaskPolicy.from_mapping(ex.policy, FMT.default_policy) if ex.policy else None
         conv = FMT.parse(text)
-        assert _merged(conv.spans(policy)) == want, ex.name
+        assert merged_spans(conv.spans(policy)) == want, ex.name
         ids, ranges = encode(text)
         conv_ids = FMT.parse_ids(ids, tok)
         assert FMT.loss_mask(ids, tok, policy=policy) == \
@@ -453,8 +390,8 @@ def test_embedded_examples_text_and_ids() -> None:
 def test_detect_template() -> None:
     """The Functionary template detects as functionary-v3 only: it writes `>>>all`, which
     llama3 declares absent from its templates."""
-    assert cg.detect_format(chat_template=template()).name == "functionary-v3"
-    ex = explain_detection(chat_template=template())
+    assert cg.detect_format(chat_template=template(TEMPLATE)).name == "functionary-v3"
+    ex = explain_detection(chat_template=template(TEMPLATE))
     assert ex.matched == ["functionary-v3"] and ex.rule == {"kind": "only-match"}
     assert ex.evidence["llama3"]["template"]["forbidden_present"] == [">>>all"]
     # Llama 3.1's own template (and functionary v3.1's, plain Llama 3.1 turns) stay llama3
@@ -474,10 +411,10 @@ def test_detect_tokenizer_alone_is_llama3() -> None:
 
 def test_detect_tokenizer_with_a_template() -> None:
     """The template decides between them: carried by the tokenizer or given."""
-    fn = explain_detection(with_template(template()))
+    fn = explain_detection(with_template(template(TEMPLATE)))
     assert fn.format == "functionary-v3"
     assert fn.rule["template_ruled_out"] == ["llama3"] and fn.rule["precedence_alone"] == "llama3"
-    assert cg.detect_format(encoding(), chat_template=template()).name == "functionary-v3"
+    assert cg.detect_format(encoding(), chat_template=template(TEMPLATE)).name == "functionary-v3"
     llama = LLAMA31.read_text(encoding="utf-8")
     assert explain_detection(with_template(llama)).format == "llama3"
     assert cg.detect_format(encoding(), chat_template=llama).name == "llama3"

@@ -46,9 +46,7 @@ from __future__ import annotations
 import copy
 import json
 from functools import lru_cache
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 import chatgrammar as cg
@@ -56,9 +54,10 @@ from chatgrammar.conformance import check_template
 from chatgrammar.detect import explain_detection
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
 from chatgrammar.render import TemplateError, render_chat
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
+from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, mapped_mask,
+                              merged_spans, parse_example, renumbered_encoding, template,
+                              tool_result as _result, user as _u)
 
-DATA = Path(__file__).resolve().parent / "data" / "templates"
 LLAMACPP = "google-functiongemma.jinja"
 LITERT = "google-ai-edge-LiteRT-LM-functiongemma.jinja"
 TEMPLATES = (LLAMACPP, LITERT)
@@ -79,48 +78,13 @@ FMT = cg.load_format("functiongemma")
 # --------------------------------------------------------------------------- tokenizer
 
 
-@lru_cache(maxsize=None)
 def encoding(specials: tuple = tuple(REAL_IDS.items())):
     """Qwen's ranks renumbered around the special ids, plus the specials."""
-    import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
-
-    specials = dict(specials)
-    base = load_tiktoken_bpe(str(QWEN_TIKTOKEN))
-    assert len(base) == QWEN_BASE_VOCAB
-    taken = set(specials.values())
-    ranks, next_id = {}, 0
-    for piece, _ in sorted(base.items(), key=lambda kv: kv[1]):
-        while next_id in taken:
-            next_id += 1
-        ranks[piece] = next_id
-        next_id += 1
-    return tiktoken.Encoding(name="functiongemma-test", pat_str=QWEN_PATTERN,
-                             mergeable_ranks=ranks, special_tokens=specials)
+    return renumbered_encoding("functiongemma-test", specials)
 
 
 def encode(text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """ids (the specials written by the template become their ids) and per-token char
-    ranges."""
-    tok = encoding()
-    ids = tok.encode(text, allowed_special="all")
-    dec, starts = tok.decode_with_offsets(ids)
-    assert dec == text
-    ends, n = [], 0
-    for t in ids:  # a token that starts inside a multi-byte character covers it
-        n += sum(1 for c in tok.decode_single_token_bytes(t) if not 0x80 <= c < 0xC0)
-        ends.append(n)
-    assert ends[-1:] in ([len(text)], [])
-    return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
-
-
-def mapped_mask(conv: cg.Conversation, ranges, n_chars: int, policy=None) -> list[int]:
-    """The documented rule: a token is trained iff it overlaps a trained character."""
-    chars = np.zeros(n_chars + 1, dtype=np.int64)
-    for s in conv.spans(policy):
-        chars[s.start:s.end] = 1
-    csum = np.concatenate([[0], np.cumsum(chars[:n_chars])])
-    return [int(b > a and csum[b] - csum[a] > 0) for a, b in ranges]
+    return encode_with_ranges(encoding(), text)
 
 
 POLICIES = [None, cg.MaskPolicy(end_marker=True), cg.MaskPolicy(tool_calls=False),
@@ -148,22 +112,6 @@ def check_id_mode(text: str, conv: cg.Conversation) -> cg.Conversation:
 
 
 # --------------------------------------------------------------------------- cases
-
-
-def _u(text):
-    return {"role": "user", "content": text}
-
-
-def _a(text, **kw):
-    return {"role": "assistant", "content": text, **kw}
-
-
-def _call(cid, name, args):
-    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-
-
-def _result(cid, name, content):
-    return {"role": "tool", "tool_call_id": cid, "name": name, "content": content}
 
 
 _SYS = {"role": "system", "content": "Be brief."}
@@ -220,11 +168,6 @@ def all_cases() -> list[MatrixCase]:
 
 
 CASES = {c.name: c for c in all_cases()}
-
-
-@lru_cache(maxsize=None)
-def template(name: str) -> str:
-    return (DATA / name).read_text(encoding="utf-8")
 
 
 def render(case: MatrixCase, tpl: str) -> str:
@@ -457,37 +400,14 @@ def test_gemma_would_train_the_tool_responses():
 # --------------------------------------------------------------------------- examples
 
 
-def _example(text: str) -> tuple[str, list[tuple[int, int]]]:
-    plain, spans, start, n = [], [], None, 0
-    for ch in text:
-        if ch == "⟦":
-            start = n
-        elif ch == "⟧":
-            spans.append((start, n))
-        else:
-            plain.append(ch)
-            n += 1
-    return "".join(plain), spans
-
-
-def _merged(spans) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s in spans:
-        if out and out[-1][1] == s.start:
-            out[-1][1] = s.end
-        else:
-            out.append([s.start, s.end])
-    return [tuple(x) for x in out]
-
-
 def test_embedded_examples_text_and_ids() -> None:
     tok = encoding()
     assert len(FMT.spec.examples) >= 10
     for ex in FMT.spec.examples:
-        text, want = _example(ex.text)
+        text, want = parse_example(ex.text)
         policy = cg.MaskPolicy.from_mapping(ex.policy, FMT.default_policy) if ex.policy else None
         conv = FMT.parse(text)
-        assert _merged(conv.spans(policy)) == want, ex.name
+        assert merged_spans(conv.spans(policy)) == want, ex.name
         if text.endswith(SOT + "mod"):
             continue  # a cut inside the role: the same in id mode (covered by truncation)
         ids, ranges = encode(text)

@@ -55,18 +55,17 @@ from __future__ import annotations
 import copy
 import json
 from functools import lru_cache
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 import chatgrammar as cg
 from chatgrammar.conformance import check_template
 from chatgrammar.matrix import MatrixCase, default_matrix
 from chatgrammar.render import render_chat
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
+from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, mapped_mask,
+                              merged_spans, parse_example, renumbered_encoding, template,
+                              user as _u)
 
-TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 G30 = "GigaChat3-10B-A1.8B.jinja"
 G31 = "GigaChat3.1-10B-A1.8B.jinja"
 TEMPLATE_NAMES = [G30, G31]
@@ -82,53 +81,11 @@ GIGACHAT2_IDS = {"<unk>": 0, "<s>": 1, "</s>": 2, "<|role_sep|>": 128000,
 VOCABS = {"gigachat3": GIGACHAT3_IDS, "gigachat2": GIGACHAT2_IDS}
 
 
-@lru_cache(maxsize=None)
-def _qwen_ranks() -> dict:
-    from tiktoken.load import load_tiktoken_bpe
-
-    ranks = load_tiktoken_bpe(str(QWEN_TIKTOKEN))
-    assert len(ranks) == QWEN_BASE_VOCAB
-    return ranks
-
-
-@lru_cache(maxsize=None)
 def encoding(vocab: str, extra: tuple = ()):
     """Qwen's BPE ranks, renumbered monotonically around the special ids (``extra``: more
     special tokens, for the detection tests)."""
-    import tiktoken
-
     specials = {**VOCABS[vocab], **dict(extra)}
-    taken = set(specials.values())
-    ranks, next_id = {}, 0
-    for piece, _ in sorted(_qwen_ranks().items(), key=lambda kv: kv[1]):
-        while next_id in taken:
-            next_id += 1
-        ranks[piece] = next_id
-        next_id += 1
-    return tiktoken.Encoding(name=f"{vocab}-test-{len(extra)}", pat_str=QWEN_PATTERN,
-                             mergeable_ranks=ranks, special_tokens=specials)
-
-
-def encode(tok, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """ids (specials written by the template become their ids) and per-token char ranges."""
-    ids = tok.encode(text, allowed_special="all")
-    dec, starts = tok.decode_with_offsets(ids)
-    assert dec == text
-    ends, n = [], 0
-    for t in ids:  # a token that starts inside a multi-byte character covers that character
-        n += sum(1 for c in tok.decode_single_token_bytes(t) if not 0x80 <= c < 0xC0)
-        ends.append(n)
-    assert ends[-1:] in ([len(text)], [])
-    return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
-
-
-def mapped_mask(conv: cg.Conversation, ranges, n_chars: int, policy=None) -> list[int]:
-    """The documented rule: a token is trained iff it overlaps a trained character."""
-    chars = np.zeros(n_chars + 1, dtype=np.int64)
-    for s in conv.spans(policy):
-        chars[s.start:s.end] = 1
-    csum = np.concatenate([[0], np.cumsum(chars[:n_chars])])
-    return [int(b > a and csum[b] - csum[a] > 0) for a, b in ranges]
+    return renumbered_encoding(f"{vocab}-test-{len(extra)}", tuple(specials.items()))
 
 
 POLICIES = [None, cg.MaskPolicy(end_marker=True), cg.MaskPolicy(tool_calls=False),
@@ -136,7 +93,7 @@ POLICIES = [None, cg.MaskPolicy(end_marker=True), cg.MaskPolicy(tool_calls=False
 
 
 def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation, tok) -> cg.Conversation:
-    ids, ranges = encode(tok, text)
+    ids, ranges = encode_with_ranges(tok, text)
     conv_ids = fmt.parse_ids(ids, tok)
     assert not conv_ids.warnings and conv_ids.length == len(ids)
     # A body that starts with a newline merges with the header's "\n" (`lead`) into one token
@@ -157,18 +114,6 @@ def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation, tok) -> cg.C
 
 
 # --------------------------------------------------------------------------- cases
-
-def _u(text):
-    return {"role": "user", "content": text}
-
-
-def _a(text, **kw):
-    return {"role": "assistant", "content": text, **kw}
-
-
-def _call(cid, name, args):
-    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather.\nCelsius only.",
@@ -208,11 +153,6 @@ def all_cases() -> list[MatrixCase]:
 
 
 CASES = {c.name: c for c in all_cases()}
-
-
-@lru_cache(maxsize=None)
-def template(name: str) -> str:
-    return (TEMPLATES / name).read_text(encoding="utf-8")
 
 
 def render(tpl: str, case: MatrixCase, bos: str = BOS) -> str:
@@ -392,29 +332,6 @@ def test_without_bos(tpl: str) -> None:
 
 # --------------------------------------------------------------------------- examples
 
-def _example(text: str) -> tuple[str, list[tuple[int, int]]]:
-    plain, spans, start, n = [], [], None, 0
-    for ch in text:
-        if ch == "⟦":
-            start = n
-        elif ch == "⟧":
-            spans.append((start, n))
-        else:
-            plain.append(ch)
-            n += 1
-    return "".join(plain), spans
-
-
-def _merged(spans) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s in spans:
-        if out and out[-1][1] == s.start:
-            out[-1][1] = s.end
-        else:
-            out.append([s.start, s.end])
-    return [tuple(x) for x in out]
-
-
 @pytest.mark.parametrize("vocab", list(VOCABS))
 def test_embedded_examples_text_and_ids(vocab: str) -> None:
     fmt = cg.load_format("gigachat3")
@@ -422,8 +339,8 @@ def test_embedded_examples_text_and_ids(vocab: str) -> None:
     tok = encoding(vocab)
     checked = 0
     for ex in fmt.spec.examples:
-        text, want = _example(ex.text)
-        ids, ranges = encode(tok, text)
+        text, want = parse_example(ex.text)
+        ids, ranges = encode_with_ranges(tok, text)
         if ex.error:
             with pytest.raises(cg.ParseError, match=ex.error):
                 fmt.parse(text)
@@ -432,7 +349,7 @@ def test_embedded_examples_text_and_ids(vocab: str) -> None:
             continue
         policy = cg.MaskPolicy.from_mapping(ex.policy, fmt.default_policy) if ex.policy else None
         conv = fmt.parse(text)
-        assert _merged(conv.spans(policy)) == want, ex.name
+        assert merged_spans(conv.spans(policy)) == want, ex.name
         conv_ids = fmt.parse_ids(ids, tok)
         assert fmt.loss_mask(ids, tok, policy=policy) == \
             mapped_mask(conv, ranges, len(text), policy), ex.name
@@ -526,7 +443,7 @@ def test_truncation_both_modes(tpl: str) -> None:
 
     for vocab in VOCABS:
         tok = encoding(vocab)
-        ids, _ = encode(tok, text)
+        ids, _ = encode_with_ranges(tok, text)
         full_ids = fmt.parse_ids(ids, tok).mask()
         for c in range(len(ids) + 1):
             m = fmt.loss_mask(ids[:c], tok)
@@ -544,7 +461,7 @@ def test_fast_path_serves_gigachat():
     sample of each shape, `loss_masks` takes the memoised fast path (same masks)."""
     fmt = cg.load_format("gigachat3")
     tok = encoding("gigachat3")
-    batch = [encode(tok, text)[0] for tpl in TEMPLATE_NAMES for _, text in renders(tpl)]
+    batch = [encode_with_ranges(tok, text)[0] for tpl in TEMPLATE_NAMES for _, text in renders(tpl)]
     want = [fmt.parse_ids(ids, tok).mask() for ids in batch]
     assert fmt.loss_masks(batch, tok) == want
     fm = fmt._fast_masker(tok)

@@ -57,14 +57,14 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import chatgrammar as cg
 from chatgrammar.conformance import check_template
 from chatgrammar.matrix import MatrixCase, default_matrix
 from chatgrammar.render import TemplateError, render_chat
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
+from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, mapped_mask,
+                              merged_spans, parse_example, renumbered_encoding, user as _u)
 
 DATA = Path(__file__).resolve().parent / "data"
 TEMPLATES = DATA / "templates"
@@ -96,53 +96,10 @@ assert GRANITE4_IDS["<|end_of_text|>"] == 100257 and GRANITE4_IDS["<|start_of_ro
 assert GRANITE4_IDS["<tool_call>"] == 100270 and GRANITE4_IDS["</documents>"] == 100283
 
 
-@lru_cache(maxsize=None)
-def _qwen_ranks() -> dict:
-    from tiktoken.load import load_tiktoken_bpe
-
-    ranks = load_tiktoken_bpe(str(QWEN_TIKTOKEN))
-    assert len(ranks) == QWEN_BASE_VOCAB
-    return ranks
-
-
-@lru_cache(maxsize=None)
 def encoding(family: str):
     """Qwen's BPE ranks, renumbered monotonically around Granite's special ids."""
-    import tiktoken
-
-    specials = dict(GRANITE3_IDS if family == "granite3" else GRANITE4_IDS)
-    taken = set(specials.values())
-    ranks, next_id = {}, 0
-    for piece, _ in sorted(_qwen_ranks().items(), key=lambda kv: kv[1]):
-        while next_id in taken:
-            next_id += 1
-        ranks[piece] = next_id
-        next_id += 1
-    return tiktoken.Encoding(name=f"{family}-test", pat_str=QWEN_PATTERN,
-                             mergeable_ranks=ranks, special_tokens=specials)
-
-
-def encode(tok, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """ids (specials written by the template become their ids) and per-token char ranges."""
-    ids = tok.encode(text, allowed_special="all")
-    dec, starts = tok.decode_with_offsets(ids)
-    assert dec == text
-    # a token that starts inside a multi-byte character covers that character
-    ends, n = [], 0
-    for t in ids:
-        n += sum(1 for c in tok.decode_single_token_bytes(t) if not 0x80 <= c < 0xC0)
-        ends.append(n)
-    assert ends[-1:] in ([len(text)], [])
-    return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
-
-
-def mapped_mask(conv: cg.Conversation, ranges, n_chars: int, policy=None) -> list[int]:
-    """The documented rule: a token is trained iff it overlaps a trained character."""
-    chars = np.zeros(n_chars + 1, dtype=np.int64)
-    for s in conv.spans(policy):
-        chars[s.start:s.end] = 1
-    csum = np.concatenate([[0], np.cumsum(chars[:n_chars])])
-    return [int(b > a and csum[b] - csum[a] > 0) for a, b in ranges]
+    specials = GRANITE3_IDS if family == "granite3" else GRANITE4_IDS
+    return renumbered_encoding(f"{family}-test", tuple(specials.items()))
 
 
 POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
@@ -150,7 +107,7 @@ POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
 
 
 def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation, tok) -> cg.Conversation:
-    ids, ranges = encode(tok, text)
+    ids, ranges = encode_with_ranges(tok, text)
     conv_ids = fmt.parse_ids(ids, tok)
     assert not conv_ids.warnings and conv_ids.length == len(ids)
     assert [t.role for t in conv_ids.turns] == [t.role for t in conv.turns]
@@ -180,6 +137,8 @@ def goldens() -> dict:
 
 @lru_cache(maxsize=None)
 def template(name: str) -> str:
+    """Not format_kit.template: Granite 3.0's template comes from the llama.cpp golden, and
+    llama.cpp's copy of 3.3's from tests/data/granite/."""
     if name == G30:
         case = next(c for c in goldens()["cases"]
                     if c["name"] == "ibm-granite/granite-3.0-8b-instruct")
@@ -196,18 +155,6 @@ VOCAB = {G30: "granite3", G33: "granite3", G33_CPP: "granite3", G40: "granite4",
 TEMPLATE_NAMES = list(VOCAB)
 
 # --------------------------------------------------------------------------- extra cases
-
-
-def _u(text):
-    return {"role": "user", "content": text}
-
-
-def _a(text, **kw):
-    return {"role": "assistant", "content": text, **kw}
-
-
-def _call(cid, name, args):
-    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
 
 
 THINK = "<think>7 has no divisors besides 1 and 7.</think>"
@@ -510,42 +457,19 @@ def test_llamacpp_goldens():
 
 # --------------------------------------------------------------------------- examples
 
-def _example(text: str) -> tuple[str, list[tuple[int, int]]]:
-    plain, spans, start, n = [], [], None, 0
-    for ch in text:
-        if ch == "⟦":
-            start = n
-        elif ch == "⟧":
-            spans.append((start, n))
-        else:
-            plain.append(ch)
-            n += 1
-    return "".join(plain), spans
-
-
-def _merged(spans) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s in spans:
-        if out and out[-1][1] == s.start:
-            out[-1][1] = s.end
-        else:
-            out.append([s.start, s.end])
-    return [tuple(x) for x in out]
-
-
 @pytest.mark.parametrize("fam", ["granite3", "granite4"])
 def test_embedded_examples_text_and_ids(fam: str) -> None:
     fmt = cg.load_format("granite")
     assert len(fmt.spec.examples) >= 10
     tok = encoding(fam)
     for ex in fmt.spec.examples:
-        text, want = _example(ex.text)
+        text, want = parse_example(ex.text)
         policy = cg.MaskPolicy.from_mapping(ex.policy, fmt.default_policy) if ex.policy else None
         conv = fmt.parse(text)
-        assert _merged(conv.spans(policy)) == want, ex.name
+        assert merged_spans(conv.spans(policy)) == want, ex.name
         if text.endswith("<|start_of_role|>assist"):
             continue  # a cut inside a marker string: text only (covered by the truncation test)
-        ids, ranges = encode(tok, text)
+        ids, ranges = encode_with_ranges(tok, text)
         conv_ids = fmt.parse_ids(ids, tok)
         assert fmt.loss_mask(ids, tok, policy=policy) == \
             mapped_mask(conv, ranges, len(text), policy), ex.name
@@ -632,7 +556,7 @@ def test_truncation_both_modes(tpl: str) -> None:
 
     for fam in ("granite3", "granite4"):
         tok = encoding(fam)
-        ids, _ = encode(tok, text)
+        ids, _ = encode_with_ranges(tok, text)
         full_ids = fmt.parse_ids(ids, tok)
         full_mask = full_ids.mask_array().tolist()
         lt = _last_assistant(full_ids)

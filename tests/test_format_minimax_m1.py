@@ -46,19 +46,17 @@ import copy
 import json
 import re
 from functools import lru_cache
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 import chatgrammar as cg
 from chatgrammar.conformance import check_template
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
 from chatgrammar.render import render_chat
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
+from tests.format_kit import (encode_with_ranges, mapped_mask, merged_spans, parse_example,
+                              renumbered_encoding, template)
 
-TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
-TEMPLATE = TEMPLATES / "MiniMaxAI-MiniMax-M1.jinja"
+TEMPLATE = "MiniMaxAI-MiniMax-M1.jinja"
 
 BOD, BOS, EOS = "<begin_of_document>", "<beginning_of_sentence>", "<end_of_sentence>"
 PROMPT = BOS + "ai name=assistant\n"
@@ -70,53 +68,11 @@ M1_IDS = {BOS: 200019, EOS: 200020, "<end_of_document>": 200021, BOD: 200034}
 VOCABS = {"m1": M1_IDS, "m1-think": {**M1_IDS, "<think>": 200050, "</think>": 200051}}
 
 
-@lru_cache(maxsize=None)
-def _qwen_ranks() -> dict:
-    from tiktoken.load import load_tiktoken_bpe
-
-    ranks = load_tiktoken_bpe(str(QWEN_TIKTOKEN))
-    assert len(ranks) == QWEN_BASE_VOCAB
-    return ranks
-
-
-@lru_cache(maxsize=None)
 def encoding(vocab: str, extra: tuple = ()):
     """Qwen's BPE ranks, renumbered monotonically around the special ids (``extra``: more
     special tokens, for the detection tests)."""
-    import tiktoken
-
     specials = {**VOCABS[vocab], **dict(extra)}
-    taken = set(specials.values())
-    ranks, next_id = {}, 0
-    for piece, _ in sorted(_qwen_ranks().items(), key=lambda kv: kv[1]):
-        while next_id in taken:
-            next_id += 1
-        ranks[piece] = next_id
-        next_id += 1
-    return tiktoken.Encoding(name=f"{vocab}-test-{len(extra)}", pat_str=QWEN_PATTERN,
-                             mergeable_ranks=ranks, special_tokens=specials)
-
-
-def encode(tok, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """ids (specials written by the template become their ids) and per-token char ranges."""
-    ids = tok.encode(text, allowed_special="all")
-    dec, starts = tok.decode_with_offsets(ids)
-    assert dec == text
-    ends, n = [], 0
-    for t in ids:  # a token that starts inside a multi-byte character covers that character
-        n += sum(1 for c in tok.decode_single_token_bytes(t) if not 0x80 <= c < 0xC0)
-        ends.append(n)
-    assert ends[-1:] in ([len(text)], [])
-    return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
-
-
-def mapped_mask(conv: cg.Conversation, ranges, n_chars: int, policy=None) -> list[int]:
-    """The documented rule: a token is trained iff it overlaps a trained character."""
-    chars = np.zeros(n_chars + 1, dtype=np.int64)
-    for s in conv.spans(policy):
-        chars[s.start:s.end] = 1
-    csum = np.concatenate([[0], np.cumsum(chars[:n_chars])])
-    return [int(b > a and csum[b] - csum[a] > 0) for a, b in ranges]
+    return renumbered_encoding(f"{vocab}-test-{len(extra)}", tuple(specials.items()))
 
 
 POLICIES = [None, cg.MaskPolicy(end_marker=True), cg.MaskPolicy(thinking=False),
@@ -125,7 +81,7 @@ POLICIES = [None, cg.MaskPolicy(end_marker=True), cg.MaskPolicy(thinking=False),
 
 
 def check_id_mode(text: str, conv: cg.Conversation, tok) -> cg.Conversation:
-    ids, ranges = encode(tok, text)
+    ids, ranges = encode_with_ranges(tok, text)
     conv_ids = FMT.parse_ids(ids, tok)
     assert not conv_ids.warnings and conv_ids.length == len(ids)
     # where a soft marker is BPE text, its edges may fall inside merged tokens (" <tool_calls>"
@@ -212,13 +168,8 @@ def all_cases() -> list[MatrixCase]:
 CASES = {c.name: c for c in all_cases()}
 
 
-@lru_cache(maxsize=None)
-def template() -> str:
-    return TEMPLATE.read_text(encoding="utf-8")
-
-
 def render(case: MatrixCase) -> str:
-    return render_chat(template(), copy.deepcopy(case.messages), **case.render_kwargs())
+    return render_chat(template(TEMPLATE), copy.deepcopy(case.messages), **case.render_kwargs())
 
 
 @lru_cache(maxsize=None)
@@ -280,7 +231,7 @@ def test_builtin_matrix_is_mostly_rejected():
     """The template reads content as a list of parts: with the built-in matrix's string
     content it raises on every case but `content-parts`, which passes (this is what
     `chatgrammar validate formats/minimax-m1.yaml --template …` reports)."""
-    res = check_template(FMT, template(), name=TEMPLATE.name)
+    res = check_template(FMT, template(TEMPLATE), name=TEMPLATE)
     assert res.counts() == {"pass": 1, "fail": 0, "skip": 19}
     assert [c.case for c in res.cases if c.status == "pass"] == ["content-parts"]
     assert all("'str object' has no attribute 'text'" in c.reason
@@ -350,7 +301,7 @@ def test_conformance(vocab) -> None:
     """The render-diff oracle (chatgrammar.conformance) over every case, content as parts: text
     mode, the one-id-per-marker tokenizer, and a MiniMax-M1 vocabulary."""
     cases = all_cases()
-    res = check_template(FMT, template(), name=TEMPLATE.name, cases=cases,
+    res = check_template(FMT, template(TEMPLATE), name=TEMPLATE, cases=cases,
                          tokenizer=encoding(vocab) if vocab else None, tokenizer_name=vocab)
     assert res.ok, [(c.case, c.reason) for c in res.cases if c.status == "fail"]
     assert res.counts() == {"pass": len(cases), "fail": 0, "skip": 0}
@@ -359,37 +310,14 @@ def test_conformance(vocab) -> None:
 
 # --------------------------------------------------------------------------- examples
 
-def _example(text: str) -> tuple[str, list[tuple[int, int]]]:
-    plain, spans, start, n = [], [], None, 0
-    for ch in text:
-        if ch == "⟦":
-            start = n
-        elif ch == "⟧":
-            spans.append((start, n))
-        else:
-            plain.append(ch)
-            n += 1
-    return "".join(plain), spans
-
-
-def _merged(spans) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s in spans:
-        if out and out[-1][1] == s.start:
-            out[-1][1] = s.end
-        else:
-            out.append([s.start, s.end])
-    return [tuple(x) for x in out]
-
-
 @pytest.mark.parametrize("vocab", list(VOCABS))
 def test_embedded_examples_text_and_ids(vocab: str) -> None:
     assert len(FMT.spec.examples) >= 9
     tok = encoding(vocab)
     checked = 0
     for ex in FMT.spec.examples:
-        text, want = _example(ex.text)
-        ids, ranges = encode(tok, text)
+        text, want = parse_example(ex.text)
+        ids, ranges = encode_with_ranges(tok, text)
         if ex.error:
             with pytest.raises(cg.ParseError, match=ex.error):
                 FMT.parse(text)
@@ -398,7 +326,7 @@ def test_embedded_examples_text_and_ids(vocab: str) -> None:
             continue
         policy = cg.MaskPolicy.from_mapping(ex.policy, FMT.default_policy) if ex.policy else None
         conv = FMT.parse(text)
-        assert _merged(conv.spans(policy)) == want, ex.name
+        assert merged_spans(conv.spans(policy)) == want, ex.name
         conv_ids = FMT.parse_ids(ids, tok)
         assert FMT.loss_mask(ids, tok, policy=policy) == \
             mapped_mask(conv, ranges, len(text), policy), ex.name
@@ -410,8 +338,8 @@ def test_embedded_examples_text_and_ids(vocab: str) -> None:
 # --------------------------------------------------------------------------- detection
 
 def test_detect_template() -> None:
-    assert cg.detect_format(chat_template=template()).name == "minimax-m1"
-    m2 = (TEMPLATES / "MiniMax-M2.jinja").read_text(encoding="utf-8")
+    assert cg.detect_format(chat_template=template(TEMPLATE)).name == "minimax-m1"
+    m2 = template("MiniMax-M2.jinja")
     assert cg.detect_format(chat_template=m2).name == "minimax-m2"
 
 
@@ -419,7 +347,7 @@ def test_detect_template() -> None:
 def test_detect_tokenizer(vocab: str) -> None:
     tok = encoding(vocab)
     assert cg.detect_format(tok).name == "minimax-m1"
-    assert cg.detect_format(tok, chat_template=template()).name == "minimax-m1"
+    assert cg.detect_format(tok, chat_template=template(TEMPLATE)).name == "minimax-m1"
 
 
 def test_minimax_m2_is_not_m1():
@@ -486,7 +414,7 @@ def test_truncation_both_modes() -> None:
 
     for vocab in VOCABS:
         tok = encoding(vocab)
-        ids, _ = encode(tok, text)
+        ids, _ = encode_with_ranges(tok, text)
         conv_ids = FMT.parse_ids(ids, tok)
         full_ids = conv_ids.mask()
         for c in range(len(ids) + 1):
@@ -504,7 +432,7 @@ def test_loss_masks_batch_matches_parse():
     over the same batch."""
     for vocab in VOCABS:
         tok = encoding(vocab)
-        batch = [encode(tok, text)[0] for _, text in renders()]
+        batch = [encode_with_ranges(tok, text)[0] for _, text in renders()]
         want = [FMT.parse_ids(ids, tok).mask() for ids in batch]
         assert FMT.loss_masks(batch, tok) == want
         assert FMT.loss_masks(batch, tok) == want
