@@ -39,9 +39,7 @@ from __future__ import annotations
 import copy
 import json
 from functools import lru_cache
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 import chatgrammar as cg
@@ -49,9 +47,8 @@ from chatgrammar.conformance import check_template
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
 from chatgrammar.registry import formats_dir
 from chatgrammar.render import TemplateError, render_chat
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
-
-TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
+from tests.format_kit import (TEMPLATES, call as _call, encode_with_ranges, mapped_mask,
+                              merged_spans, parse_example, renumbered_encoding, template)
 
 R_V01 = "CohereForAI-c4ai-command-r-v01.jinja"
 R_PLUS_TOOLS = "CohereForAI-c4ai-command-r-plus-tool_use.jinja"
@@ -83,27 +80,9 @@ SPECIALS = {"bos_token": "<BOS_TOKEN>", "eos_token": EOT, "pad_token": "<PAD>"}
 def cohere_encoding(extra: tuple = ()):
     """Qwen's ranks (renumbered around Cohere's low ids) + Cohere's specials (+ ``extra``
     (text, id) pairs)."""
-    import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
-
     specials = {**REAL_IDS, **UNKNOWN_IDS, **dict(extra)}
-    taken = set(specials.values())
-    assert len(taken) == len(specials)
-    qwen = load_tiktoken_bpe(str(QWEN_TIKTOKEN))
-    assert len(qwen) == QWEN_BASE_VOCAB
-    ranks, next_id = {}, 0
-    for piece, _ in sorted(qwen.items(), key=lambda kv: kv[1]):
-        while next_id in taken:
-            next_id += 1
-        ranks[piece] = next_id
-        next_id += 1
-    return tiktoken.Encoding(name="cohere-test" + ("-x" if extra else ""), pat_str=QWEN_PATTERN,
-                             mergeable_ranks=ranks, special_tokens=specials)
-
-
-@lru_cache(maxsize=None)
-def template(name: str) -> str:
-    return (TEMPLATES / name).read_text(encoding="utf-8")
+    assert len(set(specials.values())) == len(specials)
+    return renumbered_encoding("cohere-test" + ("-x" if extra else ""), tuple(specials.items()))
 
 
 @lru_cache(maxsize=None)
@@ -112,10 +91,6 @@ def fmt() -> cg.Format:
 
 
 # ----------------------------------------------------------------------------- cases
-
-def _call(cid, name, args):
-    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-
 
 EXTRA = [
     MatrixCase("tool-plan", "R7B / Cohere2MoE: a tool plan before the action, then the reply",
@@ -275,28 +250,6 @@ def trained_per_turn(conv: cg.Conversation, text: str, policy=None) -> list[str]
 
 # ----------------------------------------------------------------------------- id mode
 
-def encode(enc, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """ids and the char range of every token (a token starting inside a multi-byte
-    character covers it)."""
-    ids = enc.encode(text, allowed_special="all")
-    dec, starts = enc.decode_with_offsets(ids)
-    assert dec == text
-    ends, n = [], 0
-    for t in ids:
-        n += sum(1 for c in enc.decode_single_token_bytes(t) if not 0x80 <= c < 0xC0)
-        ends.append(n)
-    return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
-
-
-def mapped_mask(conv: cg.Conversation, ranges, n_chars: int, policy=None) -> list[int]:
-    """The documented rule: a token is trained iff it overlaps a trained character."""
-    chars = np.zeros(n_chars + 1, dtype=np.int64)
-    for s in conv.spans(policy):
-        chars[s.start:s.end] = 1
-    csum = np.concatenate([[0], np.cumsum(chars[:n_chars])])
-    return [int(b > a and csum[b] - csum[a] > 0) for a, b in ranges]
-
-
 POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
             cg.MaskPolicy(tool_calls=False), cg.MaskPolicy(roles=("assistant", "system"))]
 
@@ -304,7 +257,7 @@ POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
 def check_id_mode(text: str, conv: cg.Conversation, enc=None) -> cg.Conversation:
     enc = enc or cohere_encoding()
     f = fmt()
-    ids, ranges = encode(enc, text)
+    ids, ranges = encode_with_ranges(enc, text)
     conv_ids = f.parse_ids(ids, enc)
     assert conv_ids.length == len(ids)
     assert [(t.role, t.complete, t.generation_prompt) for t in conv_ids.turns] == \
@@ -452,37 +405,14 @@ def test_conformance_fixed_suffix_is_no_message():
 
 # ----------------------------------------------------------------------------- examples
 
-def _example(text: str) -> tuple[str, list[tuple[int, int]]]:
-    plain, spans, start, n = [], [], None, 0
-    for ch in text:
-        if ch == "⟦":
-            start = n
-        elif ch == "⟧":
-            spans.append((start, n))
-        else:
-            plain.append(ch)
-            n += 1
-    return "".join(plain), spans
-
-
-def _merged(spans) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s in spans:
-        if out and out[-1][1] == s.start:
-            out[-1][1] = s.end
-        else:
-            out.append([s.start, s.end])
-    return [tuple(x) for x in out]
-
-
 def test_embedded_examples_text_and_ids():
     f = fmt()
     enc = cohere_encoding()
     checked = 0
     for ex in f.spec.examples:
-        text, want = _example(ex.text)
+        text, want = parse_example(ex.text)
         policy = cg.MaskPolicy.from_mapping(ex.policy, f.default_policy) if ex.policy else None
-        ids, ranges = encode(enc, text)
+        ids, ranges = encode_with_ranges(enc, text)
         if ex.error:
             with pytest.raises(cg.ParseError, match=ex.error):
                 f.parse(text)
@@ -490,7 +420,7 @@ def test_embedded_examples_text_and_ids():
                 f.parse_ids(ids, enc)
             continue
         conv = f.parse(text)
-        assert _merged(conv.spans(policy)) == want, ex.name
+        assert merged_spans(conv.spans(policy)) == want, ex.name
         conv_ids = f.parse_ids(ids, enc)
         assert f.loss_mask(ids, enc, policy=policy) == \
             mapped_mask(conv, ranges, len(text), policy), ex.name
@@ -581,7 +511,7 @@ def test_truncation_both_modes(tpl: str, name: str) -> None:
         assert conv.mask() == full.mask()[:last.start] + [0] * (k - last.start)
 
     enc = cohere_encoding()
-    ids, _ = encode(enc, text)
+    ids, _ = encode_with_ranges(enc, text)
     full_ids = f.parse_ids(ids, enc)
     full_mask = full_ids.mask_array().tolist()
     li = _last_assistant(full_ids)

@@ -47,7 +47,6 @@ from __future__ import annotations
 import copy
 import json
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,9 +57,9 @@ from chatgrammar.detect import explain_detection
 from chatgrammar.errors import DetectionError, ParseError
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
 from chatgrammar.render import TemplateError, render_chat
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
+from tests.format_kit import (call as _call, encode_with_ranges, renumbered_encoding, template,
+                              tool_result as _tool, user as _u)
 
-TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 GOOGLE = "google-gemma-4-31B-it.jinja"
 LLAMACPP = "google-gemma-4-31B-it-interleaved.jinja"
 TPLS = (GOOGLE, LLAMACPP)
@@ -86,30 +85,11 @@ GEMMA3_SPECIALS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<start_of_turn>": 106,
 
 
 @lru_cache(maxsize=None)
-def _qwen_ranks() -> dict:
-    from tiktoken.load import load_tiktoken_bpe
-
-    ranks = load_tiktoken_bpe(str(QWEN_TIKTOKEN))
-    assert len(ranks) == QWEN_BASE_VOCAB
-    return ranks
-
-
-@lru_cache(maxsize=None)
 def encoding(specials: tuple = tuple(sorted(GEMMA4_SPECIALS.items()))):
     """Qwen's ranks renumbered around ``specials``, which keep their ids."""
-    import tiktoken
-
     sp = dict(specials)
-    taken = set(sp.values())
-    assert len(taken) == len(sp)
-    ranks, nxt = {}, 0
-    for piece, _ in sorted(_qwen_ranks().items(), key=lambda kv: kv[1]):
-        while nxt in taken:
-            nxt += 1
-        ranks[piece] = nxt
-        nxt += 1
-    return tiktoken.Encoding(name=f"gemma4-test-{len(sp)}", pat_str=QWEN_PATTERN,
-                             mergeable_ranks=ranks, special_tokens=sp)
+    assert len(set(sp.values())) == len(sp)
+    return renumbered_encoding(f"gemma4-test-{len(sp)}", tuple(sp.items()))
 
 
 def test_tokenizer_has_gemma4_specials_at_their_ids():
@@ -127,18 +107,6 @@ def test_tokenizer_has_gemma4_specials_at_their_ids():
 
 
 # ----------------------------------------------------------------------------- cases
-
-def _u(text):
-    return {"role": "user", "content": text}
-
-
-def _call(cid, name, args):
-    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-
-
-def _tool(cid, name, content):
-    return {"role": "tool", "tool_call_id": cid, "name": name, "content": content}
-
 
 _SYS = {"role": "system", "content": "You are a helpful assistant."}
 EXTRA = [
@@ -208,11 +176,6 @@ def all_cases() -> list[MatrixCase]:
 
 
 CASES = {c.name: c for c in all_cases()}
-
-
-@lru_cache(maxsize=None)
-def template(name: str) -> str:
-    return (TEMPLATES / name).read_text(encoding="utf-8")
 
 
 @lru_cache(maxsize=None)
@@ -429,20 +392,13 @@ POLICIES = [None, cg.MaskPolicy(end_marker=True), cg.MaskPolicy(thinking=False),
 
 
 def encode(text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """ids and the char range of every token (a token that starts inside a multi-byte
-    character covers it)."""
-    enc = encoding()
-    ids = enc.encode(text, allowed_special="all")
-    dec, starts = enc.decode_with_offsets(ids)
-    assert dec == text
-    ends, n = [], 0
-    for t in ids:
-        n += sum(1 for c in enc.decode_single_token_bytes(t) if not 0x80 <= c < 0xC0)
-        ends.append(n)
-    return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
+    """ids and the char range of every token, on Gemma 4's ids (format_kit.encode_with_ranges)."""
+    return encode_with_ranges(encoding(), text)
 
 
 def char_mask(conv: cg.Conversation, n: int, policy=None) -> np.ndarray:
+    """The trained characters (not format_kit.mapped_mask: check_id_mode also checks that no
+    token trains only part of its characters)."""
     m = np.zeros(n, dtype=np.int8)
     for s in conv.spans(policy):
         m[s.start:s.end] = 1

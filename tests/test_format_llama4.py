@@ -40,7 +40,6 @@ from __future__ import annotations
 import copy
 import json
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,9 +49,10 @@ from chatgrammar.conformance import check_template
 from chatgrammar.detect import explain_detection
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
 from chatgrammar.render import TemplateError, render_chat
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
+from tests.format_kit import (assistant as _a, call as _call, mapped_mask, qwen_ranks, template,
+                              tool_result as _tool, user as _u)
+from tests.tokenizers import QWEN_PATTERN
 
-TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 SCOUT = "meta-llama-Llama-4-Scout-17B-16E-Instruct.jinja"
 LLAMA3_TEMPLATES = ("meta-llama-Meta-Llama-3-8B-Instruct.jinja",
                     "meta-llama-Llama-3.1-8B-Instruct.jinja",
@@ -115,21 +115,13 @@ def test_llama4_special_ids_match_meta_layout():
 
 
 @lru_cache(maxsize=None)
-def _qwen_ranks() -> dict:
-    from tiktoken.load import load_tiktoken_bpe
-
-    ranks = load_tiktoken_bpe(str(QWEN_TIKTOKEN))
-    assert len(ranks) == QWEN_BASE_VOCAB and max(ranks.values()) < 200_000
-    return ranks
-
-
-@lru_cache(maxsize=None)
 def llama4_encoding():
     """Qwen's BPE ranks (all below 200,000) plus Llama 4's specials at their real ids."""
     import tiktoken
 
+    assert max(qwen_ranks().values()) < 200_000
     return tiktoken.Encoding(name="llama4-specials-on-qwen-ranks", pat_str=QWEN_PATTERN,
-                             mergeable_ranks=_qwen_ranks(), special_tokens=llama4_specials())
+                             mergeable_ranks=qwen_ranks(), special_tokens=llama4_specials())
 
 
 # Llama 3 / 3.1 special ids (tokenizer_config.json added_tokens_decoder of Meta-Llama-3.1,
@@ -143,10 +135,11 @@ LLAMA3_SPECIALS = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001,
 @lru_cache(maxsize=None)
 def llama3_encoding():
     """Qwen's ranks shifted by 256 from 128000 on (monotone: same merges) with Llama 3's
-    specials at their real ids."""
+    specials at their real ids. Not format_kit.renumbered_encoding: the ranks are shifted, not
+    renumbered around the ids."""
     import tiktoken
 
-    ranks = {b: (r if r < 128000 else r + 256) for b, r in _qwen_ranks().items()}
+    ranks = {b: (r if r < 128000 else r + 256) for b, r in qwen_ranks().items()}
     return tiktoken.Encoding(name="llama3-specials-on-qwen-ranks", pat_str=QWEN_PATTERN,
                              mergeable_ranks=ranks, special_tokens=LLAMA3_SPECIALS)
 
@@ -155,7 +148,8 @@ def encode(enc, text: str,
            ordinary: tuple[str, ...] = ()) -> tuple[list[int], list[tuple[int, int]]]:
     """Ids of ``text`` (marker strings become special ids, except inside the substrings in
     ``ordinary``, which are tokenised as plain text the way training pipelines tokenise message
-    text) and each token's char range."""
+    text) and each token's char range. Not format_kit.encode_with_ranges, which has no
+    ``ordinary``."""
     ids: list[int] = []
     rest = text
     for piece in ordinary:
@@ -175,32 +169,7 @@ def encode(enc, text: str,
     return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
 
 
-def mapped_mask(conv: cg.Conversation, ranges, n_chars: int, policy=None) -> list[int]:
-    """The documented rule: a token is trained iff it overlaps a trained character."""
-    chars = np.zeros(n_chars, dtype=np.int64)
-    for s in conv.spans(policy):
-        chars[s.start:s.end] = 1
-    csum = np.concatenate([[0], np.cumsum(chars)])
-    return [int(csum[b] - csum[a] > 0) for a, b in ranges]
-
-
 # ----------------------------------------------------------------------------- cases
-
-def _u(text):
-    return {"role": "user", "content": text}
-
-
-def _a(content, **kw):
-    return {"role": "assistant", "content": content, **kw}
-
-
-def _call(cid, name, args):
-    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-
-
-def _tool(cid, name, content):
-    return {"role": "tool", "tool_call_id": cid, "name": name, "content": content}
-
 
 _SYS = {"role": "system", "content": "You are a helpful assistant."}
 EXTRA = [
@@ -258,11 +227,6 @@ EXTRA = [
 
 def all_cases() -> list[MatrixCase]:
     return default_matrix() + copy.deepcopy(EXTRA)
-
-
-@lru_cache(maxsize=None)
-def template(name: str) -> str:
-    return (TEMPLATES / name).read_text(encoding="utf-8")
 
 
 def render(case: MatrixCase) -> str:
@@ -677,7 +641,7 @@ def test_vocabulary_with_both_families_markers_is_llama3():
 
     base = llama4_encoding()
     both = tiktoken.Encoding(
-        name="llama4-plus-llama3-markers", pat_str=QWEN_PATTERN, mergeable_ranks=_qwen_ranks(),
+        name="llama4-plus-llama3-markers", pat_str=QWEN_PATTERN, mergeable_ranks=qwen_ranks(),
         special_tokens={**base._special_tokens,
                         **{t: 210_000 + i for i, t in enumerate(LLAMA3_SPECIALS)
                            if t not in base._special_tokens}})

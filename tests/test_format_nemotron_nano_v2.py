@@ -45,18 +45,18 @@ from __future__ import annotations
 import copy
 import json
 from functools import lru_cache
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 import chatgrammar as cg
 from chatgrammar.conformance import check_template
 from chatgrammar.matrix import MatrixCase, default_matrix
 from chatgrammar.render import TemplateError, render_chat
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
+from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, mapped_mask,
+                              merged_spans, parse_example, renumbered_encoding, template,
+                              tool_result as _tool, user as _u)
 
-TEMPLATE = Path(__file__).resolve().parent / "data" / "templates" / "NVIDIA-Nemotron-Nano-v2.jinja"
+TEMPLATE = "NVIDIA-Nemotron-Nano-v2.jinja"
 FORMAT = "nemotron-nano-v2"
 
 # --------------------------------------------------------------------------- tokenizers
@@ -71,54 +71,8 @@ VOCABS = {"text": NEMO_IDS, "added": {**NEMO_IDS, **ADDED_IDS}}
 
 
 @lru_cache(maxsize=None)
-def _qwen_ranks() -> dict:
-    from tiktoken.load import load_tiktoken_bpe
-
-    ranks = load_tiktoken_bpe(str(QWEN_TIKTOKEN))
-    assert len(ranks) == QWEN_BASE_VOCAB
-    return ranks
-
-
-def _encoding(name: str, specials: dict):
-    """Qwen's BPE ranks, renumbered monotonically around the given special ids."""
-    import tiktoken
-
-    taken = set(specials.values())
-    ranks, next_id = {}, 0
-    for piece, _ in sorted(_qwen_ranks().items(), key=lambda kv: kv[1]):
-        while next_id in taken:
-            next_id += 1
-        ranks[piece] = next_id
-        next_id += 1
-    return tiktoken.Encoding(name=name, pat_str=QWEN_PATTERN, mergeable_ranks=ranks,
-                             special_tokens=dict(specials))
-
-
-@lru_cache(maxsize=None)
 def encoding(vocab: str):
-    return _encoding(f"nemotron-h-{vocab}-test", VOCABS[vocab])
-
-
-def encode(tok, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """ids (the template's specials become their ids) and per-token char ranges."""
-    ids = tok.encode(text, allowed_special="all")
-    dec, starts = tok.decode_with_offsets(ids)
-    assert dec == text
-    ends, n = [], 0
-    for t in ids:  # a token that starts inside a multi-byte character covers that character
-        n += sum(1 for c in tok.decode_single_token_bytes(t) if not 0x80 <= c < 0xC0)
-        ends.append(n)
-    assert ends[-1:] in ([len(text)], [])
-    return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
-
-
-def mapped_mask(conv: cg.Conversation, ranges, n_chars: int, policy=None) -> list[int]:
-    """The documented rule: a token is trained iff it overlaps a trained character."""
-    chars = np.zeros(n_chars + 1, dtype=np.int64)
-    for s in conv.spans(policy):
-        chars[s.start:s.end] = 1
-    csum = np.concatenate([[0], np.cumsum(chars[:n_chars])])
-    return [int(b > a and csum[b] - csum[a] > 0) for a, b in ranges]
+    return renumbered_encoding(f"nemotron-h-{vocab}-test", tuple(VOCABS[vocab].items()))
 
 
 POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
@@ -132,7 +86,7 @@ def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation, tok) -> cg.C
     (a soft marker found in decoded text, ">\\n" after "</TOOLCALL>" in Qwen's BPE; a header's
     "\\n" in "\\n\\n\\n"): that token goes where the boundary rule says, and
     ``Conversation.boundaries`` reports it."""
-    ids, ranges = encode(tok, text)
+    ids, ranges = encode_with_ranges(tok, text)
     conv_ids = fmt.parse_ids(ids, tok)
     assert not conv_ids.warnings and conv_ids.length == len(ids)
     assert [(t.role, t.complete, t.generation_prompt) for t in conv_ids.turns] == \
@@ -150,22 +104,6 @@ def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation, tok) -> cg.C
 
 
 # --------------------------------------------------------------------------- cases
-
-def _u(text):
-    return {"role": "user", "content": text}
-
-
-def _a(text, **kw):
-    return {"role": "assistant", "content": text, **kw}
-
-
-def _call(cid, name, args):
-    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-
-
-def _tool(cid, name, content):
-    return {"role": "tool", "tool_call_id": cid, "name": name, "content": content}
-
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the weather.",
@@ -215,13 +153,8 @@ def all_cases() -> list[MatrixCase]:
 CASES = {c.name: c for c in all_cases()}
 
 
-@lru_cache(maxsize=None)
-def template() -> str:
-    return TEMPLATE.read_text(encoding="utf-8")
-
-
 def render(case: MatrixCase) -> str:
-    return render_chat(template(), copy.deepcopy(case.messages), bos_token="<s>",
+    return render_chat(template(TEMPLATE), copy.deepcopy(case.messages), bos_token="<s>",
                        eos_token="<SPECIAL_12>", **case.render_kwargs())
 
 
@@ -421,12 +354,12 @@ def test_conformance():
     # with `<SPECIAL_11>Assistant\n` (not the template's generation prompt), which the checker
     # sees as an untrained gap inside the message.
     cases = [c for c in all_cases() if c.name != "nemo-last-content-and-calls"]
-    res = check_template(fmt, template(), name=TEMPLATE.name, cases=cases,
+    res = check_template(fmt, template(TEMPLATE), name=TEMPLATE, cases=cases,
                          tokenizer=encoding("text"), tokenizer_name="nemotron-h")
     assert res.ok, [(c.case, c.reason) for c in res.cases if c.status == "fail"]
     counts = res.counts()
     assert counts == {"pass": len(cases) - len(REJECTED), "fail": 0, "skip": len(REJECTED)}
-    gap = check_template(fmt, template(), name=TEMPLATE.name,
+    gap = check_template(fmt, template(TEMPLATE), name=TEMPLATE,
                          cases=[CASES["nemo-last-content-and-calls"]]).cases[0]
     assert gap.status == "fail" and "the trained text has a gap" in gap.reason \
         and "'\\n<SPECIAL_11>Assistant\\n'" in gap.reason, gap.reason
@@ -434,48 +367,25 @@ def test_conformance():
 
 # --------------------------------------------------------------------------- examples
 
-def _example(text: str) -> tuple[str, list[tuple[int, int]]]:
-    plain, spans, start, n = [], [], None, 0
-    for ch in text:
-        if ch == "⟦":
-            start = n
-        elif ch == "⟧":
-            spans.append((start, n))
-        else:
-            plain.append(ch)
-            n += 1
-    return "".join(plain), spans
-
-
-def _merged(spans) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s in spans:
-        if out and out[-1][1] == s.start:
-            out[-1][1] = s.end
-        else:
-            out.append([s.start, s.end])
-    return [tuple(x) for x in out]
-
-
 @pytest.mark.parametrize("vocab", list(VOCABS))
 def test_embedded_examples_text_and_ids(vocab: str) -> None:
     fmt = cg.load_format(FORMAT)
     assert len(fmt.spec.examples) >= 12
     tok = encoding(vocab)
     for ex in fmt.spec.examples:
-        text, want = _example(ex.text)
+        text, want = parse_example(ex.text)
         policy = cg.MaskPolicy.from_mapping(ex.policy, fmt.default_policy) if ex.policy else None
         if ex.error:
             with pytest.raises(cg.ParseError, match=ex.error):
                 fmt.parse(text)
             with pytest.raises(cg.ParseError, match=ex.error):
-                fmt.parse_ids(encode(tok, text)[0], tok)
+                fmt.parse_ids(encode_with_ranges(tok, text)[0], tok)
             continue
         conv = fmt.parse(text)
-        assert _merged(conv.spans(policy)) == want, ex.name
+        assert merged_spans(conv.spans(policy)) == want, ex.name
         if text.endswith("<SPECIAL_11>Assis"):
             continue  # a cut inside a marker string: text only (covered by the truncation test)
-        ids, ranges = encode(tok, text)
+        ids, ranges = encode_with_ranges(tok, text)
         conv_ids = fmt.parse_ids(ids, tok)
         got = fmt.loss_mask(ids, tok, policy=policy)
         want_ids = mapped_mask(conv, ranges, len(text), policy)
@@ -487,20 +397,20 @@ def test_embedded_examples_text_and_ids(vocab: str) -> None:
 # --------------------------------------------------------------------------- detection
 
 def test_detect_template():
-    assert cg.detect_format(chat_template=template()).name == FORMAT
+    assert cg.detect_format(chat_template=template(TEMPLATE)).name == FORMAT
 
 
 @pytest.mark.parametrize("vocab", list(VOCABS))
 def test_detect_tokenizer(vocab: str) -> None:
     tok = encoding(vocab)
     assert cg.detect_format(tok).name == FORMAT
-    assert cg.detect_format(tok, chat_template=template()).name == FORMAT
+    assert cg.detect_format(tok, chat_template=template(TEMPLATE)).name == FORMAT
 
 
 def _with(extra: dict, drop=()):
     base = {k: v for k, v in NEMO_IDS.items() if k not in drop}
-    return _encoding("nemo-variant-" + "-".join(sorted(extra)) + "-" + "-".join(drop),
-                     {**base, **extra})
+    return renumbered_encoding("nemo-variant-" + "-".join(sorted(extra)) + "-" + "-".join(drop),
+                               tuple({**base, **extra}.items()))
 
 
 def test_other_families_markers_decide():
@@ -555,7 +465,7 @@ def test_truncation_both_modes(name: str) -> None:
 
     for vocab in VOCABS:
         tok = encoding(vocab)
-        ids, _ = encode(tok, text)
+        ids, _ = encode_with_ranges(tok, text)
         full_ids = fmt.parse_ids(ids, tok)
         full_mask = full_ids.mask_array().tolist()
         lt = _last_assistant(full_ids)

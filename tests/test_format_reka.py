@@ -40,18 +40,18 @@ from __future__ import annotations
 import copy
 import json
 from functools import lru_cache
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 import chatgrammar as cg
 from chatgrammar.conformance import check_template
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
 from chatgrammar.render import render_chat
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
+from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, mapped_mask,
+                              merged_spans, parse_example, renumbered_encoding, template,
+                              tool_result as _result, user as _u)
 
-TEMPLATE = Path(__file__).resolve().parent / "data" / "templates" / "Reka-Edge.jinja"
+TEMPLATE = "Reka-Edge.jinja"
 SEP = "<sep>"
 FMT = cg.load_format("reka")
 
@@ -70,52 +70,11 @@ REKA_IDS = {
 
 
 @lru_cache(maxsize=None)
-def _qwen_ranks() -> dict:
-    from tiktoken.load import load_tiktoken_bpe
-
-    ranks = load_tiktoken_bpe(str(QWEN_TIKTOKEN))
-    assert len(ranks) == QWEN_BASE_VOCAB
-    return ranks
-
-
-@lru_cache(maxsize=None)
 def encoding(extra: tuple = ()):
     """Qwen's BPE ranks renumbered around Reka Edge's special ids (``extra``: more special
     tokens, for the detection tests)."""
-    import tiktoken
-
-    specials = {**REKA_IDS, **dict(extra)}
-    taken = set(specials.values())
-    ranks, next_id = {}, 0
-    for piece, _ in sorted(_qwen_ranks().items(), key=lambda kv: kv[1]):
-        while next_id in taken:
-            next_id += 1
-        ranks[piece] = next_id
-        next_id += 1
-    return tiktoken.Encoding(name=f"reka-edge-test-{len(extra)}", pat_str=QWEN_PATTERN,
-                             mergeable_ranks=ranks, special_tokens=specials)
-
-
-def encode(tok, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """ids (specials written by the template become their ids) and per-token char ranges."""
-    ids = tok.encode(text, allowed_special="all")
-    dec, starts = tok.decode_with_offsets(ids)
-    assert dec == text
-    ends, n = [], 0
-    for t in ids:  # a token that starts inside a multi-byte character covers that character
-        n += sum(1 for c in tok.decode_single_token_bytes(t) if not 0x80 <= c < 0xC0)
-        ends.append(n)
-    assert ends[-1:] in ([len(text)], [])
-    return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
-
-
-def mapped_mask(conv: cg.Conversation, ranges, n_chars: int, policy=None) -> list[int]:
-    """The documented rule: a token is trained iff it overlaps a trained character."""
-    chars = np.zeros(n_chars + 1, dtype=np.int64)
-    for s in conv.spans(policy):
-        chars[s.start:s.end] = 1
-    csum = np.concatenate([[0], np.cumsum(chars[:n_chars])])
-    return [int(b > a and csum[b] - csum[a] > 0) for a, b in ranges]
+    return renumbered_encoding(f"reka-edge-test-{len(extra)}",
+                               tuple({**REKA_IDS, **dict(extra)}.items()))
 
 
 POLICIES = [None, cg.MaskPolicy(end_marker=True), cg.MaskPolicy(thinking=False),
@@ -124,7 +83,7 @@ POLICIES = [None, cg.MaskPolicy(end_marker=True), cg.MaskPolicy(thinking=False),
 
 
 def check_id_mode(text: str, conv: cg.Conversation, tok) -> cg.Conversation:
-    ids, ranges = encode(tok, text)
+    ids, ranges = encode_with_ranges(tok, text)
     assert ids.count(REKA_IDS[SEP]) == text.count(SEP)
     conv_ids = FMT.parse_ids(ids, tok)
     assert not conv_ids.warnings and conv_ids.length == len(ids)
@@ -143,22 +102,6 @@ def check_id_mode(text: str, conv: cg.Conversation, tok) -> cg.Conversation:
 
 
 # --------------------------------------------------------------------------- cases
-
-def _u(text):
-    return {"role": "user", "content": text}
-
-
-def _a(text, **kw):
-    return {"role": "assistant", "content": text, **kw}
-
-
-def _call(cid, name, args):
-    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-
-
-def _result(cid, name, content):
-    return {"role": "tool", "tool_call_id": cid, "name": name, "content": content}
-
 
 THINK_ON = {"enable_thinking": True}
 EXTRA = [
@@ -207,13 +150,8 @@ def all_cases() -> list[MatrixCase]:
 CASES = {c.name: c for c in all_cases()}
 
 
-@lru_cache(maxsize=None)
-def template() -> str:
-    return TEMPLATE.read_text(encoding="utf-8")
-
-
 def render(case: MatrixCase) -> str:
-    return render_chat(template(), copy.deepcopy(case.messages), **case.render_kwargs())
+    return render_chat(template(TEMPLATE), copy.deepcopy(case.messages), **case.render_kwargs())
 
 
 @lru_cache(maxsize=None)
@@ -388,7 +326,7 @@ def test_conformance(with_ids: bool) -> None:
     """The render-diff oracle (chatgrammar.conformance) over the matrix and the Reka cases, in
     text mode, with the one-id-per-marker tokenizer and with Reka Edge's ids."""
     cases = all_cases()
-    res = check_template(FMT, template(), name=TEMPLATE.name, cases=cases,
+    res = check_template(FMT, template(TEMPLATE), name=TEMPLATE, cases=cases,
                          tokenizer=encoding() if with_ids else None,
                          tokenizer_name="reka-edge" if with_ids else None)
     assert res.ok, [(c.case, c.reason) for c in res.cases if c.status == "fail"]
@@ -398,36 +336,13 @@ def test_conformance(with_ids: bool) -> None:
 
 # --------------------------------------------------------------------------- examples
 
-def _example(text: str) -> tuple[str, list[tuple[int, int]]]:
-    plain, spans, start, n = [], [], None, 0
-    for ch in text:
-        if ch == "⟦":
-            start = n
-        elif ch == "⟧":
-            spans.append((start, n))
-        else:
-            plain.append(ch)
-            n += 1
-    return "".join(plain), spans
-
-
-def _merged(spans) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s in spans:
-        if out and out[-1][1] == s.start:
-            out[-1][1] = s.end
-        else:
-            out.append([s.start, s.end])
-    return [tuple(x) for x in out]
-
-
 def test_embedded_examples_text_and_ids() -> None:
     assert len(FMT.spec.examples) >= 9
     tok = encoding()
     checked = 0
     for ex in FMT.spec.examples:
-        text, want = _example(ex.text)
-        ids, ranges = encode(tok, text)
+        text, want = parse_example(ex.text)
+        ids, ranges = encode_with_ranges(tok, text)
         if ex.error:
             with pytest.raises(cg.ParseError, match=ex.error):
                 FMT.parse(text)
@@ -436,7 +351,7 @@ def test_embedded_examples_text_and_ids() -> None:
             continue
         policy = cg.MaskPolicy.from_mapping(ex.policy, FMT.default_policy) if ex.policy else None
         conv = FMT.parse(text)
-        assert _merged(conv.spans(policy)) == want, ex.name
+        assert merged_spans(conv.spans(policy)) == want, ex.name
         conv_ids = FMT.parse_ids(ids, tok)
         assert FMT.loss_mask(ids, tok, policy=policy) == \
             mapped_mask(conv, ranges, len(text), policy), ex.name
@@ -448,13 +363,13 @@ def test_embedded_examples_text_and_ids() -> None:
 # --------------------------------------------------------------------------- detection
 
 def test_detect_template() -> None:
-    assert cg.detect_format(chat_template=template()).name == "reka"
+    assert cg.detect_format(chat_template=template(TEMPLATE)).name == "reka"
 
 
 def test_detect_tokenizer() -> None:
     tok = encoding()
     assert cg.detect_format(tok).name == "reka"
-    assert cg.detect_format(tok, chat_template=template()).name == "reka"
+    assert cg.detect_format(tok, chat_template=template(TEMPLATE)).name == "reka"
 
 
 @pytest.mark.parametrize("extra,fmt_name", [
@@ -536,7 +451,7 @@ def test_truncation_both_modes(name: str) -> None:
     # ids: every prefix parses (a cut after `<sep>` inside the next role word leaves its first
     # tokens as between-turn text) and trains no more than the whole
     tok = encoding()
-    ids, _ = encode(tok, text)
+    ids, _ = encode_with_ranges(tok, text)
     conv_ids = FMT.parse_ids(ids, tok)
     full_ids = conv_ids.mask()
     for c in range(len(ids) + 1):
@@ -560,7 +475,7 @@ def test_loss_masks_batch_matches_parse():
     Reka Edge's vocabulary, so every sample takes the full pipeline: the fast path only serves
     runs that cannot hold a soft marker)."""
     tok = encoding()
-    batch = [encode(tok, text)[0] for _, text in renders()]
+    batch = [encode_with_ranges(tok, text)[0] for _, text in renders()]
     want = [FMT.parse_ids(ids, tok).mask() for ids in batch]
     assert FMT.loss_masks(batch, tok) == want
     assert FMT.loss_masks(batch, tok) == want

@@ -43,18 +43,18 @@ from __future__ import annotations
 
 import copy
 from functools import lru_cache
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 import chatgrammar as cg
 from chatgrammar.conformance import check_template
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
 from chatgrammar.render import TemplateError, render_chat
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
+from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, mapped_mask,
+                              merged_spans, parse_example, renumbered_encoding, template,
+                              tool_result as _result, user as _u)
 
-TEMPLATE = Path(__file__).resolve().parent / "data" / "templates" / "ByteDance-Seed-OSS.jinja"
+TEMPLATE = "ByteDance-Seed-OSS.jinja"
 
 BOS, EOS, PAD = "<seed:bos>", "<seed:eos>", "<seed:pad>"
 THINK, END_THINK = "<seed:think>", "</seed:think>"
@@ -73,55 +73,13 @@ FMT = cg.load_format("seed-oss")
 
 
 @lru_cache(maxsize=None)
-def _qwen_ranks() -> dict:
-    from tiktoken.load import load_tiktoken_bpe
-
-    ranks = load_tiktoken_bpe(str(QWEN_TIKTOKEN))
-    assert len(ranks) == QWEN_BASE_VOCAB
-    return ranks
-
-
-@lru_cache(maxsize=None)
 def encoding(kind: str = "seed"):
     """``seed``: every Seed-OSS special one id; ``seed-text``: only BOS / PAD / EOS are ids,
     the reasoning and tool-call tags are BPE text."""
-    import tiktoken
-
     specials = dict(REAL_IDS)
     if kind == "seed":
         specials.update(UNKNOWN_IDS)
-    taken = set(specials.values())
-    ranks, next_id = {}, 0
-    for piece, _ in sorted(_qwen_ranks().items(), key=lambda kv: kv[1]):
-        while next_id in taken:
-            next_id += 1
-        ranks[piece] = next_id
-        next_id += 1
-    return tiktoken.Encoding(name=f"{kind}-test", pat_str=QWEN_PATTERN, mergeable_ranks=ranks,
-                             special_tokens=specials)
-
-
-def encode(tok, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """ids (the specials written by the template become their ids) and per-token char
-    ranges."""
-    ids = tok.encode(text, allowed_special="all")
-    dec, starts = tok.decode_with_offsets(ids)
-    assert dec == text
-    ends, n = [], 0
-    for t in ids:  # a token that starts inside a multi-byte character covers it
-        n += sum(1 for c in tok.decode_single_token_bytes(t) if not 0x80 <= c < 0xC0)
-        ends.append(n)
-    assert ends[-1:] in ([len(text)], [])
-    return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
-
-
-def mapped_mask(conv: cg.Conversation, ranges, n_chars: int, policy=None) -> list[int]:
-    """The documented rule: a token is trained iff it overlaps a trained character."""
-    chars = np.zeros(n_chars + 1, dtype=np.int64)
-    for s in conv.spans(policy):
-        chars[s.start:s.end] = 1
-    csum = np.concatenate([[0], np.cumsum(chars[:n_chars])])
-    return [int(b > a and csum[b] - csum[a] > 0) for a, b in ranges]
+    return renumbered_encoding(f"{kind}-test", tuple(specials.items()))
 
 
 POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
@@ -130,7 +88,7 @@ POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
 
 
 def check_id_mode(text: str, conv: cg.Conversation, tok) -> cg.Conversation:
-    ids, ranges = encode(tok, text)
+    ids, ranges = encode_with_ranges(tok, text)
     conv_ids = FMT.parse_ids(ids, tok)
     assert conv_ids.length == len(ids)
     assert len(conv_ids.warnings) == len(conv.warnings)
@@ -146,22 +104,6 @@ def check_id_mode(text: str, conv: cg.Conversation, tok) -> cg.Conversation:
 
 
 # --------------------------------------------------------------------------- cases
-
-
-def _u(text):
-    return {"role": "user", "content": text}
-
-
-def _a(text, **kw):
-    return {"role": "assistant", "content": text, **kw}
-
-
-def _call(cid, name, args):
-    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-
-
-def _result(cid, name, content):
-    return {"role": "tool", "tool_call_id": cid, "name": name, "content": content}
 
 
 REFLECT = ("Step one.\n" + BUDGET + "I have used 129 tokens, and there are 383 tokens "
@@ -212,13 +154,8 @@ def all_cases() -> list[MatrixCase]:
 CASES = {c.name: c for c in all_cases()}
 
 
-@lru_cache(maxsize=None)
-def template() -> str:
-    return TEMPLATE.read_text(encoding="utf-8")
-
-
 def render(case: MatrixCase) -> str:
-    return render_chat(template(), copy.deepcopy(case.messages), **SPECIALS,
+    return render_chat(template(TEMPLATE), copy.deepcopy(case.messages), **SPECIALS,
                        **case.render_kwargs())
 
 
@@ -408,7 +345,7 @@ def test_conformance() -> None:
     # test_budget_zero_prompt_is_a_generation_prompt_in_id_mode); the oracle of
     # test_template_matrix covers the case in text and id mode.
     cases = [c for c in all_cases() if c.name != "seed-budget-0-prompt"]
-    res = check_template(FMT, template(), name=TEMPLATE.name, cases=cases,
+    res = check_template(FMT, template(TEMPLATE), name=TEMPLATE, cases=cases,
                          tokenizer=encoding("seed"), tokenizer_name="seed")
     assert res.ok, [(c.case, c.reason) for c in res.cases if c.status == "fail"]
     counts = res.counts()
@@ -421,41 +358,18 @@ def test_conformance() -> None:
 # --------------------------------------------------------------------------- examples
 
 
-def _example(text: str) -> tuple[str, list[tuple[int, int]]]:
-    plain, spans, start, n = [], [], None, 0
-    for ch in text:
-        if ch == "⟦":
-            start = n
-        elif ch == "⟧":
-            spans.append((start, n))
-        else:
-            plain.append(ch)
-            n += 1
-    return "".join(plain), spans
-
-
-def _merged(spans) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s in spans:
-        if out and out[-1][1] == s.start:
-            out[-1][1] = s.end
-        else:
-            out.append([s.start, s.end])
-    return [tuple(x) for x in out]
-
-
 @pytest.mark.parametrize("kind", ["seed", "seed-text"])
 def test_embedded_examples_text_and_ids(kind: str) -> None:
     tok = encoding(kind)
     assert len(FMT.spec.examples) >= 10
     for ex in FMT.spec.examples:
-        text, want = _example(ex.text)
+        text, want = parse_example(ex.text)
         policy = cg.MaskPolicy.from_mapping(ex.policy, FMT.default_policy) if ex.policy else None
         conv = FMT.parse(text)
-        assert _merged(conv.spans(policy)) == want, ex.name
+        assert merged_spans(conv.spans(policy)) == want, ex.name
         if text.endswith(BOS + "assis"):
             continue  # a cut inside a marker string: text only (covered by the truncation test)
-        ids, ranges = encode(tok, text)
+        ids, ranges = encode_with_ranges(tok, text)
         conv_ids = FMT.parse_ids(ids, tok)
         assert FMT.loss_mask(ids, tok, policy=policy) == \
             mapped_mask(conv, ranges, len(text), policy), ex.name
@@ -471,8 +385,8 @@ def test_budget_zero_prompt_is_a_generation_prompt_in_id_mode():
     assert last.generation_prompt and text[last.start:] in FMT.spec.generation_prompt
     for kind in ("seed", "seed-text"):
         tok = encoding(kind)
-        ids, _ = encode(tok, text)
-        tail = encode(tok, text[last.start:])[0]
+        ids, _ = encode_with_ranges(tok, text)
+        tail = encode_with_ranges(tok, text[last.start:])[0]
         assert len(tail) <= 64
         conv = FMT.parse_ids(ids, tok)
         assert conv.turns[-1].generation_prompt
@@ -484,8 +398,8 @@ def test_budget_zero_prompt_is_a_generation_prompt_in_id_mode():
 
 def test_detect_template() -> None:
     """Only seed-oss matches the template: exclusive by `template_absent`, no precedence."""
-    assert cg.detect_format(chat_template=template()).name == "seed-oss"
-    ex = cg.explain_detection(chat_template=template())
+    assert cg.detect_format(chat_template=template(TEMPLATE)).name == "seed-oss"
+    ex = cg.explain_detection(chat_template=template(TEMPLATE))
     assert ex.matched == ["seed-oss"] and ex.rule == {"kind": "only-match"}
 
 
@@ -494,7 +408,7 @@ def test_detect_tokenizer(kind: str) -> None:
     tok = encoding(kind)
     assert cg.detect_format(tok).name == "seed-oss"
     assert cg.explain_detection(tok).matched == ["seed-oss"]
-    assert cg.detect_format(tok, chat_template=template()).name == "seed-oss"
+    assert cg.detect_format(tok, chat_template=template(TEMPLATE)).name == "seed-oss"
 
 
 def test_seed_vocabulary_with_chatml_markers_is_chatml():
@@ -562,7 +476,7 @@ def test_truncation_both_modes(name: str) -> None:
 
     for kind in ("seed", "seed-text"):
         tok = encoding(kind)
-        ids, _ = encode(tok, text)
+        ids, _ = encode_with_ranges(tok, text)
         full_ids = FMT.parse_ids(ids, tok)
         full_mask = full_ids.mask_array().tolist()
         lt = _last_assistant(full_ids)

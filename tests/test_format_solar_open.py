@@ -36,19 +36,19 @@ from __future__ import annotations
 import copy
 import json
 from functools import lru_cache
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 import chatgrammar as cg
 from chatgrammar.conformance import check_template
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
 from chatgrammar.render import TemplateError, render_chat
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
+from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, mapped_mask,
+                              merged_spans, parse_example, renumbered_encoding, template,
+                              user as _u)
+from tests.tokenizers import QWEN_BASE_VOCAB
 
-TEMPLATE = (Path(__file__).resolve().parent / "data" / "templates"
-            / "upstage-Solar-Open-100B.jinja")
+TEMPLATE = "upstage-Solar-Open-100B.jinja"
 
 BEGIN, END, FLUSH = "<|begin|>", "<|end|>", "<|flush|>"
 CONTENT, THINK, TOOL_CALLS, CALLS = "<|content|>", "<|think|>", "<|tool_calls|>", "<|calls|>"
@@ -74,39 +74,11 @@ FMT = cg.load_format("solar-open")
 @lru_cache(maxsize=None)
 def encoding(kind: str = "solar"):
     """``solar``: every marker one id; ``solar-core``: only the format's special markers are
-    ids, the soft ones are BPE text."""
-    import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
-
-    ranks = load_tiktoken_bpe(str(QWEN_TIKTOKEN))
-    assert len(ranks) == QWEN_BASE_VOCAB
+    ids, the soft ones are BPE text. Every id is past Qwen's ranks, so Qwen's ranks are kept
+    as they are (renumbering around the ids moves none)."""
     specials = dict(IDS) if kind == "solar" else {m: IDS[m] for m in CORE}
     assert min(specials.values()) >= QWEN_BASE_VOCAB
-    return tiktoken.Encoding(name=f"{kind}-test", pat_str=QWEN_PATTERN, mergeable_ranks=ranks,
-                             special_tokens=specials)
-
-
-def encode(tok, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """ids (the specials written by the template become their ids) and per-token char
-    ranges."""
-    ids = tok.encode(text, allowed_special="all")
-    dec, starts = tok.decode_with_offsets(ids)
-    assert dec == text
-    ends, n = [], 0
-    for t in ids:  # a token that starts inside a multi-byte character covers it
-        n += sum(1 for c in tok.decode_single_token_bytes(t) if not 0x80 <= c < 0xC0)
-        ends.append(n)
-    assert ends[-1:] in ([len(text)], [])
-    return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
-
-
-def mapped_mask(conv: cg.Conversation, ranges, n_chars: int, policy=None) -> list[int]:
-    """The documented rule: a token is trained iff it overlaps a trained character."""
-    chars = np.zeros(n_chars + 1, dtype=np.int64)
-    for s in conv.spans(policy):
-        chars[s.start:s.end] = 1
-    csum = np.concatenate([[0], np.cumsum(chars[:n_chars])])
-    return [int(b > a and csum[b] - csum[a] > 0) for a, b in ranges]
+    return renumbered_encoding(f"{kind}-test", tuple(specials.items()))
 
 
 POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
@@ -114,7 +86,7 @@ POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
 
 
 def check_id_mode(text: str, conv: cg.Conversation, tok) -> cg.Conversation:
-    ids, ranges = encode(tok, text)
+    ids, ranges = encode_with_ranges(tok, text)
     conv_ids = FMT.parse_ids(ids, tok)
     assert not conv_ids.warnings and conv_ids.length == len(ids)
     assert [t.role for t in conv_ids.turns] == [t.role for t in conv.turns]
@@ -131,19 +103,7 @@ def check_id_mode(text: str, conv: cg.Conversation, tok) -> cg.Conversation:
 # --------------------------------------------------------------------------- cases
 
 
-def _u(text):
-    return {"role": "user", "content": text}
-
-
-def _a(text, **kw):
-    return {"role": "assistant", "content": text, **kw}
-
-
-def _call(cid, name, args):
-    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-
-
-def _result(cid, content):
+def _result(cid, content):  # not format_kit.tool_result: no "name" in the message
     return {"role": "tool", "tool_call_id": cid, "content": content}
 
 
@@ -198,13 +158,8 @@ def all_cases() -> list[MatrixCase]:
 CASES = {c.name: c for c in all_cases()}
 
 
-@lru_cache(maxsize=None)
-def template() -> str:
-    return TEMPLATE.read_text(encoding="utf-8")
-
-
 def render(case: MatrixCase) -> str:
-    return render_chat(template(), copy.deepcopy(case.messages), **case.render_kwargs())
+    return render_chat(template(TEMPLATE), copy.deepcopy(case.messages), **case.render_kwargs())
 
 
 @lru_cache(maxsize=None)
@@ -379,7 +334,7 @@ def test_conformance() -> None:
     with reasoning is two turns (`<|think|>…<|end|><|begin|>assistant<|content|>…`): the second
     `<|begin|>assistant` is exactly the generation prompt and does not train (the documented
     `repeated-prompt` deviation, as for Harmony)."""
-    res = check_template(FMT, template(), name=TEMPLATE.name, cases=all_cases(),
+    res = check_template(FMT, template(TEMPLATE), name=TEMPLATE, cases=all_cases(),
                          tokenizer=encoding("solar"), tokenizer_name="solar")
     assert res.ok, [(c.case, c.reason) for c in res.cases if c.status == "fail"]
     counts = res.counts()
@@ -393,41 +348,18 @@ def test_conformance() -> None:
 # --------------------------------------------------------------------------- examples
 
 
-def _example(text: str) -> tuple[str, list[tuple[int, int]]]:
-    plain, spans, start, n = [], [], None, 0
-    for ch in text:
-        if ch == "⟦":
-            start = n
-        elif ch == "⟧":
-            spans.append((start, n))
-        else:
-            plain.append(ch)
-            n += 1
-    return "".join(plain), spans
-
-
-def _merged(spans) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s in spans:
-        if out and out[-1][1] == s.start:
-            out[-1][1] = s.end
-        else:
-            out.append([s.start, s.end])
-    return [tuple(x) for x in out]
-
-
 @pytest.mark.parametrize("kind", ["solar", "solar-core"])
 def test_embedded_examples_text_and_ids(kind: str) -> None:
     tok = encoding(kind)
     assert len(FMT.spec.examples) >= 10
     for ex in FMT.spec.examples:
-        text, want = _example(ex.text)
+        text, want = parse_example(ex.text)
         policy = cg.MaskPolicy.from_mapping(ex.policy, FMT.default_policy) if ex.policy else None
         conv = FMT.parse(text)
-        assert _merged(conv.spans(policy)) == want, ex.name
+        assert merged_spans(conv.spans(policy)) == want, ex.name
         if text.endswith(BEGIN + "assis"):
             continue  # cut inside the role text: checked by the truncation test
-        ids, ranges = encode(tok, text)
+        ids, ranges = encode_with_ranges(tok, text)
         conv_ids = FMT.parse_ids(ids, tok)
         assert FMT.loss_mask(ids, tok, policy=policy) == \
             mapped_mask(conv, ranges, len(text), policy), ex.name
@@ -440,8 +372,8 @@ def test_embedded_examples_text_and_ids(kind: str) -> None:
 def test_detect_template() -> None:
     """Only solar-open matches the template: exclusive by `template_absent`, no precedence
     (Phi-3's detector shares `<|end|>`, and the template has no `<|assistant|>`)."""
-    assert cg.detect_format(chat_template=template()).name == "solar-open"
-    ex = cg.explain_detection(chat_template=template())
+    assert cg.detect_format(chat_template=template(TEMPLATE)).name == "solar-open"
+    ex = cg.explain_detection(chat_template=template(TEMPLATE))
     assert ex.matched == ["solar-open"] and ex.rule == {"kind": "only-match"}
 
 
@@ -450,7 +382,7 @@ def test_detect_tokenizer(kind: str) -> None:
     tok = encoding(kind)
     assert cg.detect_format(tok).name == "solar-open"
     assert cg.explain_detection(tok).matched == ["solar-open"]
-    assert cg.detect_format(tok, chat_template=template()).name == "solar-open"
+    assert cg.detect_format(tok, chat_template=template(TEMPLATE)).name == "solar-open"
 
 
 def test_solar_vocabulary_with_phi3_markers_is_phi3():
@@ -514,7 +446,7 @@ def test_truncation_both_modes(name: str) -> None:
 
     for kind in ("solar", "solar-core"):
         tok = encoding(kind)
-        ids, _ = encode(tok, text)
+        ids, _ = encode_with_ranges(tok, text)
         full_ids = FMT.parse_ids(ids, tok)
         fm = full_ids.mask_array().tolist()
         for t in [full_ids.turns[i] for i in asst]:
