@@ -1021,25 +1021,29 @@ def _soft_lut(lx: IdLexer):
 
 # ----------------------------------------------------------------------------- conversion
 
-def ids_input(ids: Any) -> tuple[np.ndarray, list | None]:
+def ids_input(ids: Any, *, scratch: bool = False) -> tuple[np.ndarray, list | None]:
     """``ids`` → (int64 array, the Python list when the input is one, else None).
 
     A list of Python ints is converted by the C accelerator (``chatgrammar._speedups``), or
     with ``struct`` where it is not built (still about twice as fast as ``np.asarray``, which
     first infers the dtype); anything else goes through
     :func:`~chatgrammar.lexers.as_id_array` (same errors as ``parse_ids``).
+
+    Args:
+        scratch: a long list may be packed into this thread's reusable buffer; the array is
+            then valid only until the next scratch packing in this thread (one call's use).
     """
     if type(ids) is list:
         try:
-            return np.frombuffer(_pack(ids), dtype=np.int64), ids
+            return np.frombuffer(_pack(ids, scratch), dtype=np.int64), ids
         except (struct.error, TypeError, ValueError, OverflowError):
             pass
     return as_id_array(ids), None
 
 
-def _pack(lst: list) -> bytes:
+def _pack(lst: list, scratch: bool = False) -> bytes:
     if _speedups is not None:
-        return _c_pack((lst,), len(lst))
+        return _c_pack((lst,), len(lst), scratch)
     return struct.pack(f"{len(lst)}q", *lst)
 
 
@@ -1051,8 +1055,8 @@ _SCRATCH_MIN = 1 << 14  # ints: smaller buffers come from the heap anyway
 _SCRATCH_MAX = 1 << 24  # ints: keep at most 128 MB per thread
 
 
-def _c_pack(lsts, total: int):
-    if total < _SCRATCH_MIN:
+def _c_pack(lsts, total: int, scratch: bool):
+    if not scratch or total < _SCRATCH_MIN:
         return _speedups.pack_many(lsts, total)
     buf = getattr(_SCRATCH, "buf", None)
     if buf is None or len(buf) < 8 * total:
@@ -1064,10 +1068,14 @@ def _c_pack(lsts, total: int):
 
 
 def _pack_many(lsts: list[list], lens: list[int]) -> np.ndarray:
-    """Many lists of ints → one int64 array (each packed straight into a shared buffer)."""
+    """Many lists of ints → one int64 array (each packed straight into a shared buffer).
+
+    The array may live in this thread's reusable buffer (see ``_c_pack``): use it before the
+    next packing in the same thread."""
     if _speedups is not None:
         try:
-            return np.frombuffer(_c_pack(lsts, sum(lens)), dtype=np.int64)
+            # (one packing per call, consumed by the caller's masks_flat before any other)
+            return np.frombuffer(_c_pack(lsts, sum(lens), True), dtype=np.int64)
         except (TypeError, ValueError, OverflowError):
             return np.concatenate([ids_input(x)[0] for x in lsts])
     buf = bytearray(8 * sum(lens))

@@ -208,7 +208,7 @@ class Format:
         """
         # Same result as parse_ids(ids, tokenizer).mask_array(policy), through the memoised
         # fast path (chatgrammar.fastpath), which falls back to exactly that when it must.
-        arr, lst = ids_input(ids)
+        arr, lst = ids_input(ids, scratch=True)  # (the array is used by this call only)
         fm = self._fast_masker(tokenizer)
         m = fm.mask(arr, lst, policy or self.default_policy, strict, tokenizer)
         return mask_like(ids, m)

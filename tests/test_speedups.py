@@ -315,6 +315,11 @@ def test_long_inputs_reuse_a_per_thread_buffer_without_mixing_samples(monkeypatc
     assert fmt.loss_masks(ids, enc) == want
     monkeypatch.setattr(fastpath, "_BATCH_TOKENS", 500)  # many groups, one buffer
     assert fmt.loss_masks(ids, enc) == want
+    # a batch mixing lists and arrays converts each list on its own: no two may share a buffer
+    mixed = [x if i % 3 else np.asarray(x) for i, x in enumerate(ids)]
+    monkeypatch.setattr(fastpath, "_BATCH_TOKENS", 1 << 30)
+    got = fmt.loss_masks(mixed, enc)
+    assert [g if type(g) is list else g.tolist() for g in got] == want
     errors: list = []
 
     def worker(order):
