@@ -12,6 +12,9 @@ on the family live here:
 - :func:`encode_with_ranges` and :func:`mapped_mask`: ids plus each token's character range,
   and the documented id-mode rule (a token trains iff it overlaps a trained character);
 - :func:`parse_example` / :func:`merged_spans`: the ``⟦…⟧`` notation of embedded examples;
+- :func:`allowed_kind`, :func:`trained_per_turn`: what a policy trains, for the oracles;
+- :func:`check_id_mode` / :func:`check_embedded_examples`: id mode against the text-mode parse,
+  and the format's embedded ``examples:`` in both modes;
 - message builders for the matrix-style cases.
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import chatgrammar as cg
 from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
@@ -117,6 +121,106 @@ def merged_spans(spans) -> list[tuple[int, int]]:
         else:
             out.append([s.start, s.end])
     return [tuple(x) for x in out]
+
+
+def allowed_kind(kind: str, policy: cg.MaskPolicy) -> bool:
+    """Whether ``policy`` trains a span of ``kind`` ("think" / "tool_call" may be dropped)."""
+    return not ((kind == "think" and not policy.thinking)
+                or (kind == "tool_call" and not policy.tool_calls))
+
+
+def trained_per_turn(conv: cg.Conversation, text: str, policy=None, *, role: str = "assistant",
+                     prompted: bool = False) -> list[str]:
+    """Trained text of every ``role`` turn (generation prompts left out), in order.
+    ``prompted``: the final turn is left out too (the caller checks it)."""
+    got: dict[int, str] = {}
+    for s in conv.spans(policy):
+        got[s.turn] = got.get(s.turn, "") + text[s.start:s.end]
+    last = len(conv.turns) - 1 if prompted else None
+    return [got.get(i, "") for i, t in enumerate(conv.turns)
+            if t.role == role and not t.generation_prompt and i != last]
+
+
+def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation, tok, policies, *,
+                  warnings: str = "count",
+                  turn_fields: tuple = ("role", "complete", "generation_prompt"),
+                  boundaries: str | None = None, conv_mask: bool = False) -> cg.Conversation:
+    """Id mode is the text-mode parse ``conv``, token for token: same turns (``turn_fields``),
+    same spans and, for each of ``policies``, ``loss_mask`` is :func:`mapped_mask`.
+
+    Args:
+        warnings: ``"count"`` (as many as in text mode), ``"none"`` or ``"messages"`` (the same
+            messages as in text mode).
+        boundaries: ``None`` (not checked), ``"none"`` (no boundary inside a token) or
+            ``"soft"`` (only soft markers' edges inside merged tokens).
+        conv_mask: also check ``conv_ids.mask(policy)``.
+    """
+    ids, ranges = encode_with_ranges(tok, text)
+    conv_ids = fmt.parse_ids(ids, tok)
+    assert conv_ids.length == len(ids)
+    if warnings == "none":
+        assert not conv_ids.warnings
+    elif warnings == "messages":
+        assert [w.message for w in conv_ids.warnings] == [w.message for w in conv.warnings]
+    else:
+        assert len(conv_ids.warnings) == len(conv.warnings)
+    if boundaries == "none":
+        assert not conv_ids.boundaries
+    elif boundaries == "soft":
+        assert all(b.message.startswith("soft marker ") for b in conv_ids.boundaries)
+    assert [tuple(getattr(t, f) for f in turn_fields) for t in conv_ids.turns] == \
+        [tuple(getattr(t, f) for f in turn_fields) for t in conv.turns]
+    for policy in policies:
+        assert [(s.kind, s.role, s.turn) for s in conv_ids.spans(policy)] == \
+            [(s.kind, s.role, s.turn) for s in conv.spans(policy)]
+        want = mapped_mask(conv, ranges, len(text), policy)
+        if conv_mask:
+            assert conv_ids.mask(policy) == want
+        assert fmt.loss_mask(ids, tok, policy=policy) == want
+    return conv_ids
+
+
+def check_embedded_examples(fmt: cg.Format, tok, *, text_only_suffix: str | None = None,
+                            error_match: str | None = None, check_mask=None) -> int:
+    """Every embedded example of ``fmt``: the marked spans in text mode (an ``error:`` example
+    raises in both modes), and in id mode ``loss_mask`` against :func:`mapped_mask` and the
+    same roles.
+
+    Args:
+        text_only_suffix: an example text ending so (a cut inside a marker string) is checked
+            in text mode only (the truncation tests cover it).
+        error_match: what a ParseError must match (default: the example's ``error``).
+        check_mask: ``(got, want, conv_ids, policy, name)`` comparing the id-mode mask with the
+            mapped one (default: equal).
+
+    Returns:
+        How many examples were checked in id mode.
+    """
+    checked = 0
+    for ex in fmt.spec.examples:
+        text, want = parse_example(ex.text)
+        if ex.error:
+            with pytest.raises(cg.ParseError, match=error_match or ex.error):
+                fmt.parse(text)
+            with pytest.raises(cg.ParseError, match=error_match or ex.error):
+                fmt.parse_ids(encode_with_ranges(tok, text)[0], tok)
+            continue
+        policy = cg.MaskPolicy.from_mapping(ex.policy, fmt.default_policy) if ex.policy else None
+        conv = fmt.parse(text)
+        assert merged_spans(conv.spans(policy)) == want, ex.name
+        if text_only_suffix is not None and text.endswith(text_only_suffix):
+            continue
+        ids, ranges = encode_with_ranges(tok, text)
+        conv_ids = fmt.parse_ids(ids, tok)
+        got, mapped = fmt.loss_mask(ids, tok, policy=policy), \
+            mapped_mask(conv, ranges, len(text), policy)
+        if check_mask is None:
+            assert got == mapped, ex.name
+        else:
+            check_mask(got, mapped, conv_ids, policy, ex.name)
+        assert [t.role for t in conv_ids.turns] == [t.role for t in conv.turns], ex.name
+        checked += 1
+    return checked
 
 
 def user(text) -> dict:

@@ -52,9 +52,9 @@ import chatgrammar as cg
 from chatgrammar.conformance import check_template
 from chatgrammar.matrix import MatrixCase, default_matrix
 from chatgrammar.render import TemplateError, render_chat
-from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, mapped_mask,
-                              merged_spans, parse_example, renumbered_encoding, template,
-                              user as _u)
+from tests.format_kit import (assistant as _a, call as _call, check_embedded_examples,
+                              check_id_mode as _check_id_mode, encode_with_ranges,
+                              renumbered_encoding, template, trained_per_turn, user as _u)
 
 TEMPLATE = "Apertus-8B-Instruct.jinja"
 FORMAT = "apertus"
@@ -85,18 +85,8 @@ POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
 
 def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation, tok) -> cg.Conversation:
     """Every marker is one special id: id mode is the text-mode parse, token for token."""
-    ids, ranges = encode_with_ranges(tok, text)
-    conv_ids = fmt.parse_ids(ids, tok)
-    assert [w.message for w in conv_ids.warnings] == [w.message for w in conv.warnings]
-    assert conv_ids.length == len(ids) and not conv_ids.boundaries
-    assert [(t.role, t.complete, t.generation_prompt) for t in conv_ids.turns] == \
-        [(t.role, t.complete, t.generation_prompt) for t in conv.turns]
-    for policy in POLICIES:
-        assert [(s.kind, s.role, s.turn) for s in conv_ids.spans(policy)] == \
-            [(s.kind, s.role, s.turn) for s in conv.spans(policy)]
-        assert fmt.loss_mask(ids, tok, policy=policy) == \
-            mapped_mask(conv, ranges, len(text), policy)
-    return conv_ids
+    return _check_id_mode(fmt, text, conv, tok, POLICIES, warnings="messages",
+                          boundaries="none")
 
 
 # --------------------------------------------------------------------------- cases
@@ -325,18 +315,10 @@ def _merge(pieces):
     return out
 
 
+# not format_kit.allowed_kind: the oracle's pieces carry a chain of kinds, not one kind
 def _allowed(chain, policy: cg.MaskPolicy) -> bool:
     return not (("think" in chain and not policy.thinking)
                 or ("tool_call" in chain and not policy.tool_calls))
-
-
-def trained_per_turn(conv: cg.Conversation, text: str, policy=None) -> list[str]:
-    """Trained text of every assistant turn (generation prompts left out), in order."""
-    got: dict[int, str] = {}
-    for s in conv.spans(policy):
-        got[s.turn] = got.get(s.turn, "") + text[s.start:s.end]
-    return [got.get(i, "") for i, t in enumerate(conv.turns)
-            if t.role == "assistant" and not t.generation_prompt]
 
 
 # --------------------------------------------------------------------------- the matrix
@@ -473,24 +455,7 @@ def test_embedded_examples_text_and_ids() -> None:
     fmt = cg.load_format(FORMAT)
     assert len(fmt.spec.examples) >= 12
     tok = encoding()
-    for ex in fmt.spec.examples:
-        text, want = parse_example(ex.text)
-        policy = cg.MaskPolicy.from_mapping(ex.policy, fmt.default_policy) if ex.policy else None
-        if ex.error:
-            with pytest.raises(cg.ParseError, match=ex.error):
-                fmt.parse(text)
-            with pytest.raises(cg.ParseError, match=ex.error):
-                fmt.parse_ids(encode_with_ranges(tok, text)[0], tok)
-            continue
-        conv = fmt.parse(text)
-        assert merged_spans(conv.spans(policy)) == want, ex.name
-        if text.endswith("<|assista"):
-            continue  # a cut inside a marker string: text only (covered by the truncation test)
-        ids, ranges = encode_with_ranges(tok, text)
-        conv_ids = fmt.parse_ids(ids, tok)
-        assert fmt.loss_mask(ids, tok, policy=policy) == \
-            mapped_mask(conv, ranges, len(text), policy), ex.name
-        assert [t.role for t in conv_ids.turns] == [t.role for t in conv.turns], ex.name
+    check_embedded_examples(fmt, tok, text_only_suffix="<|assista")
 
 
 # --------------------------------------------------------------------------- detection

@@ -59,8 +59,9 @@ import chatgrammar as cg
 from chatgrammar.conformance import check_template
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
 from chatgrammar.render import TemplateError, render_chat
-from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, merged_spans,
-                              parse_example, renumbered_encoding, template, user as _u)
+from tests.format_kit import (allowed_kind, assistant as _a, call as _call,
+                              check_embedded_examples, encode_with_ranges, renumbered_encoding,
+                              template, trained_per_turn, user as _u)
 from tests.tokenizers import phi3_tokenizer
 
 TEMPLATE = "ServiceNow-AI-Apriel-1.5-15b-Thinker.jinja"
@@ -122,6 +123,7 @@ POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
             cg.MaskPolicy(truncated=False)]
 
 
+# not format_kit.check_id_mode: compared kind by kind, soft-marker tokens may differ
 def check_id_mode(text: str, conv: cg.Conversation, tok) -> cg.Conversation:
     """Id mode is the text-mode parse mapped through the offsets. Where a soft marker is BPE
     text, a token may hold the marker's edge and the text next to it (``">\\n"`` of
@@ -315,20 +317,6 @@ def _joined(pieces):
     return out
 
 
-def _allowed(kind: str, policy: cg.MaskPolicy) -> bool:
-    return not ((kind == "think" and not policy.thinking)
-                or (kind == "tool_call" and not policy.tool_calls))
-
-
-def trained_per_turn(conv: cg.Conversation, text: str, policy=None) -> list[str]:
-    """Trained text of every assistant turn (generation prompts left out), in order."""
-    got: dict[int, str] = {}
-    for s in conv.spans(policy):
-        got[s.turn] = got.get(s.turn, "") + text[s.start:s.end]
-    return [got.get(i, "") for i, t in enumerate(conv.turns)
-            if t.role == "assistant" and not t.generation_prompt]
-
-
 def _roles_written(case: MatrixCase) -> list[str]:
     """The turns the template writes, in order (from its source): the system turns it adds,
     then one per message."""
@@ -366,7 +354,7 @@ def test_template_matrix(name: str) -> None:
     for policy in (FMT.default_policy, cg.MaskPolicy(thinking=False),
                    cg.MaskPolicy(tool_calls=False), cg.MaskPolicy(truncated=False)):
         assert trained_per_turn(conv, text, policy) == \
-            ["".join(t for k, t in turn if _allowed(k, policy)) for turn in want]
+            ["".join(t for k, t in turn if allowed_kind(k, policy)) for turn in want]
     # the kinds: every thought / call block is a span of that kind, nothing else is
     for kind in ("think", "tool_call"):
         got = [text[s.start:s.end] for s in conv.spans() if s.kind == kind]
@@ -482,26 +470,13 @@ def test_conformance_needs_the_real_eos():
 def test_embedded_examples_text_and_ids(kind: str) -> None:
     tok = encoding(kind)
     assert len(FMT.spec.examples) >= 12
-    for ex in FMT.spec.examples:
-        text, want = parse_example(ex.text)
-        policy = cg.MaskPolicy.from_mapping(ex.policy, FMT.default_policy) if ex.policy else None
-        if ex.error:
-            with pytest.raises(cg.ParseError, match="unexpected"):
-                FMT.parse(text)
-            with pytest.raises(cg.ParseError, match="unexpected"):
-                FMT.parse_ids(encode_with_ranges(tok, text)[0], tok)
-            continue
-        conv = FMT.parse(text)
-        assert merged_spans(conv.spans(policy)) == want, ex.name
-        if text.endswith("<|assist"):
-            continue  # a cut inside a marker string: text only (covered by the truncation test)
-        ids, ranges = encode_with_ranges(tok, text)
-        conv_ids = FMT.parse_ids(ids, tok)
+    def soft_only(got, want, conv_ids, policy, name) -> None:
         soft = {b.offset for b in conv_ids.boundaries if "soft marker" in b.message}
-        assert not soft or kind == "apriel-text", ex.name
-        assert_mask(FMT.loss_mask(ids, tok, policy=policy),
-                    mapped_mask(conv, ranges, len(text), policy), policy, soft)
-        assert [t.role for t in conv_ids.turns] == [t.role for t in conv.turns], ex.name
+        assert not soft or kind == "apriel-text", name
+        assert_mask(got, want, policy, soft)
+
+    check_embedded_examples(FMT, tok, text_only_suffix="<|assist", error_match="unexpected",
+                            check_mask=soft_only)
 
 
 # --------------------------------------------------------------------------- detection

@@ -47,8 +47,9 @@ from chatgrammar.conformance import check_template
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
 from chatgrammar.registry import formats_dir
 from chatgrammar.render import TemplateError, render_chat
-from tests.format_kit import (TEMPLATES, call as _call, encode_with_ranges, mapped_mask,
-                              merged_spans, parse_example, renumbered_encoding, template)
+from tests.format_kit import (TEMPLATES, call as _call, check_embedded_examples,
+                              check_id_mode as _check_id_mode, encode_with_ranges,
+                              renumbered_encoding, template, trained_per_turn)
 
 R_V01 = "CohereForAI-c4ai-command-r-v01.jinja"
 R_PLUS_TOOLS = "CohereForAI-c4ai-command-r-plus-tool_use.jinja"
@@ -240,14 +241,6 @@ def oracle(tpl: str, case: MatrixCase) -> list[str]:
     return out
 
 
-def trained_per_turn(conv: cg.Conversation, text: str, policy=None) -> list[str]:
-    got: dict[int, str] = {}
-    for s in conv.spans(policy):
-        got[s.turn] = got.get(s.turn, "") + text[s.start:s.end]
-    return [got.get(i, "") for i, t in enumerate(conv.turns)
-            if t.role == "assistant" and not t.generation_prompt]
-
-
 # ----------------------------------------------------------------------------- id mode
 
 POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
@@ -255,20 +248,7 @@ POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
 
 
 def check_id_mode(text: str, conv: cg.Conversation, enc=None) -> cg.Conversation:
-    enc = enc or cohere_encoding()
-    f = fmt()
-    ids, ranges = encode_with_ranges(enc, text)
-    conv_ids = f.parse_ids(ids, enc)
-    assert conv_ids.length == len(ids)
-    assert [(t.role, t.complete, t.generation_prompt) for t in conv_ids.turns] == \
-        [(t.role, t.complete, t.generation_prompt) for t in conv.turns]
-    assert len(conv_ids.warnings) == len(conv.warnings)
-    for policy in POLICIES:
-        assert [(s.kind, s.role, s.turn) for s in conv_ids.spans(policy)] == \
-            [(s.kind, s.role, s.turn) for s in conv.spans(policy)]
-        assert f.loss_mask(ids, enc, policy=policy) == \
-            mapped_mask(conv, ranges, len(text), policy)
-    return conv_ids
+    return _check_id_mode(fmt(), text, conv, enc or cohere_encoding(), POLICIES)
 
 
 # ----------------------------------------------------------------------------- the matrix
@@ -408,25 +388,7 @@ def test_conformance_fixed_suffix_is_no_message():
 def test_embedded_examples_text_and_ids():
     f = fmt()
     enc = cohere_encoding()
-    checked = 0
-    for ex in f.spec.examples:
-        text, want = parse_example(ex.text)
-        policy = cg.MaskPolicy.from_mapping(ex.policy, f.default_policy) if ex.policy else None
-        ids, ranges = encode_with_ranges(enc, text)
-        if ex.error:
-            with pytest.raises(cg.ParseError, match=ex.error):
-                f.parse(text)
-            with pytest.raises(cg.ParseError, match=ex.error):
-                f.parse_ids(ids, enc)
-            continue
-        conv = f.parse(text)
-        assert merged_spans(conv.spans(policy)) == want, ex.name
-        conv_ids = f.parse_ids(ids, enc)
-        assert f.loss_mask(ids, enc, policy=policy) == \
-            mapped_mask(conv, ranges, len(text), policy), ex.name
-        assert [t.role for t in conv_ids.turns] == [t.role for t in conv.turns], ex.name
-        checked += 1
-    assert checked >= 12
+    assert check_embedded_examples(f, enc) >= 12
 
 
 # ----------------------------------------------------------------------------- detection

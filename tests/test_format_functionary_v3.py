@@ -44,9 +44,9 @@ from chatgrammar.conformance import check_template
 from chatgrammar.detect import explain_detection
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
 from chatgrammar.render import TemplateError, render_chat
-from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, mapped_mask,
-                              merged_spans, parse_example, qwen_ranks, template,
-                              tool_result as _result, user as _u)
+from tests.format_kit import (assistant as _a, call as _call, check_embedded_examples,
+                              check_id_mode as _check_id_mode, encode_with_ranges, qwen_ranks,
+                              template, tool_result as _result, trained_per_turn, user as _u)
 from tests.tokenizers import QWEN_PATTERN
 
 DATA = Path(__file__).resolve().parent / "data" / "templates"
@@ -104,20 +104,7 @@ POLICIES = [None, cg.MaskPolicy(end_marker=True), cg.MaskPolicy(tool_calls=False
 
 
 def check_id_mode(text: str, conv: cg.Conversation) -> cg.Conversation:
-    tok = encoding()
-    ids, ranges = encode(text)
-    conv_ids = FMT.parse_ids(ids, tok)
-    assert conv_ids.length == len(ids)
-    assert len(conv_ids.warnings) == len(conv.warnings)
-    assert [t.role for t in conv_ids.turns] == [t.role for t in conv.turns]
-    assert [(t.complete, t.generation_prompt) for t in conv_ids.turns] == \
-        [(t.complete, t.generation_prompt) for t in conv.turns]
-    for policy in POLICIES:
-        assert [(s.kind, s.role, s.turn) for s in conv_ids.spans(policy)] == \
-            [(s.kind, s.role, s.turn) for s in conv.spans(policy)]
-        assert FMT.loss_mask(ids, tok, policy=policy) == \
-            mapped_mask(conv, ranges, len(text), policy)
-    return conv_ids
+    return _check_id_mode(FMT, text, conv, encoding(), POLICIES)
 
 
 # --------------------------------------------------------------------------- cases
@@ -250,15 +237,6 @@ def oracle(case: MatrixCase) -> list[list[tuple[str, str]]]:
     return out
 
 
-def trained_per_turn(conv: cg.Conversation, text: str, policy=None) -> list[str]:
-    """Trained text of every assistant turn (generation prompts left out), in order."""
-    got: dict[int, str] = {}
-    for s in conv.spans(policy):
-        got[s.turn] = got.get(s.turn, "") + text[s.start:s.end]
-    return [got.get(i, "") for i, t in enumerate(conv.turns)
-            if t.role == "assistant" and not t.generation_prompt]
-
-
 # --------------------------------------------------------------------------- the matrix
 
 MATRIX = [name for name, _ in _renders()[0]]
@@ -372,16 +350,7 @@ def test_llama3_would_train_the_prompt_end():
 def test_embedded_examples_text_and_ids() -> None:
     tok = encoding()
     assert len(FMT.spec.examples) >= 10
-    for ex in FMT.spec.examples:
-        text, want = parse_example(ex.text)
-        policy = cg.MaskPolicy.from_mapping(ex.policy, FMT.default_policy) if ex.policy else None
-        conv = FMT.parse(text)
-        assert merged_spans(conv.spans(policy)) == want, ex.name
-        ids, ranges = encode(text)
-        conv_ids = FMT.parse_ids(ids, tok)
-        assert FMT.loss_mask(ids, tok, policy=policy) == \
-            mapped_mask(conv, ranges, len(text), policy), ex.name
-        assert [t.role for t in conv_ids.turns] == [t.role for t in conv.turns], ex.name
+    check_embedded_examples(FMT, tok)
 
 
 # --------------------------------------------------------------------------- detection

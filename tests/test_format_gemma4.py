@@ -348,6 +348,7 @@ def oracle_interleaved(case: MatrixCase) -> list[str]:
 ORACLES = {GOOGLE: oracle_google, LLAMACPP: oracle_interleaved}
 
 
+# not format_kit.trained_per_turn: the trained runs, not joined per turn
 def merged_runs(conv: cg.Conversation, text: str, policy=None) -> list[str]:
     """The trained text, adjacent spans joined."""
     out: list[list[int]] = []
@@ -405,6 +406,7 @@ def char_mask(conv: cg.Conversation, n: int, policy=None) -> np.ndarray:
     return m
 
 
+# not format_kit.check_id_mode: also checks that no token is trained for part of its characters
 def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation) -> cg.Conversation:
     """Id mode on Gemma 4's special ids trains exactly the text-mode spans."""
     ids, ranges = encode(text)

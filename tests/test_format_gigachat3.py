@@ -62,9 +62,9 @@ import chatgrammar as cg
 from chatgrammar.conformance import check_template
 from chatgrammar.matrix import MatrixCase, default_matrix
 from chatgrammar.render import render_chat
-from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, mapped_mask,
-                              merged_spans, parse_example, renumbered_encoding, template,
-                              user as _u)
+from tests.format_kit import (allowed_kind, assistant as _a, call as _call,
+                              check_embedded_examples, check_id_mode as _check_id_mode,
+                              encode_with_ranges, renumbered_encoding, template, user as _u)
 
 G30 = "GigaChat3-10B-A1.8B.jinja"
 G31 = "GigaChat3.1-10B-A1.8B.jinja"
@@ -93,23 +93,14 @@ POLICIES = [None, cg.MaskPolicy(end_marker=True), cg.MaskPolicy(tool_calls=False
 
 
 def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation, tok) -> cg.Conversation:
-    ids, ranges = encode_with_ranges(tok, text)
-    conv_ids = fmt.parse_ids(ids, tok)
-    assert not conv_ids.warnings and conv_ids.length == len(ids)
+    conv_ids = _check_id_mode(fmt, text, conv, tok, POLICIES, warnings="none", conv_mask=True,
+                              turn_fields=("role", "complete", "generation_prompt", "header"))
     # A body that starts with a newline merges with the header's "\n" (`lead`) into one token
     # ("\n\n\n"): that token trains and the boundary is reported, nowhere else.
     merged = [t for t in conv.turns if t.body_start is not None
               and text[t.body_start:t.body_start + 1] == "\n" and t.body_end > t.body_start]
     assert [b.message for b in conv_ids.boundaries] == \
         ["lead '\\n' ends inside a merged token (trained)"] * len(merged)
-    assert [(t.role, t.complete, t.generation_prompt, t.header) for t in conv_ids.turns] == \
-        [(t.role, t.complete, t.generation_prompt, t.header) for t in conv.turns]
-    for policy in POLICIES:
-        assert [(s.kind, s.role, s.turn) for s in conv_ids.spans(policy)] == \
-            [(s.kind, s.role, s.turn) for s in conv.spans(policy)]
-        want = mapped_mask(conv, ranges, len(text), policy)
-        assert conv_ids.mask(policy) == want
-        assert fmt.loss_mask(ids, tok, policy=policy) == want
     return conv_ids
 
 
@@ -215,10 +206,6 @@ def oracle(tpl: str, case: MatrixCase) -> tuple[list[tuple[str, str]], list[str]
     return [(k, t) for k, t in pieces if t], roles
 
 
-def _allowed(kind: str, policy: cg.MaskPolicy) -> bool:
-    return not (kind == "tool_call" and not policy.tool_calls)
-
-
 # --------------------------------------------------------------------------- the matrix
 
 MATRIX = [(tpl, c.name) for tpl in TEMPLATE_NAMES for c in all_cases()]
@@ -252,7 +239,7 @@ def test_template_matrix(tpl: str, name: str) -> None:
     # text mode: exactly the oracle's pieces, in order, with their kinds
     for policy in (fmt.default_policy, cg.MaskPolicy(tool_calls=False)):
         got = [(s.kind, text[s.start:s.end]) for s in conv.spans(policy)]
-        assert got == [(k, t) for k, t in want if _allowed(k, policy)], policy
+        assert got == [(k, t) for k, t in want if allowed_kind(k, policy)], policy
     # nothing outside assistant turns trains; every assistant turn ends with <|message_sep|>
     for policy in POLICIES[:4]:
         for s in conv.spans(policy):
@@ -337,25 +324,7 @@ def test_embedded_examples_text_and_ids(vocab: str) -> None:
     fmt = cg.load_format("gigachat3")
     assert len(fmt.spec.examples) >= 10
     tok = encoding(vocab)
-    checked = 0
-    for ex in fmt.spec.examples:
-        text, want = parse_example(ex.text)
-        ids, ranges = encode_with_ranges(tok, text)
-        if ex.error:
-            with pytest.raises(cg.ParseError, match=ex.error):
-                fmt.parse(text)
-            with pytest.raises(cg.ParseError, match=ex.error):
-                fmt.parse_ids(ids, tok)
-            continue
-        policy = cg.MaskPolicy.from_mapping(ex.policy, fmt.default_policy) if ex.policy else None
-        conv = fmt.parse(text)
-        assert merged_spans(conv.spans(policy)) == want, ex.name
-        conv_ids = fmt.parse_ids(ids, tok)
-        assert fmt.loss_mask(ids, tok, policy=policy) == \
-            mapped_mask(conv, ranges, len(text), policy), ex.name
-        assert [t.role for t in conv_ids.turns] == [t.role for t in conv.turns], ex.name
-        checked += 1
-    assert checked == len(fmt.spec.examples) - 1
+    assert check_embedded_examples(fmt, tok) == len(fmt.spec.examples) - 1
 
 
 # --------------------------------------------------------------------------- detection

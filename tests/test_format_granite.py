@@ -63,8 +63,10 @@ import chatgrammar as cg
 from chatgrammar.conformance import check_template
 from chatgrammar.matrix import MatrixCase, default_matrix
 from chatgrammar.render import TemplateError, render_chat
-from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, mapped_mask,
-                              merged_spans, parse_example, renumbered_encoding, user as _u)
+from tests.format_kit import (allowed_kind, assistant as _a, call as _call,
+                              check_embedded_examples, check_id_mode as _check_id_mode,
+                              encode_with_ranges, renumbered_encoding, trained_per_turn,
+                              user as _u)
 
 DATA = Path(__file__).resolve().parent / "data"
 TEMPLATES = DATA / "templates"
@@ -107,18 +109,8 @@ POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
 
 
 def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation, tok) -> cg.Conversation:
-    ids, ranges = encode_with_ranges(tok, text)
-    conv_ids = fmt.parse_ids(ids, tok)
-    assert not conv_ids.warnings and conv_ids.length == len(ids)
-    assert [t.role for t in conv_ids.turns] == [t.role for t in conv.turns]
-    assert [t.generation_prompt for t in conv_ids.turns] == \
-        [t.generation_prompt for t in conv.turns]
-    for policy in POLICIES:
-        assert [(s.kind, s.role, s.turn) for s in conv_ids.spans(policy)] == \
-            [(s.kind, s.role, s.turn) for s in conv.spans(policy)]
-        assert fmt.loss_mask(ids, tok, policy=policy) == \
-            mapped_mask(conv, ranges, len(text), policy)
-    return conv_ids
+    return _check_id_mode(fmt, text, conv, tok, POLICIES, warnings="none",
+                          turn_fields=("role", "generation_prompt"))
 
 
 # --------------------------------------------------------------------------- templates
@@ -315,24 +307,6 @@ def oracle(tpl: str, case: MatrixCase) -> list[list[tuple[str, str]]]:
     return out
 
 
-def _allowed(kind: str, policy: cg.MaskPolicy) -> bool:
-    return not ((kind == "think" and not policy.thinking)
-                or (kind == "tool_call" and not policy.tool_calls))
-
-
-def trained_per_turn(conv: cg.Conversation, text: str, policy=None, *,
-                     prompted: bool = False) -> list[str]:
-    """Trained text of every assistant turn (generation prompts left out), in order.
-    ``prompted``: the input ends with a generation prompt (with `controls` it is not one of the
-    format's exact prompts: the final turn is then left out here and checked by the caller)."""
-    got: dict[int, str] = {}
-    for s in conv.spans(policy):
-        got[s.turn] = got.get(s.turn, "") + text[s.start:s.end]
-    last = len(conv.turns) - 1 if prompted else None
-    return [got.get(i, "") for i, t in enumerate(conv.turns)
-            if t.role == "assistant" and not t.generation_prompt and i != last]
-
-
 # --------------------------------------------------------------------------- the matrix
 
 MATRIX = [(tpl, name) for tpl in TEMPLATE_NAMES for name, _ in _renders(tpl)[0]]
@@ -353,7 +327,7 @@ def test_template_matrix(tpl: str, name: str) -> None:
     for policy in (fmt.default_policy, cg.MaskPolicy(thinking=False),
                    cg.MaskPolicy(tool_calls=False)):
         assert trained_per_turn(conv, text, policy, prompted=case.add_generation_prompt) == \
-            ["".join(t for k, t in turn if _allowed(k, policy)) for turn in want], policy
+            ["".join(t for k, t in turn if allowed_kind(k, policy)) for turn in want], policy
     # the kinds: every think / tool-call piece is a span of that kind, nothing else is
     for kind in ("think", "tool_call"):
         got = [text[s.start:s.end] for s in conv.spans() if s.kind == kind]
@@ -462,18 +436,7 @@ def test_embedded_examples_text_and_ids(fam: str) -> None:
     fmt = cg.load_format("granite")
     assert len(fmt.spec.examples) >= 10
     tok = encoding(fam)
-    for ex in fmt.spec.examples:
-        text, want = parse_example(ex.text)
-        policy = cg.MaskPolicy.from_mapping(ex.policy, fmt.default_policy) if ex.policy else None
-        conv = fmt.parse(text)
-        assert merged_spans(conv.spans(policy)) == want, ex.name
-        if text.endswith("<|start_of_role|>assist"):
-            continue  # a cut inside a marker string: text only (covered by the truncation test)
-        ids, ranges = encode_with_ranges(tok, text)
-        conv_ids = fmt.parse_ids(ids, tok)
-        assert fmt.loss_mask(ids, tok, policy=policy) == \
-            mapped_mask(conv, ranges, len(text), policy), ex.name
-        assert [t.role for t in conv_ids.turns] == [t.role for t in conv.turns], ex.name
+    check_embedded_examples(fmt, tok, text_only_suffix="<|start_of_role|>assist")
 
 
 # --------------------------------------------------------------------------- detection

@@ -50,7 +50,7 @@ from chatgrammar.detect import explain_detection
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
 from chatgrammar.render import TemplateError, render_chat
 from tests.format_kit import (assistant as _a, call as _call, mapped_mask, qwen_ranks, template,
-                              tool_result as _tool, user as _u)
+                              tool_result as _tool, trained_per_turn, user as _u)
 from tests.tokenizers import QWEN_PATTERN
 
 SCOUT = "meta-llama-Llama-4-Scout-17B-16E-Instruct.jinja"
@@ -296,14 +296,6 @@ def oracle(case: MatrixCase) -> tuple[list[str], dict[str, list[str]]]:
     return roles, bodies
 
 
-def trained_per_turn(conv: cg.Conversation, text: str, role: str, policy=None) -> list[str]:
-    got: dict[int, str] = {}
-    for s in conv.spans(policy):
-        got[s.turn] = got.get(s.turn, "") + text[s.start:s.end]
-    return [got.get(i, "") for i, t in enumerate(conv.turns)
-            if t.role == role and not t.generation_prompt]
-
-
 def expected(case: MatrixCase, policy: cg.MaskPolicy | None) -> dict[str, list[str]]:
     """The oracle's trained text per assistant / tool turn under ``policy``."""
     _, bodies = oracle(case)
@@ -335,7 +327,8 @@ def check_case(fmt: cg.Format, case: MatrixCase, text: str) -> None:
     for policy in POLICIES:
         want = expected(case, policy)
         for role in ("assistant", "tool"):
-            assert trained_per_turn(conv, text, role, policy) == want[role], (case.name, policy)
+            assert trained_per_turn(conv, text, policy, role=role) == want[role], \
+                (case.name, policy)
         # nothing else trains: no system or user turn, no generation prompt, no BOS
         roles_ok = set((policy or cg.MaskPolicy()).roles)
         assert all(s.role in roles_ok and not conv.turns[s.turn].generation_prompt
@@ -465,12 +458,12 @@ def test_family_layouts(name, turns) -> None:
     assert [t.role for t in conv.turns] == \
         [{"ipython": "tool"}.get(r, r) for r, _, _ in turns]
     want = [b for r, b, _ in turns if r == "assistant"]
-    assert trained_per_turn(conv, text, "assistant") == want
+    assert trained_per_turn(conv, text) == want
     ends = [text[t.block.close_start:t.block.close_end] for t in conv.turns]
     assert ends == [e for _, _, e in turns]
     # policies: tool_calls=False drops only the python-tagged calls; media is its own kind
     no_calls = [("" if b.startswith(PY_START) else b) for b in want]
-    assert trained_per_turn(conv, text, "assistant", cg.MaskPolicy(tool_calls=False)) == no_calls
+    assert trained_per_turn(conv, text, cg.MaskPolicy(tool_calls=False)) == no_calls
     media = [text[s.start:s.end] for s in conv.spans(cg.MaskPolicy(roles=("user",)))
              if s.kind == "media"]
     assert media == [p for r, b, _ in turns if r == "user"

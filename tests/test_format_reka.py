@@ -47,8 +47,9 @@ import chatgrammar as cg
 from chatgrammar.conformance import check_template
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
 from chatgrammar.render import render_chat
-from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, mapped_mask,
-                              merged_spans, parse_example, renumbered_encoding, template,
+from tests.format_kit import (allowed_kind, assistant as _a, call as _call,
+                              check_embedded_examples, check_id_mode as _check_id_mode,
+                              encode_with_ranges, renumbered_encoding, template,
                               tool_result as _result, user as _u)
 
 TEMPLATE = "Reka-Edge.jinja"
@@ -83,22 +84,12 @@ POLICIES = [None, cg.MaskPolicy(end_marker=True), cg.MaskPolicy(thinking=False),
 
 
 def check_id_mode(text: str, conv: cg.Conversation, tok) -> cg.Conversation:
-    ids, ranges = encode_with_ranges(tok, text)
+    ids, _ = encode_with_ranges(tok, text)
     assert ids.count(REKA_IDS[SEP]) == text.count(SEP)
-    conv_ids = FMT.parse_ids(ids, tok)
-    assert not conv_ids.warnings and conv_ids.length == len(ids)
     # <think> / </think> and the role words are BPE text: a soft marker's edge may fall inside
     # a merged token (" <think>" is " <" + …), which is reported and stays with the text
-    assert all(b.message.startswith("soft marker ") for b in conv_ids.boundaries)
-    assert [(t.role, t.complete, t.generation_prompt) for t in conv_ids.turns] == \
-        [(t.role, t.complete, t.generation_prompt) for t in conv.turns]
-    for policy in POLICIES:
-        assert [(s.kind, s.role, s.turn) for s in conv_ids.spans(policy)] == \
-            [(s.kind, s.role, s.turn) for s in conv.spans(policy)]
-        want = mapped_mask(conv, ranges, len(text), policy)
-        assert conv_ids.mask(policy) == want
-        assert FMT.loss_mask(ids, tok, policy=policy) == want
-    return conv_ids
+    return _check_id_mode(FMT, text, conv, tok, POLICIES, warnings="none", boundaries="soft",
+                          conv_mask=True)
 
 
 # --------------------------------------------------------------------------- cases
@@ -253,11 +244,6 @@ def oracle(case: MatrixCase) -> tuple[list[tuple[str, str]], list[str]]:
     return pieces, roles
 
 
-def _allowed(kind: str, policy: cg.MaskPolicy) -> bool:
-    return not ((kind == "tool_call" and not policy.tool_calls)
-                or (kind == "think" and not policy.thinking))
-
-
 # --------------------------------------------------------------------------- the matrix
 
 def test_every_case_renders():
@@ -288,7 +274,7 @@ def test_template_matrix(name: str) -> None:
                    cg.MaskPolicy(tool_calls=False)):
         got = [(s.kind, text[s.start:s.end]) for s in conv.spans(policy)]
         # (a dropped block leaves the content spans on either side of it apart)
-        assert got == [(k, t) for k, t in want if _allowed(k, policy)], policy
+        assert got == [(k, t) for k, t in want if allowed_kind(k, policy)], policy
     # nothing outside assistant turns trains; every assistant turn ends with <sep>
     for policy in POLICIES[:5]:
         for s in conv.spans(policy):
@@ -339,25 +325,7 @@ def test_conformance(with_ids: bool) -> None:
 def test_embedded_examples_text_and_ids() -> None:
     assert len(FMT.spec.examples) >= 9
     tok = encoding()
-    checked = 0
-    for ex in FMT.spec.examples:
-        text, want = parse_example(ex.text)
-        ids, ranges = encode_with_ranges(tok, text)
-        if ex.error:
-            with pytest.raises(cg.ParseError, match=ex.error):
-                FMT.parse(text)
-            with pytest.raises(cg.ParseError, match=ex.error):
-                FMT.parse_ids(ids, tok)
-            continue
-        policy = cg.MaskPolicy.from_mapping(ex.policy, FMT.default_policy) if ex.policy else None
-        conv = FMT.parse(text)
-        assert merged_spans(conv.spans(policy)) == want, ex.name
-        conv_ids = FMT.parse_ids(ids, tok)
-        assert FMT.loss_mask(ids, tok, policy=policy) == \
-            mapped_mask(conv, ranges, len(text), policy), ex.name
-        assert [t.role for t in conv_ids.turns] == [t.role for t in conv.turns], ex.name
-        checked += 1
-    assert checked == len(FMT.spec.examples) - 1
+    assert check_embedded_examples(FMT, tok) == len(FMT.spec.examples) - 1
 
 
 # --------------------------------------------------------------------------- detection

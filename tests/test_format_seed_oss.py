@@ -50,9 +50,10 @@ import chatgrammar as cg
 from chatgrammar.conformance import check_template
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
 from chatgrammar.render import TemplateError, render_chat
-from tests.format_kit import (assistant as _a, call as _call, encode_with_ranges, mapped_mask,
-                              merged_spans, parse_example, renumbered_encoding, template,
-                              tool_result as _result, user as _u)
+from tests.format_kit import (allowed_kind, assistant as _a, call as _call,
+                              check_embedded_examples, check_id_mode as _check_id_mode,
+                              encode_with_ranges, renumbered_encoding, template,
+                              tool_result as _result, trained_per_turn, user as _u)
 
 TEMPLATE = "ByteDance-Seed-OSS.jinja"
 
@@ -88,19 +89,7 @@ POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
 
 
 def check_id_mode(text: str, conv: cg.Conversation, tok) -> cg.Conversation:
-    ids, ranges = encode_with_ranges(tok, text)
-    conv_ids = FMT.parse_ids(ids, tok)
-    assert conv_ids.length == len(ids)
-    assert len(conv_ids.warnings) == len(conv.warnings)
-    assert [t.role for t in conv_ids.turns] == [t.role for t in conv.turns]
-    assert [(t.complete, t.generation_prompt) for t in conv_ids.turns] == \
-        [(t.complete, t.generation_prompt) for t in conv.turns]
-    for policy in POLICIES:
-        assert [(s.kind, s.role, s.turn) for s in conv_ids.spans(policy)] == \
-            [(s.kind, s.role, s.turn) for s in conv.spans(policy)]
-        assert FMT.loss_mask(ids, tok, policy=policy) == \
-            mapped_mask(conv, ranges, len(text), policy)
-    return conv_ids
+    return _check_id_mode(FMT, text, conv, tok, POLICIES)
 
 
 # --------------------------------------------------------------------------- cases
@@ -231,20 +220,6 @@ def oracle(case: MatrixCase) -> list[tuple[list[tuple[str, str]], bool]]:
     return out
 
 
-def _allowed(kind: str, policy: cg.MaskPolicy) -> bool:
-    return not ((kind == "think" and not policy.thinking)
-                or (kind == "tool_call" and not policy.tool_calls))
-
-
-def trained_per_turn(conv: cg.Conversation, text: str, policy=None) -> list[str]:
-    """Trained text of every assistant turn (generation prompts left out), in order."""
-    got: dict[int, str] = {}
-    for s in conv.spans(policy):
-        got[s.turn] = got.get(s.turn, "") + text[s.start:s.end]
-    return [got.get(i, "") for i, t in enumerate(conv.turns)
-            if t.role == "assistant" and not t.generation_prompt]
-
-
 # --------------------------------------------------------------------------- the matrix
 
 MATRIX = [name for name, _ in _renders()[0]]
@@ -273,7 +248,7 @@ def test_template_matrix(name: str) -> None:
     for policy in (FMT.default_policy, cg.MaskPolicy(thinking=False),
                    cg.MaskPolicy(tool_calls=False)):
         assert trained_per_turn(conv, text, policy) == \
-            ["".join(t for k, t in turn if _allowed(k, policy)) for turn, _ in want_turns]
+            ["".join(t for k, t in turn if allowed_kind(k, policy)) for turn, _ in want_turns]
     # an unclosed turn is reported incomplete: with truncated=False it trains nothing
     assert trained_per_turn(conv, text, cg.MaskPolicy(truncated=False)) == \
         ["".join(t for _, t in turn) if closed else "" for turn, closed in want_turns]
@@ -362,18 +337,7 @@ def test_conformance() -> None:
 def test_embedded_examples_text_and_ids(kind: str) -> None:
     tok = encoding(kind)
     assert len(FMT.spec.examples) >= 10
-    for ex in FMT.spec.examples:
-        text, want = parse_example(ex.text)
-        policy = cg.MaskPolicy.from_mapping(ex.policy, FMT.default_policy) if ex.policy else None
-        conv = FMT.parse(text)
-        assert merged_spans(conv.spans(policy)) == want, ex.name
-        if text.endswith(BOS + "assis"):
-            continue  # a cut inside a marker string: text only (covered by the truncation test)
-        ids, ranges = encode_with_ranges(tok, text)
-        conv_ids = FMT.parse_ids(ids, tok)
-        assert FMT.loss_mask(ids, tok, policy=policy) == \
-            mapped_mask(conv, ranges, len(text), policy), ex.name
-        assert [t.role for t in conv_ids.turns] == [t.role for t in conv.turns], ex.name
+    check_embedded_examples(FMT, tok, text_only_suffix=BOS + "assis")
 
 
 def test_budget_zero_prompt_is_a_generation_prompt_in_id_mode():
