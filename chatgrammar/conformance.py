@@ -51,7 +51,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from .errors import ChatGrammarError, ParseError
+from .errors import ParseError
 from .format import Format
 from .matrix import MatrixCase, default_matrix
 from .policy import MaskPolicy

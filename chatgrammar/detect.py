@@ -686,7 +686,7 @@ def explain_detection(tokenizer: Any = None, *, chat_template: Any = None,
                 notes.append(
                     "the tokenizer's own chat template "
                     + (f"looks like {_quote(tpl_says)}" if tpl_says else "matches no format")
-                    + f", which its special tokens do not support; ignored (token evidence "
+                    + ", which its special tokens do not support; ignored (token evidence "
                     "wins: ids are what gets parsed)")
 
     name, rule, why = _resolve(candidates, by_name)

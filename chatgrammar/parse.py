@@ -17,7 +17,7 @@ import bisect
 import fnmatch
 import re
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any
 
 from .compile import (BETWEEN_MAX_CHARS, BETWEEN_MAX_TOKENS, HEADER, HEADER_CHARS_PER_TOKEN,
                       TEXT, ParseTables, rule_name, term_name)
@@ -293,7 +293,7 @@ class Driver:
 
     def _finish(self, ctx, state_stack, value_stack, src, strict, warnings) -> None:
         """Feed end of input, closing open elements with synthetic terminators (truncation)."""
-        states, shift = self.states, self.shift
+        states = self.states
         end = src.n
         prefs = (self.tables.close_terms, self.tables.until_terms)
         tried: set = set()
@@ -380,7 +380,6 @@ class Driver:
 
     def _feed(self, ctx, state_stack, value_stack, tok) -> None:
         states, shift = self.states, self.shift
-        end_state = self.tables.end_state
         while True:
             action, arg = states[state_stack[-1]][tok[0]]
             if action is shift:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Iterable
+from typing import Any
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ import copy
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 DATA = Path(__file__).resolve().parent / "data"
 QWEN_TIKTOKEN = DATA / "tokenizers" / "Qwen-Qwen2.5" / "qwen.tiktoken"

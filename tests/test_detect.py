@@ -28,7 +28,7 @@ import chatgrammar.registry as registry
 from chatgrammar.cli import main
 from chatgrammar.detect import (PrecedenceError, check_precedence, detection_formats,
                                 explain_detection)
-from tests.kimi_tokenizers import (K2_SPECIALS, K2_STRINGS_IN_K3, K3_SPECIALS, PAT_STR,
+from tests.kimi_tokenizers import (K2_SPECIALS, K3_SPECIALS, PAT_STR,
                                    QWEN_TIKTOKEN, kimi_k2_encoding, kimi_k3_encoding, template)
 
 ROOT = Path(__file__).resolve().parent.parent

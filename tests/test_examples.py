@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 
-import chatgrammar as cg
 from tests.kimi_tokenizers import kimi_k2_encoding, kimi_k3_encoding
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "tools" / "examples"

@@ -45,7 +45,6 @@ tests/family_tokenizers.py does for DeepSeek and GLM.
 from __future__ import annotations
 
 import copy
-import json
 from functools import lru_cache
 
 import numpy as np

@@ -48,7 +48,7 @@ import chatgrammar as cg
 from chatgrammar.conformance import check_template
 from chatgrammar.detect import explain_detection
 from chatgrammar.matrix import TOOLS, MatrixCase, default_matrix
-from chatgrammar.render import TemplateError, render_chat
+from chatgrammar.render import render_chat
 from tests.format_kit import (assistant as _a, call as _call, mapped_mask, qwen_ranks, template,
                               tool_result as _tool, trained_per_turn, user as _u)
 from tests.tokenizers import QWEN_PATTERN

@@ -43,7 +43,6 @@ finds the soft markers in the decoded text); ``m1-think`` adds ``<think>`` 20005
 from __future__ import annotations
 
 import copy
-import json
 import re
 from functools import lru_cache
 

@@ -26,7 +26,6 @@ import string
 import zlib
 from collections import Counter
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st

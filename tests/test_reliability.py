@@ -10,7 +10,6 @@ The randomised side of the contract lives in test_properties.py and test_fuzz.py
 """
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time

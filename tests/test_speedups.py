@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import chatgrammar as cg
 from chatgrammar import fastpath
-from tests.fuzz_tokenizers import encode_rendered, format_encoding, format_templates
+from tests.fuzz_tokenizers import format_encoding
 from tests.test_fastpath import POLICIES, _bench, _samples
 
 S = fastpath._speedups
