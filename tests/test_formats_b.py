@@ -25,7 +25,6 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import chatgrammar as cg
@@ -34,6 +33,7 @@ from chatgrammar.matrix import MatrixCase, default_matrix, get_case
 from chatgrammar.registry import formats_dir
 from chatgrammar.render import TemplateError, render_chat, render_chat_with_spans
 from tests.family_tokenizers import REAL_IDS, SPECIAL_TOKENS, encoding_for
+from tests.format_kit import encode_with_ranges, mapped_mask, merged_spans, parse_example
 from tests.tokenizers import mistral_tokenizer
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -481,30 +481,11 @@ def tokenizers_for(tpl: str) -> list:
 def encode(tok, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
     """ids and per-token char ranges (None for a slow tokenizer, which has no offsets)."""
     if type(tok).__name__ == "Encoding":
-        ids = tok.encode(text, allowed_special="all")
-        dec, starts = tok.decode_with_offsets(ids)
-        assert dec == text
-        # tiktoken's offset of a token that starts inside a multi-byte character is that
-        # character; the token covers it and every character it starts
-        ends, n = [], 0
-        for t in ids:
-            n += sum(1 for c in tok.decode_single_token_bytes(t) if not 0x80 <= c < 0xC0)
-            ends.append(n)
-        assert ends[-1:] in ([len(text)], [])
-        return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
+        return encode_with_ranges(tok, text)
     if getattr(tok, "is_fast", False):
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
         return enc["input_ids"], [tuple(o) for o in enc["offset_mapping"]]
     return tok.encode(text, add_special_tokens=False), None
-
-
-def mapped_mask(conv: cg.Conversation, ranges, n_chars: int, policy=None) -> list[int]:
-    """The documented rule: a token is trained iff it overlaps a trained character."""
-    chars = np.zeros(n_chars + 1, dtype=np.int64)
-    for s in conv.spans(policy):
-        chars[s.start:s.end] = 1
-    csum = np.concatenate([[0], np.cumsum(chars[:n_chars])])
-    return [int(b > a and csum[b] - csum[a] > 0) for a, b in ranges]
 
 
 POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
@@ -634,30 +615,6 @@ def test_mistral_fast_and_slow_agree_where_the_ids_agree():
 
 # ----------------------------------------------------------------------------- embedded examples
 
-def _example(text: str) -> tuple[str, list[tuple[int, int]]]:
-    plain, spans, start = [], [], None
-    n = 0
-    for ch in text:
-        if ch == "⟦":
-            start = n
-        elif ch == "⟧":
-            spans.append((start, n))
-        else:
-            plain.append(ch)
-            n += 1
-    return "".join(plain), spans
-
-
-def _merged(spans) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s in spans:
-        if out and out[-1][1] == s.start:
-            out[-1][1] = s.end
-        else:
-            out.append([s.start, s.end])
-    return [tuple(x) for x in out]
-
-
 FAMILIES = ("mistral", "deepseek-v3", "harmony", "glm4", "minimax-m2")
 
 
@@ -667,10 +624,10 @@ def test_embedded_examples_text_and_ids(name: str) -> None:
     assert len(fmt.spec.examples) >= 6
     tok = mistral_v13_like(True) if name == "mistral" else encoding_for(name)
     for ex in fmt.spec.examples:
-        text, want = _example(ex.text)
+        text, want = parse_example(ex.text)
         policy = cg.MaskPolicy.from_mapping(ex.policy, fmt.default_policy) if ex.policy else None
         conv = fmt.parse(text)
-        assert _merged(conv.spans(policy)) == want, ex.name
+        assert merged_spans(conv.spans(policy)) == want, ex.name
         if any(m.text[:k] and text.endswith(m.text[:k]) for m in fmt.spec.markers.values()
                for k in range(2, len(m.text))):
             # a text cut inside a marker string: in ids a marker is one id, so there the
