@@ -1,42 +1,69 @@
-"""Persistent compile cache: parsed specs and LALR tables, pickled in a user cache directory.
+"""Persistent compile cache: parsed specs and LALR tables, stored as JSON in a private directory.
 
 Loading a format costs two things: reading its YAML (PyYAML's pure-Python composer, twice: for
 values and for ``file:line:col`` marks) and Lark's LALR analysis. Both depend only on their
 input and on the code that computes them, so both are cached on disk:
 
-- ``spec-<key>.pkl``: ``(FormatSpec, SpecSource, ParseTables)`` of a spec that compiled, keyed
-  by the spec file's path and bytes;
-- ``lalr-<key>.pkl``: the parse tables, keyed by the compiled grammar text.
+- ``spec-<key>.json``: a spec that compiled, with its source positions and parse tables, keyed
+  by the spec file's bytes (not its path: the path is filled in on load);
+- ``lalr-<key>.json``: the parse tables of a grammar, keyed by the grammar text.
 
-Every key also hashes a *code fingerprint* — the source of the modules that produce the cached
-objects (``spec.py``, ``compile.py``, this file), the versions of lark, pydantic and PyYAML, the
-Python version and :data:`CACHE_VERSION` — so an upgrade or a local edit never reads a stale
-entry. Entries are written atomically (temporary file + ``os.replace``); a read-only or missing
-directory just means no cache (nothing is ever required from it), and an unreadable entry is
-ignored and rebuilt.
+**Data, never code.** Entries are JSON: loading one runs ``json.loads`` and rebuilds plain
+objects (pydantic validates the spec again, Lark ``Rule`` objects are constructed from names),
+so a file planted in the directory can at worst be a wrong entry, never run anything. (An
+authenticated pickle — an HMAC under a per-user key — was the alternative: it needs a secret
+kept somewhere, and one leaked or shared key, e.g. a home directory mounted on many machines,
+turns the cache back into code execution. JSON needs no secret and is as fast here: the
+tables are small dictionaries of names and numbers.) And against a *wrong* entry:
+
+- the directory is created ``0700``; one owned by another user, or writable by group or others
+  (a shared ``CHATGRAMMAR_CACHE_DIR`` on a cluster, ``/tmp``), is refused: the process runs
+  without a cache and says so once (a :class:`RuntimeWarning`);
+- an entry is read only when it is a regular file owned by the user (no symlink), records the
+  key it was stored under and decodes to objects of the expected shape; anything else —
+  corrupt, truncated, foreign, from another version — is ignored and silently rebuilt;
+- every key hashes a *code fingerprint*: the package version, the source of the modules that
+  produce the cached objects (``spec.py``, ``policy.py``, ``compile.py``, this file), the
+  versions of lark, pydantic and PyYAML, the Python version and :data:`CACHE_VERSION`, so an
+  upgrade or a local edit never reads a stale entry.
+
+Entries are written atomically (temporary file + ``os.replace``). The directory is bounded:
+after a write, the oldest entries are removed until it holds at most :func:`max_bytes`
+(``$CHATGRAMMAR_CACHE_MAX_MB``, default 64 MB; all bundled formats take about 1 MB). A
+read-only, missing or refused directory just means no cache: nothing is ever required from it.
 
 Location: ``$CHATGRAMMAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/chatgrammar``, else
 ``~/.cache/chatgrammar``. ``CHATGRAMMAR_CACHE_DIR=off`` (or ``0``, ``none``, empty) disables it.
-The cache holds pickles: it is trusted like the user's own files (do not point it at a
-directory others can write).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-import pickle
+import re
+import stat
 import sys
-import tempfile
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 _OFF = {"", "0", "off", "none", "false", "no"}
+_SUFFIX = ".json"
+#: names this module writes (``.pkl``: version 1's pickles, never read, evicted first)
+_OURS = re.compile(r"(?:spec|lalr)-[0-9a-f]{40}\.(?:json|pkl)|\.(?:spec|lalr)-.*\.tmp")
+_DEFAULT_MAX_MB = 64
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_warned: set[tuple[str, str]] = set()
 
 
 def cache_dir() -> Path | None:
-    """The cache directory in use, or None when caching is disabled."""
+    """The configured cache directory, or None when caching is disabled.
+
+    This is where the cache would live; whether it is used is decided by
+    :func:`usable_dir` (which refuses a directory others can write).
+    """
     env = os.environ.get("CHATGRAMMAR_CACHE_DIR")
     if env is not None:
         return None if env.strip().lower() in _OFF else Path(env).expanduser()
@@ -44,12 +71,79 @@ def cache_dir() -> Path | None:
     return Path(base) / "chatgrammar"
 
 
+def max_bytes() -> int:
+    """The size bound of the cache directory, in bytes (``$CHATGRAMMAR_CACHE_MAX_MB``)."""
+    try:
+        mb = float(os.environ.get("CHATGRAMMAR_CACHE_MAX_MB", _DEFAULT_MAX_MB))
+    except ValueError:
+        mb = _DEFAULT_MAX_MB
+    return max(0, int(mb * 1024 * 1024))
+
+
+def _uid() -> int | None:
+    geteuid = getattr(os, "geteuid", None)  # (not on Windows: no owner check there)
+    return geteuid() if geteuid is not None else None
+
+
+def _refusal(st: os.stat_result) -> str | None:
+    """Why a directory with this ``stat`` may not hold the cache, or None."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    uid = _uid()
+    if uid is not None and st.st_uid != uid:
+        return f"is owned by uid {st.st_uid}, not by this user (uid {uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _warn_once(d: Path, why: str) -> None:
+    if (str(d), why) in _warned:
+        return
+    _warned.add((str(d), why))
+    warnings.warn(f"chatgrammar: compile cache disabled: {d} {why}; formats still load, "
+                  f"uncached (use a private directory, or CHATGRAMMAR_CACHE_DIR=off)",
+                  RuntimeWarning, stacklevel=3)
+
+
+def usable_dir(create: bool = False) -> Path | None:
+    """The cache directory when it may be used, else None (disabled, missing, or refused with
+    a one-time warning).
+
+    Args:
+        create: create a missing directory (``0700``; parents with the default mode).
+    """
+    d = cache_dir()
+    if d is None:
+        return None
+    try:
+        st = os.stat(d)
+    except FileNotFoundError:
+        if not create:
+            return None
+        try:
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            os.chmod(d, 0o700)  # (makedirs' mode is filtered by the umask)
+            st = os.stat(d)
+        except OSError:
+            return None
+    except OSError:
+        return None
+    why = _refusal(st)
+    if why is not None:
+        _warn_once(d, why)
+        return None
+    return d
+
+
 @lru_cache(maxsize=1)
 def code_fingerprint() -> str:
     """Hash of everything that shapes a cached object besides its own input."""
-    h = hashlib.sha256(f"chatgrammar-cache-{CACHE_VERSION}|{sys.version}".encode())
+    from . import __version__
+
+    h = hashlib.sha256(f"chatgrammar-{__version__}-cache-{CACHE_VERSION}|{sys.version}".encode())
     here = Path(__file__).resolve().parent
-    for name in ("spec.py", "compile.py", "cache.py"):
+    for name in ("spec.py", "policy.py", "compile.py", "cache.py"):
         try:
             h.update((here / name).read_bytes())
         except OSError:
@@ -63,7 +157,7 @@ def code_fingerprint() -> str:
 
 
 def key_for(*parts: bytes | str) -> str:
-    """A cache key: the fingerprint and ``parts``, hashed."""
+    """A cache key: the fingerprint and ``parts``, hashed (40 hex digits)."""
     h = hashlib.sha256(code_fingerprint().encode())
     for p in parts:
         b = p.encode("utf-8", "surrogatepass") if isinstance(p, str) else p
@@ -72,46 +166,257 @@ def key_for(*parts: bytes | str) -> str:
     return h.hexdigest()[:40]
 
 
-def load(kind: str, key: str) -> Any | None:
-    """The cached object, or None (absent, disabled, unreadable: never an error)."""
-    d = cache_dir()
-    if d is None:
+def _read(d: Path, name: str) -> bytes | None:
+    """The bytes of entry ``name`` if it is a regular file of this user, not a symlink."""
+    try:
+        fd = os.open(d / name, os.O_RDONLY | _NOFOLLOW)
+    except OSError:
         return None
     try:
-        with open(d / f"{kind}-{key}.pkl", "rb") as f:
-            return pickle.load(f)
-    except Exception:
+        st = os.fstat(fd)
+        uid = _uid()
+        if not stat.S_ISREG(st.st_mode) or (uid is not None and st.st_uid != uid):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    except OSError:
         return None
+    finally:
+        os.close(fd)
+
+
+def load(kind: str, key: str) -> Any | None:
+    """The JSON value stored under ``(kind, key)``, or None (absent, disabled, refused,
+    unreadable, corrupt or stored under another key: never an error)."""
+    d = usable_dir()
+    if d is None:
+        return None
+    raw = _read(d, f"{kind}-{key}{_SUFFIX}")
+    if raw is None:
+        return None
+    try:
+        entry = json.loads(raw)
+        if entry["kind"] == kind and entry["key"] == key and entry["v"] == CACHE_VERSION:
+            return entry["data"]
+    except Exception:
+        pass
+    return None
 
 
 def store(kind: str, key: str, obj: Any) -> bool:
-    """Write ``obj`` atomically; False (silently) when the cache cannot be written."""
-    d = cache_dir()
+    """Write the JSON value ``obj`` atomically; False (silently) when the cache cannot be
+    written (disabled, refused, read-only, or ``obj`` is not JSON)."""
+    d = usable_dir(create=True)
     if d is None:
         return False
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{kind}-", suffix=".tmp", dir=d)
+        blob = json.dumps({"v": CACHE_VERSION, "kind": kind, "key": key, "data": obj},
+                          ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    except (TypeError, ValueError):
+        return False
+    tmp = d / f".{kind}-{key}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
-                pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, d / f"{kind}-{key}.pkl")
+                f.write(blob)
+            os.replace(tmp, d / f"{kind}-{key}{_SUFFIX}")
         except BaseException:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
             raise
-        return True
     except Exception:
         return False
+    _evict(d, max_bytes())
+    return True
+
+
+def _evict(d: Path, limit: int) -> None:
+    """Remove this module's oldest files from ``d`` until they total at most ``limit`` bytes
+    (version 1's pickles first, then by modification time)."""
+    try:
+        entries = []
+        with os.scandir(d) as it:
+            for e in it:
+                if _OURS.fullmatch(e.name) and e.is_file(follow_symlinks=False):
+                    st = e.stat(follow_symlinks=False)
+                    entries.append((not e.name.endswith(".pkl"), st.st_mtime, e.name,
+                                    st.st_size))
+    except OSError:
+        return
+    total = sum(e[3] for e in entries)
+    if total <= limit:
+        return
+    for _, _, name, size in sorted(entries):
+        try:
+            os.unlink(d / name)
+        except OSError:
+            continue
+        total -= size
+        if total <= limit:
+            return
 
 
 # ----------------------------------------------------------------------------- LALR tables
 
 def dump_tables(states: dict, start: int, end: int, shift: Any) -> tuple:
-    """Lark's parse table in a picklable form, and the form the driver uses: each action is
-    ``(is_shift, arg)`` (Lark's ``Shift`` / ``Reduce`` are singletons compared with ``is``;
-    ``arg`` is the next state or the rule to reduce — Lark rules pickle)."""
+    """Lark's parse table in the form the driver uses: each action is ``(is_shift, arg)``
+    (Lark's ``Shift`` / ``Reduce`` are singletons compared with ``is``; ``arg`` is the next
+    state or the Lark rule to reduce).
+
+    Returns:
+        ``(states, start, end)``; :func:`encode_tables` makes it JSON.
+    """
     return ({s: {t: (a is shift, arg) for t, (a, arg) in acts.items()}
              for s, acts in states.items()}, start, end)
+
+
+def encode_tables(states: dict, start: int, end: int) -> dict:
+    """The driver's tables (see :func:`dump_tables`) as a JSON value of names and integers
+    (flat integer lists: they decode fastest).
+
+    - ``names``: every string, once (row keys, symbol names, aliases);
+    - ``symbols``: ``[name, flags]`` pairs, flattened (flags: 1 terminal, 2 ``filter_out``);
+    - ``options``: Lark ``RuleOptions`` as lists; ``null`` for none;
+    - ``rules``: ``[origin symbol, order, alias name or -1, options, expansion symbols…]``;
+    - ``states``: ``[state, [name, …], [code, …]]``, code ``2 * next_state + 1`` for a shift
+      and ``2 * rule`` for a reduce.
+
+    Example:
+        >>> states, s, e = decode_tables(encode_tables(states, s, e))  # doctest: +SKIP
+    """
+    names: list = []
+    symbols: list = []
+    options: list = []
+    rules: list = []
+    index: dict = {}
+
+    def intern(table: list, key: Any, item: Any, width: int = 1) -> int:
+        i = index.get(key)
+        if i is None:
+            i = index[key] = len(table) // width
+            table.extend(item) if width > 1 else table.append(item)
+        return i
+
+    def name(x: str) -> int:
+        return intern(names, ("n", x), x)
+
+    def sym(x: Any) -> int:
+        flags = (1 if x.is_term else 0) | (2 if getattr(x, "filter_out", False) else 0)
+        return intern(symbols, ("s", x.name, flags), (name(x.name), flags), 2)
+
+    def rule(r: Any) -> int:
+        i = index.get(("r", id(r)))
+        if i is None:
+            o = r.options
+            opts = None if o is None else [o.keep_all_tokens, o.expand1, o.priority,
+                                           o.template_source, list(o.empty_indices)]
+            k = intern(options, ("o", repr(opts)), opts)
+            i = index[("r", id(r))] = len(rules)
+            rules.append([sym(r.origin), r.order, -1 if r.alias is None else name(r.alias), k,
+                          *map(sym, r.expansion)])
+        return i
+
+    rows = []
+    for s, acts in states.items():
+        keys = [name(t) for t in acts]
+        codes = [2 * arg + 1 if is_shift else 2 * rule(arg) for is_shift, arg in acts.values()]
+        rows.append([s, keys, codes])
+    return {"names": names, "symbols": symbols, "options": options, "rules": rules,
+            "states": rows, "start": start, "end": end}
+
+
+def decode_tables(data: dict) -> tuple:
+    """Inverse of :func:`encode_tables`: ``(states, start, end)`` with Lark ``Rule`` objects
+    rebuilt from names (only names and numbers are read: nothing in the data can execute).
+
+    Raises:
+        Exception: (KeyError, TypeError, ValueError, IndexError) ``data`` is not an encoding
+            of consistent tables.
+    """
+    from lark.grammar import NonTerminal, Rule, RuleOptions, Terminal
+
+    names = data["names"]
+    if not all(type(n) is str for n in names):
+        raise TypeError("names")
+    flat = data["symbols"]
+    symbols = [Terminal(names[flat[j]], bool(flat[j + 1] & 2)) if flat[j + 1] & 1
+               else NonTerminal(names[flat[j]]) for j in range(0, len(flat), 2)]
+    options = [None if o is None else RuleOptions(
+        bool(o[0]), bool(o[1]), o[2] if type(o[2]) is int else None,
+        o[3] if type(o[3]) is str else None, tuple(map(bool, o[4]))) for o in data["options"]]
+    rules = [Rule(symbols[r[0]], [symbols[x] for x in r[4:]], r[1],
+                  None if r[2] < 0 else names[r[2]], options[r[3]]) for r in data["rules"]]
+    rows = data["states"]
+    ids = [r[0] for r in rows]
+    if not all(type(i) is int and i >= 0 for i in ids):
+        raise TypeError("state")
+    # One shared action tuple per code; every code must name a state or a rule that exists.
+    actions: list = [None] * (2 * max(max(ids, default=0), len(rules)) + 2)
+    for i in ids:
+        actions[2 * i + 1] = (True, i)
+    for i, r in enumerate(rules):
+        actions[2 * i] = (False, r)
+    states = {}
+    for i, keys, codes in rows:
+        if len(keys) != len(codes) or min(codes, default=0) < 0 or min(keys, default=0) < 0:
+            raise ValueError("row")
+        row = dict(zip(map(names.__getitem__, keys), map(actions.__getitem__, codes)))
+        if None in row.values():
+            raise ValueError("an action naming no state or rule")
+        states[i] = row
+    start, end = data["start"], data["end"]
+    if start not in states or end not in states:
+        raise ValueError("start / end state")
+    return states, start, end
+
+
+# ----------------------------------------------------------------------------- compiled specs
+
+def encode_spec(spec: Any, src: Any, tables: Any) -> dict:
+    """A compiled spec — ``(FormatSpec, SpecSource, ParseTables)`` — as a JSON value.
+
+    Not stored: the file name (entries are keyed by content) and the source positions (they
+    are needed only to locate an error, and are read again from the spec's text then: see
+    :func:`decode_spec`). Only specs without ``extends`` are cached (``src.origins`` empty).
+    """
+    return {"spec": spec.model_dump_json(),  # (a string: pydantic parses it fastest)
+            "tables": encode_tables(tables.states, tables.start_state, tables.end_state),
+            "grammar": tables.grammar, "starters": sorted(tables.starters),
+            "close_terms": sorted(tables.close_terms), "until_terms": sorted(tables.until_terms)}
+
+
+def decode_spec(data: dict, file: str, text: bytes) -> tuple:
+    """Inverse of :func:`encode_spec`, with the spec validated again by its pydantic model.
+
+    Args:
+        data: what :func:`encode_spec` returned (read back from JSON).
+        file: the spec file, as its :class:`~chatgrammar.spec.SpecSource` names it.
+        text: the spec file's bytes (the entry's key): its YAML positions are composed again
+            from them if an error ever needs one.
+
+    Returns:
+        ``(FormatSpec, SpecSource, ParseTables)``.
+
+    Raises:
+        Exception: (any) ``data`` is not such an encoding; the caller rebuilds the entry.
+    """
+    from .compile import ParseTables
+    from .spec import FormatSpec, SpecSource, load_yaml
+
+    spec = FormatSpec.model_validate_json(data["spec"])
+    states, start, end = decode_tables(data["tables"])
+    tables = ParseTables(states, start, end, True, str(data["grammar"]),
+                         frozenset(map(str, data["starters"])),
+                         frozenset(map(str, data["close_terms"])),
+                         frozenset(map(str, data["until_terms"])))
+
+    def marks() -> dict:
+        try:
+            return load_yaml(text.decode("utf-8"), file)[1]
+        except Exception:  # (cannot happen for the bytes that compiled; no position then)
+            return {}
+
+    return spec, SpecSource(file, marks), tables

@@ -591,24 +591,24 @@ class ParseTables:
 def _lalr(grammar: str) -> tuple:
     # Lark's LALR analysis is most of a cold load: tables are also cached on disk, keyed by
     # the grammar text (see chatgrammar.cache; a grammar with conflicts raises, never cached).
-    # Actions are kept as (is_shift, arg) pairs whether built or loaded, so a cached load is
-    # one unpickling, with no rebuilding; the driver tests `is_shift is True`.
+    # Actions are kept as (is_shift, arg) pairs whether built or loaded; the driver tests
+    # `is_shift is True`. The disk entry is JSON (data that cannot run code): a corrupt or
+    # foreign one does not decode and is rebuilt.
     from . import cache
 
     key = cache.key_for("lalr", grammar)
     hit = cache.load("lalr", key)
     if hit is not None:
         try:
-            raw, start, end = hit
-            return raw, start, end, True
-        except (TypeError, ValueError):  # an entry of another shape: rebuild it
+            return (*cache.decode_tables(hit), True)
+        except Exception:  # an entry of another shape: rebuild it
             pass
     lk = Lark(grammar, parser="lalr", lexer=_PassThroughLexer, strict=True,
               maybe_placeholders=False)
     pt = lk.parser.parser.parser.parse_table
     from lark.parsers.lalr_analysis import Shift
     data = cache.dump_tables(pt.states, pt.start_states["start"], pt.end_states["start"], Shift)
-    cache.store("lalr", key, data)
+    cache.store("lalr", key, cache.encode_tables(*data))
     return (*data, True)
 
 

@@ -107,8 +107,8 @@ def list_formats() -> list[str]:
 
 @lru_cache(maxsize=128)
 def _load_path(path: str, mtime: float) -> Format:
-    # Reading YAML is half of a cold load: the parsed spec is cached on disk, keyed by the
-    # file's path and bytes (see chatgrammar.cache).
+    # Reading YAML is half of a cold load: the parsed spec is cached on disk with its tables,
+    # keyed by the file's bytes (see chatgrammar.cache: JSON, rebuilt when it does not decode).
     from . import cache
 
     try:
@@ -118,17 +118,21 @@ def _load_path(path: str, mtime: float) -> Format:
     # A spec that extends another depends on the base's bytes too: not cached (its grammar's
     # tables still are).
     cacheable = data is not None and b"extends" not in data
-    key = cache.key_for("spec", path, data) if cacheable else None
+    key = cache.key_for("spec", data) if cacheable else None
     hit = cache.load("spec", key) if key is not None else None
-    if type(hit) is tuple and len(hit) == 3:
+    if hit is not None:
         # stored only after it compiled, by the same code (the key's fingerprint covers
-        # spec.py, compile.py and lark's version): one unpickling gives the spec and its tables
-        spec, src, tables = hit
-        return Format(spec, src, tables=tables)
+        # spec.py, compile.py and lark's version)
+        try:
+            spec, src, tables = cache.decode_spec(hit, path, data)
+        except Exception:
+            pass
+        else:
+            return Format(spec, src, tables=tables)
     spec, src = read_spec(path)
     fmt = Format(spec, src)
     if key is not None:
-        cache.store("spec", key, (spec, src, fmt.tables))
+        cache.store("spec", key, cache.encode_spec(spec, src, fmt.tables))
     return fmt
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -244,12 +244,20 @@ class SpecSource:
     ``origins`` maps the YAML paths a spec inherited through ``extends:`` to the file they were
     written in (a path not in it belongs to ``file``)."""
 
-    origins: dict = {}  # (a SpecSource pickled by an older version has none)
-
-    def __init__(self, file: str, marks: dict, origins: dict | None = None):
+    def __init__(self, file: str, marks: dict | Callable[[], dict],
+                 origins: dict | None = None):
         self.file = file
-        self.marks = marks
+        # (a callable: the compile cache decodes the positions only when an error needs them)
+        self._marks = marks
         self.origins = origins or {}
+
+    @property
+    def marks(self) -> dict:
+        """YAML path (tuple of keys / indices) → 0-based ``(line, column)`` of its node."""
+        m = self._marks
+        if callable(m):
+            m = self._marks = m()
+        return m
 
     def where(self, loc: tuple, key: bool = False) -> tuple[str, int | None, int | None]:
         """(file, line, col) of the nearest located node at or above ``loc``."""
