@@ -6,15 +6,17 @@ node tree alongside the data so pydantic's error locations map back to source po
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, get_args, get_origin, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from .errors import SpecError
+from .policy import MaskPolicy
 
 ROLE_NAMES = ("system", "user", "assistant", "tool", "developer")
 
@@ -23,120 +25,150 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 
 
+# Every key of the spec language is documented once, in its Field(description=...): the JSON
+# Schema (`chatgrammar schema`) and the key reference of docs/writing-a-format.md
+# (`chatgrammar schema --markdown`) are generated from these models. A model's docstring says
+# what the whole thing is; what each key means belongs to its Field.
+
+
 class Marker(_Model):
-    """A literal string the grammar treats as one terminal.
+    """A literal string the grammar treats as one terminal (everything between markers is
+    text)."""
 
-    ``special: true`` (default): in id mode it must be one special/added id of the tokenizer;
-    ordinary ids spelling it are text. ``special: false`` (a *soft* marker such as ``<think>``):
-    recognised as one id when the tokenizer has one, otherwise found in the decoded text.
-    ``lstrip: true``: a run of whitespace alone right before the marker belongs to it (like a
-    tokenizer's ``AddedToken(lstrip=True)``; e.g. the ``"\\n"`` R1-Distill writes between two
-    tool outputs), so it is neither content nor the start of an element.
-    """
-
-    text: str = Field(min_length=1)
-    special: bool = True
-    lstrip: bool = False
-    description: Optional[str] = None
+    text: str = Field(min_length=1, description=(
+        "The literal (`<|im_end|>`). Two markers cannot share a text."))
+    special: bool = Field(True, description=(
+        "In id mode the marker must be one special or added id of the tokenizer; ordinary ids "
+        "spelling it are text. `false`: a soft marker (`<think>`), one id if the tokenizer "
+        "has one, else found in the decoded text."))
+    lstrip: bool = Field(False, description=(
+        "A whitespace-only run right before the marker belongs to it, like a tokenizer's "
+        "`AddedToken(lstrip=True)` (the `\"\\n\"` R1-Distill writes between two tool "
+        "outputs): it is neither content nor the start of an element."))
+    description: Optional[str] = Field(None, description="For humans.")
 
 
 class Header(_Model):
-    """How an element's header (role name, tag and attributes, channel…) is delimited and read.
+    """How an element's header (role name, tag and attributes, channel…) after its opener, or
+    a close header after its close marker, is delimited and read. Not trained, except its part
+    after `trained_after`."""
 
-    Exactly one of ``until`` (a marker ends the header: ``<|im_middle|>``, ``<|sep|>``) or
-    ``until_text`` (a literal inside the text run after the opener ends it, e.g. ``"\\n"``).
-
-    ``trained_after``: the name of a group of ``pattern``. The header text after the end of
-    that group is model output (Harmony: the model writes ``<|channel|>final<|message|>``
-    after the prompt's ``<|start|>assistant``), so it trains with the turn's body, as the
-    body's kind. A header cut by the end of input still trains nothing; where the group did
-    not take part in the match, the header does not train.
-    """
-
-    until: Optional[str] = None
-    until_text: Optional[str] = None
-    markers: list[str] = Field(default_factory=list)
-    pattern: Optional[str] = None
-    attributes: Optional[Literal["xtml"]] = None
-    required: bool = True
-    max_tokens: int = Field(default=64, ge=1, le=4096)
-    trained_after: Optional[str] = None
+    until: Optional[str] = Field(None, description=(
+        "The marker that ends the header (`<|im_middle|>`, `<|sep|>`). Exactly one of `until` "
+        "/ `until_text`."))
+    until_text: Optional[str] = Field(None, description=(
+        "A literal inside the text run after the opener that ends the header (`\"\\n\"` in "
+        "ChatML's role line). Not for close headers."))
+    markers: list[str] = Field(default_factory=list, description=(
+        "Markers allowed inside the header (Harmony's `<|channel|>`)."))
+    pattern: Optional[str] = Field(None, description=(
+        "A regex the header text must match whole. Named groups become attributes (`role`, "
+        "`channel`, …)."))
+    attributes: Optional[Literal["xtml"]] = Field(None, description=(
+        "`xtml`: parse `tag key=\"value\" …` (`&amp;` and `&quot;` unescaped). The role is the "
+        "`role` attribute and the close header must name the tag."))
+    required: bool = Field(True, description=(
+        "`false`: an element without its header terminator parses with no body and trains "
+        "nothing, and later turns still parse."))
+    max_tokens: int = Field(64, ge=1, le=4096, description=(
+        "The most header tokens id mode decodes."))
+    trained_after: Optional[str] = Field(None, description=(
+        "A named group of `pattern`. The header text after the end of that group is model "
+        "output (Harmony: the model writes `<|channel|>final<|message|>` after the prompt's "
+        "`<|start|>assistant`): from there the turn trains as its body's kind, `until` marker "
+        "included. A header cut by the end of input trains nothing; a group that takes no part "
+        "in the match leaves the header untrained. Element headers only."))
 
 
 class Close(_Model):
     """The terminator of an element: alternatives of markers, an optional header after the
-    marker (XTML ``<|close|>tag<|sep|>``) and optional markers that follow and still belong
-    to the element's end (``<|end_of_msg|>``).
+    marker and optional markers that follow and still belong to the element's end. The `end`
+    span of a turn."""
 
-    ``required: false`` (top-level elements only): when the close marker is missing, the
-    element ends where the next top-level element opens (Falcon-H1's tool system prompt has
-    no ``<|im_end|>``). Such an element is reported like a truncated one (``complete`` False:
-    its content trains under ``truncated=True``, no end marker trains) and a warning says so.
-
-    ``opens_follow: true``: the close marker ends this element but is the first thing of its
-    ``follow`` element, which starts at it (so it trains with the follow's body, as its kind).
-    DeepSeek-V3.2's function results end at the ``</think>`` the model's reply starts with.
-    Where no follow element comes (the input ends), the marker stays this element's end.
-
-    ``follow_after``: the close markers after which the ``follow`` element comes; there it
-    always comes (an input that ends first is cut inside it, and a follow of which nothing was
-    written is no turn), and after the other close markers nothing follows. Without it the
-    follow may come after any close marker, or not at all. Gemma 4: a model turn that ends with
-    ``<|tool_response>`` (the model stops for a tool) goes on with the tool's response; one
-    that ends with ``<turn|>`` is followed by nothing but the newline between turns.
-
-    ``roles`` (top-level elements only): the roles (after ``role_aliases``) whose turns end
-    with this close. A turn of another role has no terminator: it ends where the next
-    top-level element opens, complete and without a warning (Nemotron Nano v2: only the
-    assistant's ``<SPECIAL_11>Assistant`` turn ends with ``<SPECIAL_12>``; the user's
-    ``<SPECIAL_11>User`` turn, same opener, runs to the next one). A turn of a listed role
-    without its close is what ``required`` says (an error, or a warning and an incomplete
-    turn); at the end of input any turn without its close is cut (incomplete). Empty (the
-    default): every turn has it.
-    """
-
-    markers: list[str] = Field(min_length=1)
-    header: Optional[Header] = None
-    after: list[str] = Field(default_factory=list)
-    required: bool = True
-    opens_follow: bool = False
-    follow_after: list[str] = Field(default_factory=list)
-    roles: list[str] = Field(default_factory=list)
+    markers: list[str] = Field(min_length=1, description="Close marker alternatives.")
+    header: Optional[Header] = Field(None, description=(
+        "A header after the close marker, ending at a marker (XTML `<|close|>tag<|sep|>`)."))
+    after: list[str] = Field(default_factory=list, description=(
+        "Markers that may follow and still belong to the end (`<|end_of_msg|>`)."))
+    required: bool = Field(True, description=(
+        "Top-level only. `false`: a missing close ends the element where the next top-level "
+        "element opens (Falcon-H1's tool system prompt has no `<|im_end|>`). It is reported "
+        "like a truncated one (incomplete: its content trains under `truncated`, no end "
+        "marker trains) with a warning."))
+    opens_follow: bool = Field(False, description=(
+        "The close marker ends this element but is the first thing of its `follow` element, "
+        "which starts at it and trains it with its body, as its kind (DeepSeek-V3.2's "
+        "function results end at the `</think>` the model's reply starts with). This element "
+        "then has no terminator span. Where no follow comes (the input ends), the marker stays "
+        "this element's end. Needs a `follow` element without a header, and no close `header` "
+        "or `after`."))
+    follow_after: list[str] = Field(default_factory=list, description=(
+        "The close markers after which the `follow` element comes: always there (an input "
+        "that ends first is cut inside it; a follow of which nothing was written is no turn), "
+        "and never after the other close markers. Without it the follow may come after any "
+        "close marker, or not at all. Gemma 4: a model turn that stops with "
+        "`<|tool_response>` goes on with the tool's response; one closed by `<turn|>` is "
+        "followed only by between-turn text, which an optional follow starting with text "
+        "could not be told from. Needs a `follow` element, and no close `header` or "
+        "`after`."))
+    roles: list[str] = Field(default_factory=list, description=(
+        "Top-level only. The roles (after `role_aliases`) whose turns end with this close; a "
+        "turn of any other role has no terminator and ends where the next top-level element "
+        "opens, complete and without a warning (Nemotron Nano v2: only the assistant's "
+        "`<SPECIAL_11>Assistant` turn ends with `<SPECIAL_12>`, the user's "
+        "`<SPECIAL_11>User` turn, same opener, runs to the next one). A listed role's turn "
+        "without its close is what `required` says. At the end of input every turn without "
+        "its close is cut. Empty (default): all roles."))
 
 
 class Element(_Model):
-    """A turn (top level) or a nested block (think, tool call, channel, XTML element).
+    """A turn (listed in `top`) or a block nested in a body (think, tool call, channel, XTML
+    element)."""
 
-    ``lead``: a literal that still belongs to the header when the body starts with it — the
-    ``"\\n\\n"`` after Llama 3's ``<|end_header_id|>``, the ``"\\n"`` after Phi-3's
-    ``<|assistant|>`` (part of the generation prompt, so never trained). Optional: a body that
-    does not start with it keeps all its text. In id mode, when the lead ends inside a merged
-    token, that token is assigned to the body (trained) and the boundary is reported.
-
-    ``ends_with_parent``: the element has no terminator of its own and runs to its parent's
-    close marker (Llama 3's ``<|python_tag|>…`` call runs to ``<|eom_id|>``); it can only be
-    the last child of a body, so the grammar stays unambiguous.
-
-    ``text: false``: the body holds only children and inner markers (a media block of pad
-    markers); text there is a parse error.
-    """
-
-    open: list[str] = Field(default_factory=list)
-    header: Optional[Header] = None
-    close: Optional[Close] = None
-    children: list[str] = Field(default_factory=list)
-    inner_markers: list[str] = Field(default_factory=list)
-    text: bool = True
-    role: Optional[str] = None
-    role_by_marker: dict[str, str] = Field(default_factory=dict)
-    kind: Optional[str] = None
-    kind_by_tag: dict[str, str] = Field(default_factory=dict)
-    kind_by_attr: Optional[dict[str, dict[str, str]]] = None
-    tag: Optional[str] = None
-    follow: Optional[str] = None
-    lead: Optional[str] = None
-    ends_with_parent: bool = False
-    description: Optional[str] = None
+    open: list[str] = Field(default_factory=list, description=(
+        "The opener marker(s): one name or a list of alternatives. Empty: the element starts "
+        "with text (it then needs a close, or is a `follow` or preamble element); with a "
+        "`header` ending at a marker, that text is its header (GigaChat 3's role before "
+        "`<|role_sep|>`), and `between` text can then only end the input."))
+    header: Optional[Header] = Field(None, description=(
+        "What follows the opener up to a marker or a literal."))
+    close: Optional[Close] = Field(None, description=(
+        "The terminator. Absent: the element ends where its body cannot continue."))
+    children: list[str] = Field(default_factory=list, description=(
+        "Elements that may nest in the body, to any depth (no recursion limit)."))
+    inner_markers: list[str] = Field(default_factory=list, description=(
+        "Markers allowed in the body as content (Kimi-K2's `<|media_pad|>`)."))
+    text: bool = Field(True, description=(
+        "Whether the body may contain text. `false`: the body holds only children and inner "
+        "markers (a media block of pad markers); text there is a parse error."))
+    role: Optional[str] = Field(None, description="Fixed role of this element as a turn.")
+    role_by_marker: dict[str, str] = Field(default_factory=dict, description=(
+        "Opener marker → role (Kimi-K2: `im_user: user`)."))
+    kind: Optional[str] = Field(None, description=(
+        "Span kind of this block: `content`, `think`, `tool_call`, or your own (`media`; "
+        "policies can exclude kinds)."))
+    kind_by_tag: dict[str, str] = Field(default_factory=dict, description=(
+        "Parsed XTML tag → kind (`think: think`, `tools: tool_call`)."))
+    kind_by_attr: Optional[dict[str, dict[str, str]]] = Field(None, description=(
+        "Attribute → (value → kind): the kind from a header attribute or named pattern group. "
+        "The value `\"*\"` matches any other value."))
+    tag: Optional[str] = Field(None, description=(
+        "The XTML tag this element must have (`message`)."))
+    follow: Optional[str] = Field(None, description=(
+        "An element without opener that may directly follow this one's close and is read as "
+        "the next turn (Mistral's reply after `[/INST]`)."))
+    lead: Optional[str] = Field(None, description=(
+        "A literal that still belongs to the header when the body starts with it (Llama 3's "
+        "`\"\\n\\n\"` after `<|end_header_id|>`, part of the generation prompt, so never "
+        "trained). A body that does not start with it keeps all its text. In id mode, when "
+        "the lead ends inside a merged token, that token is the body's (trained) and the "
+        "boundary is reported."))
+    ends_with_parent: bool = Field(False, description=(
+        "No terminator of its own: runs to the parent's close and can only be the last child, "
+        "so the grammar stays unambiguous (Llama 3's `<|python_tag|>` call runs to "
+        "`<|eom_id|>`). The parent needs a close marker, or is itself `ends_with_parent` (a "
+        "chain ending at the first closed ancestor: Functionary's `>>>` segments)."))
+    description: Optional[str] = Field(None, description="For humans.")
 
     @field_validator("open", mode="before")
     @classmethod
@@ -144,55 +176,106 @@ class Element(_Model):
         return [v] if isinstance(v, str) else v
 
 
-class Policy(_Model):
-    roles: list[str] = Field(default_factory=lambda: ["assistant"])
-    thinking: bool = True
-    tool_calls: bool = True
-    end_marker: bool = False
-    last_turn_only: bool = False
-    truncated: bool = True
+def _policy_model() -> type[BaseModel]:
+    """The spec's ``policy:`` model, built from :class:`~chatgrammar.policy.MaskPolicy`'s
+    fields (their names, types, defaults and descriptions), so the two cannot drift; tuples
+    are YAML lists."""
+    hints = get_type_hints(MaskPolicy)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(MaskPolicy):
+        tp, desc = hints[f.name], f.metadata["description"]
+        if get_origin(tp) is tuple:
+            item = get_args(tp)[0]
+            fields[f.name] = (list[item], Field(default_factory=lambda d=f.default: list(d),
+                                                description=desc))
+        else:
+            fields[f.name] = (tp, Field(f.default, description=desc))
+    return create_model("Policy", __base__=_Model, __module__=__name__,
+                        __doc__="The default mask policy: what trains when `policy=None` "
+                                "(callers override any field with `cg.MaskPolicy(...)`).",
+                        **fields)
+
+
+Policy = _policy_model()
 
 
 class Detector(_Model):
-    """Evidence that a tokenizer / chat template belongs to this format."""
+    """Evidence that a tokenizer / chat template belongs to this format, and its precedence
+    over other formats."""
 
-    require: list[str] = Field(default_factory=list)
-    require_any: list[str] = Field(default_factory=list)
-    absent: list[str] = Field(default_factory=list)
-    template: list[str] = Field(default_factory=list)
-    template_absent: list[str] = Field(default_factory=list)
-    precedence_over: list[str] = Field(default_factory=list)
+    require: list[str] = Field(default_factory=list, description=(
+        "Strings that must all be one special or added id of the tokenizer."))
+    require_any: list[str] = Field(default_factory=list, description=(
+        "Strings of which at least one must be a special or added id."))
+    absent: list[str] = Field(default_factory=list, description=(
+        "Strings that must not be special or added ids (makes detectors exclusive)."))
+    template: list[str] = Field(default_factory=list, description=(
+        "Literals a chat template of the family contains (all)."))
+    template_absent: list[str] = Field(default_factory=list, description=(
+        "Literals such a template never contains."))
+    precedence_over: list[str] = Field(default_factory=list, description=(
+        "Formats this one wins against when both match. Acyclic; overlapping detectors must "
+        "be ordered, directly or through a chain."))
 
 
 class Example(_Model):
-    """Embedded example: rendered text with the expected trained text marked ``⟦…⟧``."""
+    """An embedded example, checked by `chatgrammar validate` in text mode and id mode."""
 
-    name: Optional[str] = None
-    text: str
-    policy: Optional[dict[str, Any]] = None
-    error: Optional[str] = None
+    name: Optional[str] = Field(None, description="What the example shows (named in problems).")
+    text: str = Field(description=(
+        "A rendered conversation with the expected trained text marked `⟦…⟧`; none marked: "
+        "nothing trains."))
+    policy: Optional[dict[str, Any]] = Field(None, description=(
+        "Policy fields overriding the default for this example (`{thinking: false}`)."))
+    error: Optional[str] = Field(None, description=(
+        "The example must fail to parse, in both modes, with this text in the message."))
 
 
 class FormatSpec(_Model):
-    """A whole chat format."""
+    """A chat format as data: markers, elements (turns and nested blocks), the default mask
+    policy, the detector and embedded examples."""
 
-    name: str
-    description: Optional[str] = None
-    covers: list[str] = Field(default_factory=list)
-    extends: Optional[str] = None
+    name: str = Field(description=(
+        "Format id, kebab-case (`kimi-k3`), unique among all formats (bundled and plugins)."))
+    description: Optional[str] = Field(None, description=(
+        "What the format is, for humans."))
+    covers: list[str] = Field(default_factory=list, description=(
+        "Model families and models this format covers (listed by `chatgrammar formats`)."))
+    extends: Optional[str] = Field(None, description=(
+        "Derive from another format: a bundled or plugin format name, or a spec path relative "
+        "to this file. Mappings merge key by key (`null` removes an inherited key), anything "
+        "else is replaced; `name`, `description`, `covers`, `detect` and `examples` are not "
+        "inherited (see [Deriving a format](#deriving-a-format-extends))."))
     # Bounded so that a hostile spec cannot make the LALR construction run for minutes (it is
     # super-linear in the grammar size: 800 elements take ~10 s); real formats use < 30.
-    markers: dict[str, Marker] = Field(max_length=1024)
-    elements: dict[str, Element] = Field(max_length=256)
-    top: list[str] = Field(min_length=1)
-    preamble: list[str] = Field(default_factory=list)
-    between: Optional[str] = None
-    between_markers: list[str] = Field(default_factory=list)
-    role_aliases: dict[str, str] = Field(default_factory=dict)
-    generation_prompt: list[str] = Field(default_factory=list)
-    policy: Policy = Field(default_factory=Policy)
-    detect: Detector = Field(default_factory=Detector)
-    examples: list[Example] = Field(default_factory=list)
+    markers: dict[str, Marker] = Field(max_length=1024, description=(
+        "Marker name → marker: the terminals of the grammar."))
+    elements: dict[str, Element] = Field(max_length=256, description=(
+        "Element name → element: the turns and the blocks nested in their bodies."))
+    top: list[str] = Field(min_length=1, description=(
+        "The elements that may appear at top level (the turns)."))
+    preamble: list[str] = Field(default_factory=list, description=(
+        "Markers / elements that may open the conversation once each, in order, before the "
+        "first turn (a BOS marker, a tool-declaration block, DeepSeek's bare system text)."))
+    between: Optional[str] = Field(None, description=(
+        "A regex that text between top-level turns must match whole (`'\\s*'` for a newline "
+        "after each turn). Without it, text between turns is an error."))
+    between_markers: list[str] = Field(default_factory=list, description=(
+        "Markers that may stand alone between turns (an EOS after each turn)."))
+    role_aliases: dict[str, str] = Field(default_factory=dict, description=(
+        "Role name as written → canonical role (`model: assistant`). Glob keys "
+        "(`\"functions.*\"`) map roles that match no exact key and are not canonical."))
+    generation_prompt: list[str] = Field(default_factory=list, description=(
+        "Exact strings a template appends for `add_generation_prompt`: a final turn equal to "
+        "one of them, from its start, trains nothing."))
+    policy: Policy = Field(default_factory=Policy, description=(
+        "The default mask policy (what trains when `policy=None`)."))
+    detect: Detector = Field(default_factory=Detector, description=(
+        "The detector: evidence that a tokenizer / chat template speaks this format, and "
+        "precedence over other formats."))
+    examples: list[Example] = Field(default_factory=list, description=(
+        "Embedded examples checked by `chatgrammar validate`, with the expected trained text "
+        "marked `⟦…⟧`."))
 
     @field_validator("name")
     @classmethod

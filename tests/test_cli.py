@@ -289,8 +289,52 @@ def test_schema_describes_every_key():
     nodes = {"FormatSpec": schema, **schema["$defs"]}
     missing = [f"{m}.{k}" for m, node in nodes.items()
                for k, prop in node.get("properties", {}).items() if "description" not in prop]
-    assert not missing, f"add these keys to FIELD_DOCS in chatgrammar/commands/schema.py: " \
+    assert not missing, f"give these keys a Field(description=...) in chatgrammar/spec.py: " \
                         f"{missing}"
+    assert all(node.get("description") for node in nodes.values())  # (model docstrings)
+
+
+def test_the_guide_key_reference_is_generated_from_the_models(tmp_path):
+    from chatgrammar.commands.schema import reference_markdown, splice_reference
+    from chatgrammar.spec import FormatSpec
+    guide = (ROOT / "docs" / "writing-a-format.md").read_text(encoding="utf-8")
+    assert reference_markdown() in guide, \
+        "the key reference of docs/writing-a-format.md is stale: run " \
+        "`chatgrammar schema --markdown -o docs/writing-a-format.md`"
+    assert splice_reference(guide) == guide
+    for key, info in FormatSpec.model_fields.items():  # every description, word for word
+        assert " ".join(info.description.split()).replace("|", "\\|") in reference_markdown()
+    p = run("schema", "--markdown")
+    assert p.returncode == 0 and p.stdout == reference_markdown()
+    stale = tmp_path / "guide.md"
+    stale.write_text(guide.replace("| `lstrip` |", "| `lstrip` (old) |"), encoding="utf-8")
+    assert run("schema", "--markdown", "-o", stale).returncode == 0
+    assert stale.read_text(encoding="utf-8") == guide
+    (tmp_path / "plain.md").write_text("# no reference here\n", encoding="utf-8")
+    p = run("schema", "--markdown", "-o", tmp_path / "plain.md")
+    assert p.returncode == 2 and "no generated key reference" in p.stderr
+
+
+def test_the_spec_policy_is_mask_policy():
+    import dataclasses
+
+    import chatgrammar as cg
+    from chatgrammar.format import Format
+    from chatgrammar.spec import Policy, parse_spec
+    fields = dataclasses.fields(cg.MaskPolicy)
+    assert list(Policy.model_fields) == [f.name for f in fields]  # exclude_kinds included
+    for f in fields:
+        assert Policy.model_fields[f.name].description == f.metadata["description"]
+        assert f.name in cg.MaskPolicy.__doc__
+    assert cg.MaskPolicy.from_mapping(Policy().model_dump()) == cg.MaskPolicy()
+    # a spec's default policy takes every MaskPolicy field, exclude_kinds too
+    text = (FORMATS / "kimi-k3.yaml").read_text(encoding="utf-8")
+    text = text.replace("\npolicy:\n", "\npolicy:\n  exclude_kinds: [think]\n", 1)
+    assert "exclude_kinds" in text
+    fmt = Format(*parse_spec(text, "k3-no-think.yaml"))
+    assert fmt.default_policy.exclude_kinds == ("think",)
+    assert fmt.parse(K3_TEXT).trained_text() == [
+        "<|open|>response<|sep|>Hello!<|close|>response<|sep|>"]
 
 
 def test_the_guide_documents_every_key():

@@ -1,12 +1,18 @@
 """``chatgrammar schema`` — the JSON Schema of the spec language, for editors.
 
 Generated from the pydantic models of :mod:`chatgrammar.spec` (so it never drifts from what
-the loader accepts), with a description on every key so that editors (VS Code / any
+the loader accepts), with the description of every key taken from its ``Field`` there, so
+that editors (VS Code / any
 yaml-language-server client) complete and explain YAML specs. The repository keeps a copy in
 ``docs/format-spec.schema.json``; point an editor at it with a first line
 ``# yaml-language-server: $schema=<path or URL>/format-spec.schema.json``.
 
-Exit codes: 0 written; 2 the output file cannot be written.
+``chatgrammar schema --markdown`` prints the key reference of ``docs/writing-a-format.md``,
+generated from the same models; ``-o docs/writing-a-format.md`` replaces it in place
+(``tests/test_cli.py`` fails when the committed page is out of date).
+
+Exit codes: 0 written; 2 the output file cannot be written (or, with ``--markdown -o``, holds
+no generated reference).
 """
 from __future__ import annotations
 
@@ -18,139 +24,21 @@ from typing import Any
 
 SCHEMA_ID = "https://chatgrammar.invalid/format-spec.schema.json"
 
-#: One line per key of the spec language: (model, key) → description. Keys missing here get
-#: no description (``tests/test_cli.py`` checks this table covers every key).
-FIELD_DOCS: dict[tuple[str, str], str] = {
-    # FormatSpec
-    ("FormatSpec", "name"): "Format id, kebab-case (kimi-k3). Must be unique among all formats.",
-    ("FormatSpec", "description"): "One paragraph: what the format is, for humans.",
-    ("FormatSpec", "covers"): "Model families / models this format covers (listed by "
-                              "`chatgrammar formats`).",
-    ("FormatSpec", "extends"): "Derive from another format: a bundled / plugin format name or "
-                               "a spec path relative to this file. Mappings merge key by key "
-                               "(`null` removes an inherited key), anything else is replaced; "
-                               "name, description, covers, detect and examples are not "
-                               "inherited.",
-    ("FormatSpec", "markers"): "Marker name → literal string. Markers are the grammar's "
-                               "terminals; everything else is text.",
-    ("FormatSpec", "elements"): "Element name → element: turns (listed in `top`) and the blocks "
-                                "nested inside their bodies.",
-    ("FormatSpec", "top"): "Elements that can appear at the top level (the turns).",
-    ("FormatSpec", "preamble"): "Markers / elements that may open the conversation once, "
-                                "before the first turn (BOS, a tool declaration block).",
-    ("FormatSpec", "between"): "Regex that text between top-level turns must fully match "
-                               "(e.g. '\\s*' for a newline after each turn). Absent: no text "
-                               "between turns.",
-    ("FormatSpec", "between_markers"): "Markers that may stand alone between turns (e.g. an "
-                                       "EOS after each turn).",
-    ("FormatSpec", "role_aliases"): "Role name as written → canonical role (model: assistant).",
-    ("FormatSpec", "generation_prompt"): "Exact strings a template appends for "
-                                         "add_generation_prompt; a final turn equal to one of "
-                                         "them trains nothing.",
-    ("FormatSpec", "policy"): "The default mask policy (what trains when policy=None).",
-    ("FormatSpec", "detect"): "The detector: evidence that a tokenizer / chat template speaks "
-                              "this format, and precedence over other formats.",
-    ("FormatSpec", "examples"): "Embedded examples checked by `chatgrammar validate`, with the "
-                                "expected trained text marked \u27e6\u2026\u27e7.",
-    # Marker
-    ("Marker", "text"): "The literal string (<|im_end|>).",
-    ("Marker", "special"): "true: in id mode it must be ONE special/added id (ordinary ids "
-                           "spelling it are text). false: a soft marker (<think>), one id if "
-                           "the tokenizer has one, else found in the decoded text.",
-    ("Marker", "lstrip"): "A run of whitespace alone right before the marker belongs to it "
-                          "(like AddedToken(lstrip=True)).",
-    ("Marker", "description"): "For humans.",
-    # Element
-    ("Element", "open"): "Opener marker(s) (one name or a list of alternatives). Empty: the "
-                         "element starts with text and needs a close marker.",
-    ("Element", "header"): "The header after the opener (role name, tag and attributes), up to "
-                           "a marker (`until`) or a literal (`until_text`). Not trained, "
-                           "except the part after `trained_after`.",
-    ("Element", "close"): "The terminator: close marker(s), optional close header, trailing "
-                          "markers (`after`). The `end` span of a turn.",
-    ("Element", "children"): "Elements that may nest in the body (any depth; no recursion "
-                             "limit).",
-    ("Element", "inner_markers"): "Markers allowed inside the body as content (e.g. a media "
-                                  "placeholder).",
-    ("Element", "text"): "Whether the body may contain text.",
-    ("Element", "role"): "Fixed role of this element when it is a turn.",
-    ("Element", "role_by_marker"): "Opener marker → role (K2: im_user → user).",
-    ("Element", "kind"): "Span kind of this block: content, think, tool_call, or your own "
-                         "(policies can exclude kinds).",
-    ("Element", "kind_by_tag"): "Parsed XTML tag → kind (think → think, tools → tool_call).",
-    ("Element", "kind_by_attr"): "Attribute → (value → kind), for headers that carry the kind in "
-                                 "an attribute or a named regex group.",
-    ("Element", "tag"): "The XTML tag this element must have (message).",
-    ("Element", "follow"): "An element without opener that may directly follow this one's "
-                           "close (a continuation read as the next turn).",
-    ("Element", "lead"): "A literal that still belongs to the header when the body starts with "
-                         "it (Llama 3's \"\\n\\n\" after <|end_header_id|>).",
-    ("Element", "ends_with_parent"): "No terminator of its own: runs to the parent's close "
-                                     "marker (must be the last child).",
-    ("Element", "description"): "For humans.",
-    # Header
-    ("Header", "until"): "The marker that ends the header (<|im_middle|>, <|sep|>).",
-    ("Header", "until_text"): "A literal inside the text after the opener that ends the "
-                              "header (\"\\n\" in ChatML's role line).",
-    ("Header", "markers"): "Markers allowed inside the header.",
-    ("Header", "pattern"): "Regex the header text must fully match; named groups become "
-                           "attributes (e.g. (?P<role>\\w+)).",
-    ("Header", "attributes"): "`xtml`: parse `tag key=\"value\" …` (&amp; &quot; unescaped); "
-                              "the role comes from the `role` attribute.",
-    ("Header", "required"): "false: an element without its header terminator parses but has "
-                            "no body (trains nothing), and later turns still parse.",
-    ("Header", "max_tokens"): "How many tokens of header id mode decodes at most.",
-    ("Header", "trained_after"): "A named group of `pattern`: the header text after it is model "
-                                 "output and trains with the body, as its kind (Harmony: "
-                                 "everything after `<|start|>assistant`).",
-    # Close
-    ("Close", "markers"): "Close marker alternatives (at least one).",
-    ("Close", "header"): "A header after the close marker (XTML <|close|>tag<|sep|>); must end "
-                         "at a marker.",
-    ("Close", "after"): "Markers that may follow and still belong to the element's end "
-                        "(<|end_of_msg|>).",
-    ("Close", "required"): "false (top-level only): a missing close ends the element where the "
-                           "next one opens (reported incomplete).",
-    ("Close", "opens_follow"): "true: the close marker is the first thing of the `follow` "
-                               "element, which starts at it and trains it (DeepSeek-V3.2's "
-                               "reply starts with the `</think>` ending the function results).",
-    ("Close", "follow_after"): "Close markers after which the `follow` element always comes "
-                               "(and after no other): Gemma 4's model turn stopped by "
-                               "`<|tool_response>` goes on with the tool's response.",
-    ("Close", "roles"): "Top-level only: the roles whose turns end with this close; a turn of "
-                        "another role ends where the next one opens, complete (Nemotron Nano "
-                        "v2's user turns).",
-    # Policy
-    ("Policy", "roles"): "Roles whose turns train (after role_aliases).",
-    ("Policy", "thinking"): "Train reasoning blocks (kind think).",
-    ("Policy", "tool_calls"): "Train tool-call blocks (kind tool_call).",
-    ("Policy", "end_marker"): "Also train the turn terminator (kind end).",
-    ("Policy", "last_turn_only"): "Train only the last trainable turn.",
-    ("Policy", "truncated"): "Train the content of a turn cut off by the end of input.",
-    # Detector
-    ("Detector", "require"): "Strings the tokenizer must map to ONE special/added id (all).",
-    ("Detector", "require_any"): "Strings of which at least one must be a special/added id.",
-    ("Detector", "absent"): "Strings that must NOT be special/added ids.",
-    ("Detector", "template"): "Literals a chat template of the family contains (all).",
-    ("Detector", "template_absent"): "Literals such a template never contains.",
-    ("Detector", "precedence_over"): "Formats this one wins against when both match; must be "
-                                     "acyclic, and overlapping detectors must be ordered.",
-    # Example
-    ("Example", "name"): "What the example shows.",
-    ("Example", "text"): "A rendered conversation with the expected trained text marked "
-                         "\u27e6\u2026\u27e7 (run in text mode and id mode).",
-    ("Example", "policy"): "Policy fields overriding the default for this example "
-                           "({thinking: false}).",
-    ("Example", "error"): "The example must fail to parse, with this text in the message.",
-}
-
-
 #: Keys whose validator also accepts one string for a one-item list.
 ONE_OR_MANY: dict[str, tuple[str, ...]] = {"Element": ("open",)}
+
+#: The lines around the generated key reference in docs/writing-a-format.md.
+REFERENCE_BEGIN = ("<!-- generated by `chatgrammar schema --markdown` from the Field "
+                   "descriptions in chatgrammar/spec.py: edit those, then run "
+                   "`chatgrammar schema --markdown -o docs/writing-a-format.md` -->")
+REFERENCE_END = "<!-- end of the generated key reference -->"
 
 
 def build_schema() -> dict:
     """The JSON Schema (draft 2020-12) of a format spec, with descriptions.
+
+    Every description comes from the spec models (a model's docstring, a key's
+    ``Field(description=…)``); nothing is written here.
 
     Returns:
         The schema as a dict.
@@ -172,11 +60,9 @@ def build_schema() -> dict:
                 items = prop.pop("items")
                 prop.pop("type")
                 prop["anyOf"] = [items, {"type": "array", "items": items}]
-        for key, prop in node.get("properties", {}).items():
-            doc = FIELD_DOCS.get((model, key))
-            if doc:
-                prop["description"] = doc
+        for prop in node.get("properties", {}).values():
             prop.pop("title", None)
+        node.pop("title", None)
 
     annotate("FormatSpec", schema)
     # the kebab-case rule of FormatSpec.name is a pydantic validator; say it in the schema too
@@ -185,9 +71,8 @@ def build_schema() -> dict:
         annotate(name, node)
     out = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID,
            "title": "chatgrammar format spec",
-           "description": "A chat format as data: markers, elements (turns and nested blocks), "
-                          "the default mask policy, the detector and embedded examples. See "
-                          "docs/writing-a-format.md.",
+           "description": " ".join((FormatSpec.__doc__ or "").split())
+                          + " See docs/writing-a-format.md.",
            **{k: v for k, v in schema.items() if k not in ("title", "description")}}
     return out
 
@@ -195,6 +80,145 @@ def build_schema() -> dict:
 def schema_text() -> str:
     """The schema as the JSON text written to ``docs/format-spec.schema.json``."""
     return json.dumps(build_schema(), ensure_ascii=False, indent=2, sort_keys=False) + "\n"
+
+
+# ----------------------------------------------------------------------------- markdown
+
+def _models_in_order() -> list[tuple[type, list[str]]]:
+    """Every spec model, in the order a reader meets them from ``FormatSpec``, with the YAML
+    paths where it appears (``elements.<name>.close.header``)."""
+    from pydantic import BaseModel
+
+    from ..spec import FormatSpec
+
+    order: list[type] = []
+    paths: dict[type, list[str]] = {}
+    stack: list[tuple[type, str]] = [(FormatSpec, "")]
+    while stack:  # depth first, keys in their order: a model comes right after its parent
+        model, path = stack.pop()
+        if model not in paths:
+            order.append(model)
+            paths[model] = []
+        if path:
+            paths[model].append(path)
+        subs = []
+        for key, info in model.model_fields.items():
+            sub, suffix = _sub_model(info.annotation, BaseModel)
+            if sub is not None:
+                subs.append((sub, f"{path}.{key}{suffix}" if path else f"{key}{suffix}"))
+        stack.extend(reversed(subs))
+    return [(m, paths[m]) for m in order]
+
+
+def _sub_model(tp: Any, base: type) -> tuple[type | None, str]:
+    """The model inside an annotation (``Optional[M]``, ``list[M]``, ``dict[str, M]``) and the
+    path suffix to it (``[i]``, ``.<name>``)."""
+    import typing
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if isinstance(tp, type) and issubclass(tp, base):
+        return tp, ""
+    if origin is list and args:
+        sub, suffix = _sub_model(args[0], base)
+        return sub, "[i]" + suffix
+    if origin is dict and len(args) == 2:
+        sub, suffix = _sub_model(args[1], base)
+        return sub, ".<name>" + suffix
+    for a in args:  # Optional / Union
+        if a is not type(None):
+            sub, suffix = _sub_model(a, base)
+            if sub is not None:
+                return sub, suffix
+    return None, ""
+
+
+def _type_text(tp: Any) -> str:
+    """A reader's name for an annotation: ``list of strings``, ``map string → Marker``."""
+    import typing
+
+    from pydantic import BaseModel
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return f"`{tp.__name__}`"
+    simple = {str: "string", bool: "bool", int: "int", float: "number"}
+    if tp in simple:
+        return simple[tp]
+    if tp is Any:
+        return "any"
+    if origin is typing.Literal:
+        return " or ".join(f"`{a}`" for a in args)
+    if origin is list:
+        inner = _type_text(args[0])
+        return "list of " + (inner + "s" if inner in ("string", "bool", "int") else inner)
+    if origin is dict:
+        inner = _type_text(args[1])
+        return f"map string → {f'({inner})' if inner.startswith('map') else inner}"
+    parts = [a for a in args if a is not type(None)]
+    if len(parts) == 1:
+        return _type_text(parts[0])
+    return " or ".join(_type_text(a) for a in parts)
+
+
+def _default_text(info: Any) -> str:
+    """``, required`` / ``, default true`` / ``""`` (no default worth naming)."""
+    if info.is_required():
+        return ", required"
+    value = info.default_factory() if info.default_factory is not None else info.default
+    if value is None or value == [] or value == {}:
+        return ""
+    if isinstance(value, bool):
+        return f", default {str(value).lower()}"
+    if isinstance(value, list):
+        return f", default `[{', '.join(map(str, value))}]`"
+    if isinstance(value, (int, str)):
+        return f", default {value}"
+    return ""
+
+
+def reference_markdown() -> str:
+    """The key reference of ``docs/writing-a-format.md``: one table per spec model, generated
+    from the models (``chatgrammar schema --markdown``).
+
+    Returns:
+        The markdown text between :data:`REFERENCE_BEGIN` and :data:`REFERENCE_END` (both
+        included), ending with a newline.
+
+    Example:
+        >>> "| `text` | string, required |" in reference_markdown()
+        True
+    """
+    out = [REFERENCE_BEGIN, ""]
+    for model, paths in _models_in_order():
+        where = ", ".join(f"`{p}`" for p in paths) if paths else "Top level"
+        out += [f"### {where} (`{model.__name__}`)", ""]
+        doc = " ".join((model.__doc__ or "").split())
+        if doc:
+            out += [doc, ""]
+        out += ["| key | type | meaning |", "|---|---|---|"]
+        for key, info in model.model_fields.items():
+            tp = _type_text(info.annotation)
+            if key in ONE_OR_MANY.get(model.__name__, ()):
+                tp = "string or " + tp
+            desc = " ".join((info.description or "").split()).replace("|", "\\|")
+            out.append(f"| `{key}` | {tp}{_default_text(info)} | {desc} |")
+        out.append("")
+    out.append(REFERENCE_END)
+    return "\n".join(out) + "\n"
+
+
+def splice_reference(doc: str) -> str:
+    """``doc`` with the region between the reference markers replaced by a fresh
+    :func:`reference_markdown`.
+
+    Raises:
+        ValueError: ``doc`` does not hold both markers, in order.
+    """
+    i, j = doc.find(REFERENCE_BEGIN), doc.find(REFERENCE_END)
+    if i < 0 or j < i:
+        raise ValueError("the file has no generated key reference (its marker lines are "
+                         "missing)")
+    return doc[:i] + reference_markdown() + doc[j + len(REFERENCE_END) + 1:]
 
 
 def register(subparsers: Any) -> None:
@@ -211,17 +235,28 @@ def register(subparsers: Any) -> None:
                     "first line of a spec.")
     p.add_argument("-o", "--output-file", metavar="FILE",
                    help="write the schema to FILE instead of stdout "
-                        "(the repository's copy: docs/format-spec.schema.json)")
+                        "(the repository's copy: docs/format-spec.schema.json); with "
+                        "--markdown, replace the key reference inside FILE")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the key reference of docs/writing-a-format.md (tables "
+                        "generated from the same models) instead of the JSON Schema")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``chatgrammar schema``; returns the exit code."""
-    text = schema_text()
+    text = reference_markdown() if args.markdown else schema_text()
     if not args.output_file:
         sys.stdout.write(text)
         return 0
     try:
+        if args.markdown:  # the reference lives inside a page: replace it there
+            target = Path(args.output_file)
+            try:
+                text = splice_reference(target.read_text(encoding="utf-8"))
+            except ValueError as exc:
+                print(f"chatgrammar schema: error: {args.output_file}: {exc}", file=sys.stderr)
+                return 2
         Path(args.output_file).write_text(text, encoding="utf-8")
     except OSError as exc:
         print(f"chatgrammar schema: error: cannot write {args.output_file}: "
