@@ -56,6 +56,7 @@ from .format import Format
 from .matrix import MatrixCase, default_matrix
 from .policy import MaskPolicy
 from .render import TemplateError, compile_template, render_chat
+from .spans import merge_spans
 from .tokenizers import load_tokenizer as _load_tokenizer
 
 __all__ = ["MarkerTokenizer", "CaseResult", "ConformanceResult", "check_template",
@@ -300,16 +301,7 @@ def marked(text: str, spans: Iterable[tuple[int, int]], open_: str = OPEN_MARK,
     return "".join(out)
 
 
-def _merge(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s, e in sorted(spans):
-        if e <= s:
-            continue
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
+_merge = merge_spans  # (the one span-merge helper, chatgrammar.spans)
 
 
 def _clip(spans: Sequence[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:

@@ -38,38 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .errors import DetectionError, SpecError
+from .errors import DetectionError, PrecedenceError  # (PrecedenceError: defined there, re-exported)
 from .format import Format
 from .tokenizers import adapt
 
 __all__ = ["Detection", "PrecedenceError", "check_precedence", "detect_format",
            "detection_formats", "explain_detection", "prove_precedence"]
-
-
-class PrecedenceError(SpecError, DetectionError):
-    """The precedence declared across a set of formats is not a total order where detectors
-    overlap: two formats can match one input without an order, a cycle, an unknown format
-    name in ``precedence_over``, or two spec files claiming one format name.
-
-    Both a :class:`SpecError` (it is a validation problem of the spec files; ``file``,
-    ``line``, ``col`` and ``path`` point at the ``detect`` section of the first one) and a
-    :class:`DetectionError` (``detect_format`` refuses to pick by order).
-
-    Attributes:
-        files: every spec file involved (all named in the message).
-        formats: the format names involved.
-    """
-
-    def __init__(self, message: str, *, files: Sequence[str], formats: Sequence[str],
-                 file: str | None = None, line: int | None = None, col: int | None = None,
-                 path: str | None = None):
-        self.files = list(files)
-        self.formats = list(formats)
-        SpecError.__init__(self, message, file=file, line=line, col=col, path=path)
-        # DetectionError's fields (SpecError's __init__ reached it with the rendered text).
-        self.message = message
-        self.candidates = list(formats)
-        self.evidence = {}
 
 
 # --------------------------------------------------------------------------- the proof

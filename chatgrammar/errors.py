@@ -107,5 +107,79 @@ class NormError(ChatGrammarError):
     """``norms.yaml`` is invalid, or a config cannot be read."""
 
 
+# Errors of later stages, defined here so that every error of the package has one home; their
+# modules re-export them (``chatgrammar.detect.PrecedenceError``, ``chatgrammar.render.
+# TemplateError`` / ``RenderTimeout``, ``chatgrammar.tokenizers.TokenizerLoadError``).
+
+class PrecedenceError(SpecError, DetectionError):
+    """The precedence declared across a set of formats is not a total order where detectors
+    overlap: two formats can match one input without an order, a cycle, an unknown format
+    name in ``precedence_over``, or two spec files claiming one format name.
+
+    Both a :class:`SpecError` (it is a validation problem of the spec files; ``file``,
+    ``line``, ``col`` and ``path`` point at the ``detect`` section of the first one) and a
+    :class:`DetectionError` (``detect_format`` refuses to pick by order).
+
+    Attributes:
+        files: every spec file involved (all named in the message).
+        formats: the format names involved.
+    """
+
+    def __init__(self, message: str, *, files: Sequence[str], formats: Sequence[str],
+                 file: str | None = None, line: int | None = None, col: int | None = None,
+                 path: str | None = None):
+        self.files = list(files)
+        self.formats = list(formats)
+        SpecError.__init__(self, message, file=file, line=line, col=col, path=path)
+        # DetectionError's fields (SpecError's __init__ reached it with the rendered text).
+        self.message = message
+        self.candidates = list(formats)
+        self.evidence = {}
+
+
+
+class TemplateError(ChatGrammarError):
+    """A chat template failed: it does not compile, it called ``raise_exception``, or it crashed.
+
+    Templates reject conversation shapes they do not support (no system role, string tool
+    arguments, alternation rules...) by raising; this error carries the template's own message.
+
+    Attributes:
+        message: the template's message (for ``raise_exception``) or the underlying error text.
+        kind: ``"raised"`` (the template called ``raise_exception``), ``"syntax"`` (the template
+            does not compile), ``"undefined"`` (an undefined value was used in a way Jinja
+            forbids), ``"security"`` (the sandbox refused an operation), ``"runtime"`` (any other
+            exception inside the template, e.g. a ``TypeError``), ``"continue"`` (the final message
+            cannot be continued) or ``"timeout"``.
+        lineno: the template line where it happened, when known.
+    """
+
+    def __init__(self, message: str, *, kind: str = "runtime", lineno: int | None = None):
+        self.message = message
+        self.kind = kind
+        self.lineno = lineno
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        where = f"template line {self.lineno}: " if self.lineno is not None else "template: "
+        return f"{where}{self.message}"
+
+
+class RenderTimeout(TemplateError):
+    """The template did not finish rendering within the time limit.
+
+    Attributes:
+        timeout: the limit, in seconds.
+    """
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        super().__init__(f"rendering did not finish within {timeout:g} s", kind="timeout")
+
+
+class TokenizerLoadError(ChatGrammarError):
+    """A tokenizer could not be loaded (missing, needs remote code, broken, no transformers)."""
+
+
 __all__ = ["ChatGrammarError", "SpecError", "CompileError", "ParseError", "DetectionError",
-           "NormError"]
+           "NormError", "PrecedenceError", "TemplateError", "RenderTimeout", "TokenizerLoadError"]

@@ -68,7 +68,7 @@ import jinja2.utils
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from chatgrammar.errors import ChatGrammarError
+from chatgrammar.errors import RenderTimeout, TemplateError  # (defined there, re-exported)
 
 __all__ = [
     "RenderResult",
@@ -89,46 +89,6 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 _REFIRE_SECONDS = 0.05
 _GENERATION_TAG_RE = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
 _JINJA_DIR = os.path.dirname(jinja2.__file__) + os.sep
-
-
-# --------------------------------------------------------------------------------------- errors
-class TemplateError(ChatGrammarError):
-    """A chat template failed: it does not compile, it called ``raise_exception``, or it crashed.
-
-    Templates reject conversation shapes they do not support (no system role, string tool
-    arguments, alternation rules...) by raising; this error carries the template's own message.
-
-    Attributes:
-        message: the template's message (for ``raise_exception``) or the underlying error text.
-        kind: ``"raised"`` (the template called ``raise_exception``), ``"syntax"`` (the template
-            does not compile), ``"undefined"`` (an undefined value was used in a way Jinja
-            forbids), ``"security"`` (the sandbox refused an operation), ``"runtime"`` (any other
-            exception inside the template, e.g. a ``TypeError``), ``"continue"`` (the final message
-            cannot be continued) or ``"timeout"``.
-        lineno: the template line where it happened, when known.
-    """
-
-    def __init__(self, message: str, *, kind: str = "runtime", lineno: int | None = None):
-        self.message = message
-        self.kind = kind
-        self.lineno = lineno
-        super().__init__(self.render())
-
-    def render(self) -> str:
-        where = f"template line {self.lineno}: " if self.lineno is not None else "template: "
-        return f"{where}{self.message}"
-
-
-class RenderTimeout(TemplateError):
-    """The template did not finish rendering within the time limit.
-
-    Attributes:
-        timeout: the limit, in seconds.
-    """
-
-    def __init__(self, timeout: float):
-        self.timeout = timeout
-        super().__init__(f"rendering did not finish within {timeout:g} s", kind="timeout")
 
 
 class _RaisedByTemplate(jinja2.exceptions.TemplateError):

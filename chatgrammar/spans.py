@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -231,10 +231,34 @@ def _segments(block: Block, kind: str, policy: MaskPolicy) -> list[tuple[int, in
         if blk.end > cur:
             out.append((cur, blk.end, k))
         stack.pop()
-    merged: list[tuple[int, int, str]] = []
-    for s, e, k in out:
-        if merged and merged[-1][1] == s and merged[-1][2] == k:
-            merged[-1] = (merged[-1][0], e, k)
+    return merge_spans(out, by_kind=True)
+
+
+def merge_spans(spans: Iterable[tuple], *, by_kind: bool = False) -> list[tuple]:
+    """The sorted union of ``[start, end)`` ranges: overlapping or abutting ones merge into
+    one, empty ones vanish. (The package's one span-merge helper.)
+
+    Args:
+        spans: ``(start, end)`` or ``(start, end, kind)`` tuples, in any order.
+        by_kind: only neighbours with the same third field (kind) merge. Without it, a merged
+            range keeps the third field, if any, of its first span.
+
+    Returns:
+        The merged tuples, sorted, of the same width as the input's.
+
+    Example:
+        >>> merge_spans([(4, 6), (0, 2), (2, 3), (5, 8)])
+        [(0, 3), (4, 8)]
+    """
+    out: list[list] = []
+    for sp in sorted(spans):
+        s, e = sp[0], sp[1]
+        if e <= s:
+            continue
+        last = out[-1] if out else None
+        if last is not None and s <= last[1] and (not by_kind or last[2] == sp[2]):
+            if e > last[1]:
+                last[1] = e
         else:
-            merged.append((s, e, k))
-    return merged
+            out.append(list(sp))
+    return [tuple(x) for x in out]

@@ -17,7 +17,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import ChatGrammarError
+from .errors import TokenizerLoadError  # (defined there, re-exported)
 
 
 class TokenizerAdapter:
@@ -279,10 +279,6 @@ def adapt(tokenizer: Any) -> TokenizerAdapter:
             _ADAPTERS_BY_ID.clear()
         _ADAPTERS_BY_ID[id(tokenizer)] = (tokenizer, a)
         return a
-
-
-class TokenizerLoadError(ChatGrammarError):
-    """A tokenizer could not be loaded (missing, needs remote code, broken, no transformers)."""
 
 
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any:

@@ -22,6 +22,7 @@ from typing import Any
 from .._io import read_text
 
 from ..errors import ChatGrammarError
+from ..spans import merge_spans
 from ._common import UsageError, add_policy_args, guarded, policy_for
 
 OPEN_MARK, CLOSE_MARK = "\u27e6", "\u27e7"
@@ -247,7 +248,7 @@ class _View:
                 console.print(t)
             else:
                 out, pos = [], s
-                for a, b, k in _merge(inner):
+                for a, b, k in merge_spans(inner):
                     out += [self.shown[pos:a], OPEN_MARK, self.shown[a:b], CLOSE_MARK]
                     pos = b
                 out.append(self.shown[pos:e])
@@ -337,13 +338,3 @@ last_turn_only={pol.last_turn_only} truncated={pol.truncated}</p>
 {f'<h2>Notes</h2><ul>{notes}</ul>' if notes else ''}
 </body></html>
 """
-
-
-def _merge(spans):
-    out: list[list] = []
-    for a, b, k in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b, k])
-    return out

@@ -1,0 +1,54 @@
+"""One home for each fact of the package: every error class in chatgrammar.errors, one
+span-merge helper."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+import chatgrammar
+from chatgrammar import errors
+from chatgrammar.spans import merge_spans
+
+
+def _package_modules():
+    for info in pkgutil.walk_packages(chatgrammar.__path__, "chatgrammar."):
+        if info.name.endswith("__main__"):  # (importing it runs the CLI)
+            continue
+        try:
+            yield importlib.import_module(info.name)
+        except ImportError:  # (an integration whose optional dependency is not installed)
+            continue
+
+
+def test_every_error_class_is_defined_in_errors():
+    outside = sorted(
+        f"{mod.__name__}.{name}" for mod in _package_modules()
+        for name, obj in vars(mod).items()
+        if inspect.isclass(obj) and issubclass(obj, errors.ChatGrammarError)
+        and obj.__module__ != "chatgrammar.errors")
+    assert not outside, f"define these in chatgrammar/errors.py (re-export them): {outside}"
+    assert all(name in vars(errors) for name in errors.__all__)
+
+
+@pytest.mark.parametrize("where, name", [("detect", "PrecedenceError"),
+                                         ("render", "TemplateError"),
+                                         ("render", "RenderTimeout"),
+                                         ("tokenizers", "TokenizerLoadError")])
+def test_moved_error_classes_keep_their_import_paths(where, name):
+    mod = importlib.import_module(f"chatgrammar.{where}")
+    assert getattr(mod, name) is getattr(errors, name)
+
+
+def test_merge_spans():
+    assert merge_spans([]) == []
+    # overlapping and abutting ranges merge; empty ones vanish; input order does not matter
+    assert merge_spans([(5, 7), (0, 2), (2, 3), (6, 9), (4, 4)]) == [(0, 3), (5, 9)]
+    assert merge_spans([(0, 2), (3, 4)]) == [(0, 2), (3, 4)]
+    # with kinds: only abutting or overlapping neighbours of one kind merge
+    assert merge_spans([(0, 2, "think"), (2, 4, "think"), (4, 6, "content"),
+                        (6, 8, "content")], by_kind=True) == [(0, 4, "think"), (4, 8, "content")]
+    # without by_kind, a third field is kept from the first span of each merged run
+    assert merge_spans([(0, 2, "a"), (1, 4, "b"), (6, 7, "c")]) == [(0, 4, "a"), (6, 7, "c")]
