@@ -5,17 +5,24 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any, Callable
 
+from ..policy import MaskPolicy
+
+def _policy_fields(kind: str) -> tuple[tuple[str, str], ...]:
+    # (name, help) of MaskPolicy's fields of one type: the help is the field's description,
+    # the one home of what it means (see chatgrammar.policy)
+    return tuple((f.name, f.metadata["description"].replace("`", ""))
+                 for f in dataclasses.fields(MaskPolicy)
+                 if str(f.type).replace("typing.", "").startswith(kind))
+
+
 #: Policy fields a boolean flag pair sets (``--thinking`` / ``--no-thinking`` …), with help.
-POLICY_FLAGS = (
-    ("thinking", "train reasoning blocks (--no-thinking: don't)"),
-    ("tool_calls", "train tool-call blocks (--no-tool-calls: don't)"),
-    ("end_marker", "train turn terminators"),
-    ("last_turn_only", "train only the last trainable turn"),
-    ("truncated", "train a turn cut off by the end of input (--no-truncated: don't)"),
-)
+POLICY_FLAGS = _policy_fields("bool")
+#: Policy fields a comma-separated list sets (``--roles assistant,tool``), with help.
+POLICY_LISTS = _policy_fields("tuple")
 
 
 class UsageError(Exception):
@@ -45,7 +52,9 @@ def guarded(name: str, fn: Callable[[argparse.Namespace], int],
 def add_policy_args(parser: argparse.ArgumentParser) -> None:
     """The policy flags every masking command takes (default: the format's own policy)."""
     g = parser.add_argument_group("policy (default: the format's declared policy)")
-    g.add_argument("--roles", metavar="ROLE,…", help="roles that train (e.g. assistant,tool)")
+    for field, text in POLICY_LISTS:
+        g.add_argument("--" + field.replace("_", "-"), metavar="A,B,…",
+                       help=text + " Comma-separated.")
     for field, text in POLICY_FLAGS:
         g.add_argument("--" + field.replace("_", "-"), action=argparse.BooleanOptionalAction,
                        default=None, help=text)
@@ -54,8 +63,10 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
 def policy_changes(args: argparse.Namespace) -> dict[str, Any]:
     """The policy fields the flags set, for ``MaskPolicy.replace(**changes)``."""
     changes: dict[str, Any] = {}
-    if args.roles:
-        changes["roles"] = tuple(r.strip() for r in args.roles.split(",") if r.strip())
+    for field, _ in POLICY_LISTS:
+        v = getattr(args, field)
+        if v:
+            changes[field] = tuple(r.strip() for r in v.split(",") if r.strip())
     for field, _ in POLICY_FLAGS:
         v = getattr(args, field)
         if v is not None:
