@@ -30,8 +30,9 @@ The expected spans come from the template alone, by render-diffing (never from t
   region and contain none of the assistant's words;
 - nothing outside the assistant messages trains (system, user and tool messages, text the
   template adds before the first message, a trailing generation prompt);
-- a difference a bundled format makes on purpose, in the precise shape :data:`ACCEPTED` names
-  for that format, passes with ``CaseResult.deviations`` (and a note) saying so.
+- a difference a format makes on purpose, in the precise shape its test facts name
+  (``accepted:`` in ``formats/<name>.tests.yaml``, :data:`DEVIATION_SHAPES`), passes with
+  ``CaseResult.deviations`` (and a note) saying so.
 
 Every case also runs in id mode with :class:`MarkerTokenizer` (each marker one id, every other
 character one id), and with a real tokenizer when one is given: both must agree with text mode.
@@ -53,6 +54,7 @@ from typing import Any, Iterable, Sequence
 
 from .errors import ParseError
 from .format import Format
+from .format_tests import ACCEPTED_SHAPES, tests_for
 from .matrix import MatrixCase, default_matrix
 from .policy import MaskPolicy
 from .render import TemplateError, compile_template, render_chat
@@ -70,29 +72,25 @@ OUTPUT_POLICY = MaskPolicy(roles=("assistant",), thinking=True, tool_calls=True,
                            end_marker=False, last_turn_only=False, truncated=True)
 _WITH_END = OUTPUT_POLICY.replace(end_marker=True)
 
-#: Differences from "train exactly the assistant output" that a bundled format makes on
-#: purpose, with where they are documented. The checker reports them (``CaseResult.deviations``
-#: and a note), never as a pass without a word, and only in the precise shape named:
+#: Differences from "train exactly the assistant output" that a format may make on purpose.
+#: A format accepts one only by naming it, with where it is documented, under ``accepted:`` in
+#: its test facts (``formats/<name>.tests.yaml``, :mod:`chatgrammar.format_tests`). The checker
+#: reports it (``CaseResult.deviations`` and a note), never as a pass without a word, and only
+#: in the precise shape named:
 #:
 #: ``repeated-prompt``: one message the template renders as several turns of the assistant,
-#: each later turn opening with exactly the template's generation prompt (Harmony: an
-#: ``analysis`` message, then ``<|start|>assistant`` and the final answer or a tool call;
-#: Solar Open: a ``<|think|>`` turn, then ``<|begin|>assistant`` and the answer or the calls). The
+#: each later turn opening with exactly the template's generation prompt (e.g. an analysis
+#: message, then the assistant header again and the final answer or a tool call). The
 #: model writes that repeated opener itself, but the format trains every turn from after its
 #: role, as it does after the generation prompt: which turn follows which is not part of one
 #: turn's parse, and a turn's spans never depend on its neighbours.
 #:
-#: ``unclosed-whitespace``: an assistant turn the template never closes (Command R+'s
-#: tool-use template writes no ``<|END_OF_TURN_TOKEN|>`` after a tool-calling message) ends
-#: where the next turn opens, and the whitespace the template writes before that opener
-#: trains with the body: with no terminator, the parse cannot tell the template's separator
-#: from the model's last characters.
-ACCEPTED: dict[str, dict[str, str]] = {
-    "harmony": {"repeated-prompt": "docs/formats.md, harmony: what is not trained"},
-    "cohere": {"unclosed-whitespace": "docs/formats.md, cohere: Command R+ tool calls"},
-    "solar-open": {"repeated-prompt": "docs/formats.md, solar-open: what is not trained"},
-}
-
+#: ``unclosed-whitespace``: an assistant turn the template never closes (a tool-use template
+#: that writes no terminator after a tool-calling message) ends where the next turn opens, and
+#: the whitespace the template writes before that opener trains with the body: with no
+#: terminator, the parse cannot tell the template's separator from the model's last
+#: characters.
+DEVIATION_SHAPES = ACCEPTED_SHAPES
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -215,7 +213,7 @@ class CaseResult:
         notes: remarks that are not failures (prefill trained, region located by the parse,
             boundaries inside merged tokens, documented deviations).
         deviations: differences from the assistant output that the format makes on purpose
-            and documents (:data:`ACCEPTED`); the case still passes.
+            and documents (``accepted:`` of its tests.yaml); the case still passes.
     """
 
     case: str
@@ -506,7 +504,8 @@ class _Openers:
 # --------------------------------------------------------------------------- one case
 
 def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
-                synth: MarkerTokenizer, tokenizer: Any, timeout: float | None) -> CaseResult:
+                synth: MarkerTokenizer, tokenizer: Any, timeout: float | None,
+                accepted: dict[str, str]) -> CaseResult:
     r = _Renderer(template, case, variables, timeout)
     try:
         full = render_chat(template, case.messages, tools=case.tools,
@@ -692,10 +691,10 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
             unclosed = [t for t in turns if t.start < k0 and t.end == k1 and not t.complete
                         and k1 < len(R)]
             if (R[k0:k1].isspace() and k0 > 0 and allowed_mask[k0 - 1] and unclosed
-                    and "unclosed-whitespace" in ACCEPTED.get(fmt.name, {})):
+                    and "unclosed-whitespace" in accepted):
                 dev = (f"the assistant turn at char {unclosed[0].start} has no terminator: "
                        f"{_show(R[k0:k1])} before the next turn trains with it "
-                       f"({ACCEPTED[fmt.name]['unclosed-whitespace']})")
+                       f"({accepted['unclosed-whitespace']})")
                 res.deviations.append(dev)
                 res.notes.append("documented deviation: " + dev)
                 continue
@@ -715,10 +714,10 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
         a, z = with_end[0][0], with_end[-1][1]
         for (_, gs), (ge, _) in zip(with_end, with_end[1:]):
             if (R[gs:ge] == g_of[i] and gs in turn_starts
-                    and "repeated-prompt" in ACCEPTED.get(fmt.name, {})):
+                    and "repeated-prompt" in accepted):
                 dev = (f"message [{i}] (assistant) is rendered as several turns; each later "
                        f"one opens with the generation prompt {_show(g_of[i])}, untrained "
-                       f"({ACCEPTED[fmt.name]['repeated-prompt']})")
+                       f"({accepted['repeated-prompt']})")
                 res.deviations.append(dev)
                 res.notes.append("documented deviation: " + dev)
                 continue
@@ -802,7 +801,8 @@ def _check_real_ids(fmt: Format, tokenizer: Any, R: str, conv, res: CaseResult) 
 def check_template(fmt: Format, template: str, *, name: str = "template",
                    cases: Sequence[MatrixCase] | None = None, tokenizer: Any = None,
                    tokenizer_name: str | None = None, variables: dict | None = None,
-                   timeout: float | None = 10.0) -> ConformanceResult:
+                   timeout: float | None = 10.0,
+                   accepted: dict[str, str] | None = None) -> ConformanceResult:
     """Check one (format, chat template) pair over the conversation matrix.
 
     Args:
@@ -816,6 +816,9 @@ def check_template(fmt: Format, template: str, *, name: str = "template",
         variables: extra template variables (``bos_token="<s>"``…); they override the
             tokenizer's.
         timeout: per-render time limit in seconds.
+        accepted: deviation shape -> where it is documented (:data:`DEVIATION_SHAPES`); default
+            the ``accepted:`` of the format's test facts (``<spec>.tests.yaml`` beside its spec
+            file, :func:`chatgrammar.format_tests.tests_for`), none for a format without them.
 
     Returns:
         A :class:`ConformanceResult`; ``.ok`` is False when a case fails. A template that does
@@ -835,10 +838,12 @@ def check_template(fmt: Format, template: str, *, name: str = "template",
         return out
     vars_ = {**(_special_vars(tokenizer) if tokenizer is not None else {}), **(variables or {})}
     synth = MarkerTokenizer.for_format(fmt)
+    if accepted is None:
+        accepted = dict(tests_for(fmt).get("accepted") or {})
     for case in (default_matrix() if cases is None else cases):
         try:
             out.cases.append(_check_case(fmt, template, case, vars_, synth, tokenizer,
-                                         timeout))
+                                         timeout, accepted))
         except Exception as exc:  # one broken case must not hide the others' results
             out.cases.append(CaseResult(case.name, "fail", f"error while checking this case: "
                                         f"{type(exc).__name__}: {exc}"))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .errors import SpecError
 from .format import Format
+from .format_tests import is_tests_file
 from .spec import read_spec
 
 ENTRY_POINT_GROUP = "chatgrammar.formats"
@@ -34,7 +35,8 @@ def formats_dir() -> Path:
 
 
 def bundled_paths() -> dict[str, Path]:
-    """Bundled format name → spec path (norms.yaml is not a format)."""
+    """Bundled format name → spec path (norms.yaml and ``*.tests.yaml``, a format's test
+    facts, are not formats)."""
     d = formats_dir()
     try:
         stamp = d.stat().st_mtime_ns  # a file added or removed changes the directory's mtime
@@ -45,7 +47,13 @@ def bundled_paths() -> dict[str, Path]:
 
 @lru_cache(maxsize=8)
 def _bundled_paths(d: str, stamp) -> tuple:
-    return tuple((p.stem, p) for p in sorted(Path(d).glob("*.yaml")) if p.stem != "norms")
+    return tuple((p.stem, p) for p in sorted(Path(d).glob("*.yaml")) if is_spec_file(p))
+
+
+def is_spec_file(path: Path) -> bool:
+    """Whether a ``*.yaml`` of a formats directory is a spec: not ``norms.yaml``, not a
+    format's test facts (``<name>.tests.yaml``, :mod:`chatgrammar.format_tests`)."""
+    return path.stem != "norms" and not is_tests_file(path)
 
 
 def _plugin_specs() -> list[tuple[str, Path]]:
@@ -68,7 +76,7 @@ def _plugin_specs() -> list[tuple[str, Path]]:
             warnings.warn(f"chatgrammar plugin {ep.name!r} failed to load: {exc}")
             continue
         paths = sorted(p.glob("*.yaml")) if p.is_dir() else [p]
-        out.extend((ep.name, q) for q in paths if q.stem != "norms")
+        out.extend((ep.name, q) for q in paths if is_spec_file(q))
     return out
 
 

@@ -41,6 +41,7 @@ import yaml
 from ._io import read_text
 from .compile import _regex_risk
 from .errors import ChatGrammarError, CompileError, ParseError, SpecError
+from .format_tests import is_tests_file, tests_path
 from .policy import MaskPolicy
 from .spec import FormatSpec, SpecSource, _check_node_graph, format_path, spec_errors
 
@@ -61,7 +62,7 @@ class Problem:
         file: the file concerned.
         message: what is wrong (may span several lines).
         check: which check found it (``yaml``, ``schema``, ``patterns``, ``compile``,
-            ``examples``, ``precedence``, ``norms``, ``template``, ``tokenizer``).
+            ``examples``, ``precedence``, ``norms``, ``tests``, ``template``, ``tokenizer``).
         line, col: 1-based position, when known.
         path: the YAML path (``elements.turn.close``), when known.
         severity: ``"error"`` (fails validation) or ``"warning"``.
@@ -100,7 +101,8 @@ class Problem:
 
 @dataclass
 class FileResult:
-    """One checked file: ``kind`` is ``"format"`` or ``"norms"``; ``name`` the format name."""
+    """One checked file: ``kind`` is ``"format"``, ``"norms"`` or ``"tests"`` (a format's test
+    facts); ``name`` the format name."""
 
     file: str
     kind: str
@@ -479,6 +481,19 @@ def check_norms_file(path: str | Path) -> tuple[list[Problem], list[str]]:
     return out, []
 
 
+def check_tests_file(path: str | Path, text: str) -> list[Problem]:
+    """Check a format's test facts (``<name>.tests.yaml``, :mod:`chatgrammar.format_tests`)
+    as test data: YAML and its schema, not as a spec."""
+    from .format_tests import check_tests
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        return [Problem(str(path), f"invalid YAML: {exc}", "tests")]
+    return [Problem(str(path), m.split(": ", 1)[1] if m.startswith(f"{path}: ") else m, "tests")
+            for m in check_tests(data, str(path))]
+
+
 # --------------------------------------------------------------------------- tokenizer
 
 def check_tokenizer(fmt: Any, tokenizer: Any, name: str = "tokenizer") -> list[Problem]:
@@ -520,7 +535,8 @@ def check_tokenizer(fmt: Any, tokenizer: Any, name: str = "tokenizer") -> list[P
 
 def resolve_paths(paths: Sequence[str]) -> list[Path]:
     """Command-line PATHs → files: a file as is, a directory → its ``*.yaml``, a bundled format
-    name → its spec. No PATH → every bundled format and ``norms.yaml``.
+    name → its spec. No PATH → every bundled format, ``norms.yaml`` and the formats' test facts
+    (``<name>.tests.yaml``, checked as test data).
 
     Raises:
         ChatGrammarError: a PATH that is neither a file, a directory nor a bundled name.
@@ -532,6 +548,7 @@ def resolve_paths(paths: Sequence[str]) -> list[Path]:
         norms = formats_dir() / "norms.yaml"
         if norms.is_file():
             out.append(norms)
+        out += [t for t in map(tests_path, bundled_paths().values()) if t.is_file()]
         return [_short(p) for p in out]
     out = []
     for s in paths:
@@ -599,6 +616,11 @@ def validate_paths(paths: Sequence[str | Path], *, precedence_with_bundled: bool
             report.notes += notes
             report.files.append(FileResult(str(f), "norms", None,
                                            ["norms"] if not notes else []))
+            continue
+        if is_tests_file(f):
+            probs = check_tests_file(f, text)
+            report.problems += probs
+            report.files.append(FileResult(str(f), "tests", None, ["tests"]))
             continue
         probs, fmt, pair = check_spec_text(text, str(f))
         report.problems += probs

@@ -17,7 +17,7 @@ and :func:`unmask` turns back into the marker string. So ``"<|im_end|>"`` typed 
 a run of ordinary ids in id mode (as with a real tokenizer) and the marker string in text mode.
 
 :func:`format_templates` names the real chat templates each bundled format is exercised with
-(:data:`FORMAT_TEMPLATES`, or the templates a new spec names in its comments), and
+(``main: true`` in its ``formats/<name>.tests.yaml``), and
 :func:`check_contract` runs one input through both strictness levels and checks the whole
 contract of docs/reliability.md, failing with a ready-made regression file.
 
@@ -163,35 +163,11 @@ def expected_token_mask(char_mask: list[int], starts: list[int], n_chars: int) -
 
 TEMPLATES_DIR = Path(__file__).resolve().parent / "data" / "templates"
 
-# The main template(s) of each bundled format and the special-token variables they read
-# (transformers passes the tokenizer's special_tokens_map; these are the family's values).
-# A format missing here falls back to the templates its spec names in a comment
-# (``tests/data/templates/<file>.jinja``), with bos/eos taken from its markers.
-FORMAT_TEMPLATES: dict[str, list[tuple[str, dict]]] = {
-    "kimi-k2": [("moonshotai-Kimi-K2-Thinking.jinja", {}), ("moonshotai-Kimi-K2.jinja", {})],
-    "kimi-k3": [("moonshotai-Kimi-K3.jinja", {})],
-    "chatml": [("Qwen-Qwen3.jinja", {}), ("Qwen-Qwen2.5-7B-Instruct.jinja", {})],
-    "llama3": [("meta-llama-Llama-3.1-8B-Instruct.jinja", {"bos_token": "<|begin_of_text|>"})],
-    "gemma": [("google-gemma-3-it.jinja", {"bos_token": "<bos>"})],
-    "mistral": [("mistralai-Mistral-7B-Instruct-v0.3.jinja",
-                 {"bos_token": "<s>", "eos_token": "</s>"})],
-    "deepseek-v3": [("deepseek-ai-DeepSeek-V3.jinja",
-                     {"bos_token": "<｜begin▁of▁sentence｜>"}),
-                    ("deepseek-ai-DeepSeek-R1.jinja", {"bos_token": "<｜begin▁of▁sentence｜>"})],
-    "harmony": [("openai-gpt-oss-120b.jinja", {})],
-    "phi3": [("microsoft-Phi-3-mini-4k-instruct.jinja", {"eos_token": "<|endoftext|>"})],
-    "phi4": [("microsoft-phi-4.jinja", {})],
-    "glm4": [("zai-org-GLM-4.5.jinja", {})],
-    "minimax-m2": [("MiniMax-M2.jinja", {})],
-    "minimax-m1": [("MiniMaxAI-MiniMax-M1.jinja", {})],
-}
-
-# Templates that read every message's content as a list of parts (MiniMax-M1:
-# ``message['content'][0]['text']``). The generic tests build conversations with string content,
+# Templates that read every message's content as a list of parts (``content_as_parts: true``
+# in the format's tests.yaml; MiniMax-M1 reads ``message['content'][0]['text']``). The generic tests build conversations with string content,
 # so these templates get a Jinja prelude that turns each string content into one text part (a
 # tool result's part also names the tool) before the template's own code runs: the template
 # then renders exactly what it renders for the same conversation given as parts.
-CONTENT_AS_PARTS = {"MiniMaxAI-MiniMax-M1.jinja"}
 _PARTS_PRELUDE = (
     "{%- set _cg = namespace(items=[]) -%}"
     "{%- for _m in messages -%}"
@@ -203,33 +179,21 @@ _PARTS_PRELUDE = (
     "{%- endfor -%}"
     "{%- set messages = _cg.items -%}")
 
-_BOS_NAMES = ("bos", "begin_of_text", "begin_of_sentence", "bos_token")
-_EOS_NAMES = ("eos", "end_of_text", "endoftext", "end_of_sentence", "eos_token")
-
-
-def _guess_special_tokens(fmt: Any) -> dict:
-    out = {}
-    for key, names in (("bos_token", _BOS_NAMES), ("eos_token", _EOS_NAMES)):
-        for n, m in fmt.spec.markers.items():
-            if n.lower() in names:
-                out[key] = m.text
-                break
-    return out
-
-
 def format_templates(fmt: Any) -> list[tuple[str, str, dict]]:
     """``(file name, template source, special-token kwargs)`` for each main template of a
-    format (see :data:`FORMAT_TEMPLATES`; otherwise the templates its spec file names)."""
-    import re
+    format: the ``templates:`` of its test facts (``formats/<name>.tests.yaml``) marked
+    ``main: true``, with their ``vars``; a template marked ``content_as_parts`` gets the
+    prelude above."""
+    from chatgrammar.format_tests import tests_for
 
-    entries = FORMAT_TEMPLATES.get(fmt.name)
-    if entries is None:
-        spec_text = Path(fmt.path).read_text(encoding="utf-8")
-        names = dict.fromkeys(re.findall(r"[\w.\-]+\.jinja", spec_text))
-        guess = _guess_special_tokens(fmt)
-        entries = [(n, guess) for n in names if (TEMPLATES_DIR / n).is_file()][:2]
-    return [(n, (_PARTS_PRELUDE if n in CONTENT_AS_PARTS else "")
-             + (TEMPLATES_DIR / n).read_text(encoding="utf-8"), kw) for n, kw in entries]
+    out = []
+    for t in tests_for(fmt).get("templates") or []:
+        if not t.get("main"):
+            continue
+        prelude = _PARTS_PRELUDE if t.get("content_as_parts") else ""
+        src = (TEMPLATES_DIR / t["file"]).read_text(encoding="utf-8")
+        out.append((t["file"], prelude + src, dict(t.get("vars") or {})))
+    return out
 
 
 # ------------------------------------------------------------------------ the contract

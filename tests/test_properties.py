@@ -1,7 +1,7 @@
 """Property tests: random conversations rendered by each format's real templates.
 
 For every bundled format (``cg.list_formats()``, so formats added later are covered) and each of
-its main templates (:data:`tests.fuzz_tokenizers.FORMAT_TEMPLATES`), hypothesis draws
+its main templates (``main: true`` in formats/<name>.tests.yaml), hypothesis draws
 conversations — roles, lengths, unicode, empty contents, tool calls and results, reasoning,
 generation prompts, and marker strings (of this and other formats) typed inside message text —
 and renders them exactly as transformers would (:func:`chatgrammar.render.render_chat`).

@@ -1,6 +1,7 @@
 """Conformance runner: every bundled format × its real chat templates × the conversation matrix.
 
-For each (format, template) pair of :data:`TEMPLATES`, renders every case of the built-in matrix
+For each (format, template) pair named by the format's test facts (``templates:`` in
+``formats/<name>.tests.yaml``), renders every case of the built-in matrix
 with the template exactly as transformers does, parses it with the format (text mode, and id
 mode with a one-id-per-marker tokenizer), and checks that what the format trains is exactly the
 assistant output (see :mod:`chatgrammar.conformance` for the oracle). Prints a markdown report;
@@ -26,103 +27,23 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 
 from chatgrammar.conformance import check_template  # noqa: E402
 from chatgrammar.errors import ChatGrammarError  # noqa: E402
+from chatgrammar.format_tests import tests_for  # noqa: E402
 from chatgrammar.matrix import case_names  # noqa: E402
 from chatgrammar.registry import list_formats, load_format  # noqa: E402
 
 TEMPLATE_DIR = ROOT / "tests" / "data" / "templates"
 DEFAULT_OUT = ROOT / "docs" / "conformance.md"
 
-#: Which templates belong to which format: the models of each spec's ``covers:`` whose template
-#: is in tests/data/templates (provenance: tests/data/templates/SOURCES.md). Kept here, not in
-#: the specs, because it names test data, not format facts.
-TEMPLATES: dict[str, list[str]] = {
-    "kimi-k2": ["moonshotai-Kimi-K2.jinja", "moonshotai-Kimi-K2-Thinking.jinja"],
-    "kimi-k3": ["moonshotai-Kimi-K3.jinja"],
-    "chatml": [
-        "Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-Qwen2.5-VL.jinja", "Qwen-QwQ-32B.jinja",
-        "Qwen-Qwen3.jinja", "Qwen-Qwen3-0.6B.jinja", "Qwen-Qwen3-235B-A22B.jinja",
-        "Qwen-Qwen3-Instruct-2507.jinja", "Qwen-Qwen3-VL.jinja",
-        "Qwen-Qwen3-Coder-30B-A3B-Instruct.jinja", "Qwen3-Coder.jinja",
-        "Qwen-Qwen3.5-2B.jinja", "Qwen3.5-4B.jinja", "Qwen-Qwen3.6.jinja",
-        "HuggingFaceTB-SmolLM3-3B.jinja", "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
-        "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", "MiMo-VL.jinja",
-        "tiiuae-Falcon-H1.jinja", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja",
-        "nvidia-NVIDIA-Nemotron-3-Super.jinja", "nvidia-NVIDIA-Nemotron-3-Ultra.jinja",
-        "stepfun-ai-Step-3.5-Flash.jinja", "StepFun3.5-Flash.jinja",
-        "Bielik-11B-v3.0-Instruct.jinja", "LiquidAI-LFM2.jinja", "LFM2.5-8B-A1B.jinja",
-        "LFM2.5-Instruct.jinja",
-        # LFM2-8B-A1B.jinja is left out: with tools it writes a bare notice before the first
-        # turn (docs/formats.md, chatml quirks)
-    ],
-    "cohere": [
-        "CohereForAI-c4ai-command-r-v01.jinja", "CohereForAI-c4ai-command-r-plus-tool_use.jinja",
-        "CohereForAI-c4ai-command-r7b-12-2024-default.jinja",
-        "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja",
-        "CohereForAI-c4ai-command-r7b-12-2024-rag.jinja", "CohereLabs-c4ai-command-r7b-12-2024.jinja",
-        "CohereLabs-c4ai-command-a-03-2025.jinja", "Cohere2MoE.jinja",
-    ],
-    "deepseek-v3": [
-        "deepseek-ai-DeepSeek-V3.jinja", "deepseek-ai-DeepSeek-R1.jinja",
-        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
-        "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja", "deepseek-ai-DeepSeek-V3.1.jinja",
-        "deepseek-ai-DeepSeek-V3.2.jinja",
-    ],
-    "gemma": ["google-gemma-2-2b-it.jinja", "google-gemma-3-it.jinja", "google-gemma-3n.jinja"],
-    "functiongemma": ["google-functiongemma.jinja",
-                      "google-ai-edge-LiteRT-LM-functiongemma.jinja"],
-    "functionary-v3": ["meetkai-functionary-medium-v3.2.jinja"],
-    "gemma4": ["google-gemma-4-31B-it.jinja", "google-gemma-4-31B-it-interleaved.jinja"],
-    "gigachat3": ["GigaChat3-10B-A1.8B.jinja", "GigaChat3.1-10B-A1.8B.jinja"],
-    "glm4": ["zai-org-GLM-4.5.jinja", "GLM-4.6.jinja", "GLM-4.7-Flash.jinja"],
-    "granite": ["ibm-granite-granite-3.3-2B-Instruct.jinja", "ibm-granite-granite-4.0.jinja",
-                "ibm-granite-granite-4.1.jinja"],
-    "harmony": ["openai-gpt-oss-120b.jinja"],
-    "llama3": [
-        "meta-llama-Meta-Llama-3-8B-Instruct.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja",
-        "meta-llama-Llama-3.2-3B-Instruct.jinja", "meta-llama-Llama-3.3-70B-Instruct.jinja",
-        "meetkai-functionary-medium-v3.1.jinja",
-    ],
-    "llama4": ["meta-llama-Llama-4-Scout-17B-16E-Instruct.jinja"],
-    "minimax-m1": ["MiniMaxAI-MiniMax-M1.jinja"],
-    "minimax-m2": ["MiniMax-M2.jinja"],
-    "reka": ["Reka-Edge.jinja"],
-    "mistral": [
-        "mistralai-Mistral-7B-Instruct-v0.3.jinja", "mistralai-Mistral-Nemo-Instruct-2407.jinja",
-        "mistralai-Mistral-Small-24B-Instruct-2501.jinja",
-        "Mistral-Small-3.2-24B-Instruct-2506.jinja",
-        "mistralai-Ministral-3-14B-Reasoning-2512.jinja",
-    ],
-    "nemotron-nano-v2": ["NVIDIA-Nemotron-Nano-v2.jinja"],
-    "apertus": ["Apertus-8B-Instruct.jinja"],
-    "apriel": ["ServiceNow-AI-Apriel-1.5-15b-Thinker.jinja"],
-    "seed-oss": ["ByteDance-Seed-OSS.jinja"],
-    "solar-open": ["upstage-Solar-Open-100B.jinja"],
-    "phi3": ["microsoft-Phi-3-mini-4k-instruct.jinja", "microsoft-Phi-3.5-mini-instruct.jinja",
-             "microsoft-Phi-4-mini-instruct.jinja"],
-    "phi4": ["microsoft-phi-4.jinja", "microsoft-Phi-4-reasoning.jinja"],
-}
 
-#: Template variables transformers would pass from each family's tokenizer
-#: (``special_tokens_map``); only the ones the templates read.
-VARIABLES: dict[str, dict[str, str]] = {
-    "mistral": {"bos_token": "<s>", "eos_token": "</s>"},
-    "llama3": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
-    "deepseek-v3": {"bos_token": "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
-                    "eos_token": "<\uff5cend\u2581of\u2581sentence\uff5c>"},
-    "gemma": {"bos_token": "<bos>", "eos_token": "<eos>"},
-    "phi3": {"bos_token": "<s>", "eos_token": "<|endoftext|>"},
-    "phi4": {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"},
-    "chatml": {"eos_token": "<|im_end|>"},
-    "cohere": {"bos_token": "<BOS_TOKEN>", "eos_token": "<|END_OF_TURN_TOKEN|>"},
-    "llama4": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>"},
-    "gemma4": {"bos_token": "<bos>"},
-    "gigachat3": {"bos_token": "<s>"},
-    "apertus": {"bos_token": "<s>", "eos_token": "</s>"},
-    "apriel": {"bos_token": "<s>", "eos_token": "</s>"},
-    "functiongemma": {"bos_token": "<bos>"},
-    "functionary-v3": {"bos_token": "<|begin_of_text|>"},
-    "seed-oss": {"bos_token": "<seed:bos>", "eos_token": "<seed:eos>"},
-}
+
+def templates_of(name: str) -> list[tuple[str, dict]]:
+    """``(template file, template variables)`` for each template a format is checked against:
+    the ``templates:`` of its test facts (``formats/<name>.tests.yaml``; provenance of the
+    files in tests/data/templates/SOURCES.md). Variables are what transformers would pass from
+    the family's tokenizer (``special_tokens_map``), only the ones the templates read."""
+    facts = tests_for(load_format(name))
+    return [(t["file"], dict(t.get("vars") or {})) for t in facts.get("templates") or []]
+
 
 MARK = {"pass": "✓", "fail": "✗", "skip": "–", "deviation": "✓†"}
 
@@ -132,13 +53,13 @@ def run(formats: list[str], template_dir: Path) -> tuple[list, list[str]]:
     results, missing = [], []
     for name in formats:
         fmt = load_format(name)
-        for tname in TEMPLATES.get(name, []):
+        for tname, variables in templates_of(name):
             path = template_dir / tname
             if not path.is_file():
                 missing.append(f"{name}: {tname}")
                 continue
             results.append(check_template(fmt, path.read_text(encoding="utf-8"), name=tname,
-                                          variables=VARIABLES.get(name)))
+                                          variables=variables))
     return results, missing
 
 
@@ -208,7 +129,7 @@ def markdown(results: list, missing: list[str], formats: list[str]) -> str:
     if devs:
         lines += ["## Documented deviations", "",
                   "Cases that pass with a difference from the assistant output which the format "
-                  "makes on purpose and documents (`chatgrammar.conformance.ACCEPTED`).", ""]
+                  "makes on purpose and documents (`accepted:` in `formats/<name>.tests.yaml`).", ""]
         for r, c, d in devs:
             lines.append(f"- **{r.format} × {r.template}**, `{c.case}`: {_cell(d)}")
         lines.append("")
@@ -222,15 +143,16 @@ def markdown(results: list, missing: list[str], formats: list[str]) -> str:
         for (f, t, why), names in skips.items():
             lines.append(f"- {f} × {t}: {', '.join(f'`{n}`' for n in names)} — {_cell(why)}")
         lines.append("")
+    assigned = {n: [t for t, _ in templates_of(n)] for n in list_formats()}
     unassigned = sorted(set(p.name for p in TEMPLATE_DIR.glob("*.jinja"))
-                        - {t for ts in TEMPLATES.values() for t in ts})
+                        - {t for ts in assigned.values() for t in ts})
     if unassigned:
         lines += ["## Templates without a bundled format", "",
                   "In tests/data/templates but not covered by any bundled format yet: "
                   + ", ".join(unassigned) + ".", ""]
     if missing:
         lines += ["## Missing template files", "", *[f"- {m}" for m in missing], ""]
-    no_templates = [f for f in formats if not TEMPLATES.get(f)]
+    no_templates = [f for f in formats if not assigned.get(f)]
     if no_templates:
         lines += ["## Formats without templates here", "", ", ".join(no_templates), ""]
     return "\n".join(lines).rstrip("\n") + "\n"

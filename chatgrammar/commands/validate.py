@@ -241,6 +241,9 @@ def _summary(report) -> str:
     what = f"{len(kinds)} format spec{'s' if len(kinds) != 1 else ''}"
     if norms:
         what += f", {len(norms)} norms table{'s' if len(norms) != 1 else ''}"
+    facts = [f for f in report.files if f.kind == "tests"]
+    if facts:
+        what += f", {len(facts)} test-facts file{'s' if len(facts) != 1 else ''}"
     for c in report.conformance:
         what += f", template {Path(c.template).name}"
     if n_err:

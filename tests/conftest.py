@@ -1,0 +1,38 @@
+"""Suite-wide options and markers.
+
+- ``--update-goldens``: the format suite (tests/test_formats.py) writes the expected files of
+  tests/formats/<name>/goldens/ from what the formats do now, after checking that each is
+  consistent (the marked text joins back to the rendering, spans sorted and inside their
+  turns); review the diff before committing it.
+- ``--runslow``: also run the tests marked ``slow`` (long inputs and fuzz sizes of the longer
+  run); the default run keeps their guarantees at a smaller size.
+"""
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-goldens", action="store_true", default=False,
+                     help="regenerate tests/formats/*/goldens from the current formats")
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run tests marked slow (the longer run)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long-input / large fuzz sizes; run with --runslow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def update_goldens(request) -> bool:
+    """Whether this run regenerates the format suite's goldens."""
+    return bool(request.config.getoption("--update-goldens"))
