@@ -281,7 +281,7 @@ class ChatGrammarRecovery:
         except ChatGrammarError as exc:
             if self.strict:
                 raise
-            self._count("malformed", f"{fmt.name}: {str(exc).splitlines()[0]}")
+            self._count("malformed", str(exc).splitlines()[0])
             try:  # lenient: what does not fit trains nothing, the rest trains as usual
                 return np.asarray(fmt.loss_mask(ids, tok, policy=self.policy, strict=False))
             except Exception as exc2:  # noqa: BLE001
