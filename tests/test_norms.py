@@ -715,6 +715,17 @@ def test_cli_main_in_process(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_cli_transformers_version(tmp_path, capsys):
+    from chatgrammar.cli import main
+
+    cfg = _write(tmp_path / "config.json", {"model_type": "nemotron_h"})
+    assert main(["norm", str(cfg), "--transformers-version", "5.14.1"]) == 0
+    out = capsys.readouterr().out
+    assert "kind:    rmsnorm " in out and "transformers 5.14.1: the fact for <5.18" in out
+    assert main(["norm", str(cfg), "--transformers-version", "5.24.0"]) == 0
+    assert "kind:    rmsnorm_fp32_mul " in capsys.readouterr().out
+
+
 def test_cli_custom_norms_table(tmp_path, capsys):
     from chatgrammar.cli import main
 

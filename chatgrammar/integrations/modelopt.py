@@ -35,8 +35,13 @@ import weakref
 from typing import Any
 
 import numpy as np
-import torch
-from modelopt.torch.utils import loss_mask as _loss_mask
+
+try:
+    import torch
+    from modelopt.torch.utils import loss_mask as _loss_mask
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(f"chatgrammar.integrations.modelopt needs nvidia-modelopt and torch "
+                      f"(pip install 'chatgrammar[modelopt]'): {exc}") from exc
 
 import chatgrammar as cg
 from chatgrammar.errors import ChatGrammarError, DetectionError
