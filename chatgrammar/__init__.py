@@ -16,14 +16,15 @@ from .registry import list_formats, load_format
 from .spans import Block, Conversation, Issue, Span, Turn
 from .detect import detect_format, explain_detection
 
-from .norms import FinalNorm, explain_final_norm, final_norm_kind, resolve_final_norm
+from .norms import (FinalNorm, build_final_norm, explain_final_norm, final_norm_kind,
+                    resolve_final_norm)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "list_formats", "load_format", "detect_format", "explain_detection", "Format", "Conversation", "Turn", "Span",
     "Block", "Issue", "MaskPolicy", "resolve_final_norm", "final_norm_kind", "FinalNorm",
-    "explain_final_norm",
+    "explain_final_norm", "build_final_norm",
     "ChatGrammarError", "SpecError", "CompileError", "ParseError", "DetectionError",
     "NormError",
 ]

@@ -32,13 +32,17 @@ import functools
 import json
 import math
 import os
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Annotated, Any, Callable, Iterable, Mapping, Optional
 
 import yaml
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictStr, ValidationError,
+                      ValidationInfo)
 
 from .errors import NormError
+from .spec import SpecSource, _node_marks, format_path
 
 #: Where a multimodal config keeps its text backbone, in lookup order.
 TEXT_CONFIG_KEYS: tuple[str, ...] = ("text_config", "llm_config", "language_config")
@@ -51,18 +55,8 @@ _MAX_DEPTH = 8
 _MULTIPLY = ("after_cast", "float32")
 _WEIGHT_DTYPES = ("model", "float32")
 _OFFSET_DTYPES = ("float32", "weight")
-
-_TOP_KEYS = {"version", "eps_attributes", "kinds", "backbones", "overrides", "outer_types"}
-_KIND_KEYS = {"formula", "description", "center", "offset", "bias", "multiply", "weight_dtype",
-              "offset_dtype"}
-_KIND_REQUIRED = ("formula", "center", "offset", "bias", "multiply", "weight_dtype")
-_BACKBONE_KEYS = {"kind", "eps", "eps_default", "source", "transformers", "note"}
-_BACKBONE_REQUIRED = ("kind", "eps", "source")
-_TRANSFORMERS_KEYS = {"model_type", "module", "class"}
-_OVERRIDE_KEYS = {"when", "kind", "source", "note"}
-_OVERRIDE_REQUIRED = ("when", "kind", "source")
-_OUTER_KEYS = {"text_key", "text_type", "source", "note"}
-_OUTER_REQUIRED = ("text_key", "source")
+_STATISTICS = ("manual", "fused")
+_INV_SQRT = ("rsqrt", "pow")
 
 
 # --------------------------------------------------------------------------------------------
@@ -108,6 +102,11 @@ class NormKind:
             — ``1 + w.float()`` (Gemma); ``"weight"`` — ``w + 1`` in the weight's own dtype,
             rounded to it before the fp32 multiply (Nemotron's ``LayerNorm1P``). Irrelevant when
             ``offset`` is 0; an ``after_cast`` kind always forms it in the weight's dtype.
+        statistics: ``"manual"`` — mean / variance and the scaling are explicit torch ops
+            (every RMSNorm, Cohere's LayerNorm); ``"fused"`` — one
+            ``torch.nn.functional.layer_norm`` call (``nn.LayerNorm``, Nemotron's LayerNorm1P).
+            Same maths, different fp32 rounding: it matters only for bit-exact modules
+            (:func:`chatgrammar.build_final_norm`).
     """
 
     name: str
@@ -119,6 +118,7 @@ class NormKind:
     weight_dtype: str
     description: str = ""
     offset_dtype: str = "float32"
+    statistics: str = "manual"
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,12 @@ class Backbone:
         transformers: ``{"model_type", "module", "class"}`` naming the transformers module that
             implements this backbone's final norm (used by the numeric-truth tests), or None.
         note: free text.
+        inv_sqrt: ``"rsqrt"`` (``torch.rsqrt``, the default) or ``"pow"``
+            (``torch.pow(·, -0.5)``, Gemma 4): which op the module uses for 1/sqrt, which only
+            a bit-exact module must know.
+        by_version: facts that differ in some transformers versions (:class:`BackboneVersion`);
+            the entry's own facts hold for every version none of them matches. Use
+            :meth:`at` for the facts of one version.
     """
 
     model_type: str
@@ -143,6 +149,108 @@ class Backbone:
     source: str
     transformers: Mapping[str, str] | None = None
     note: str = ""
+    inv_sqrt: str = "rsqrt"
+    by_version: tuple["BackboneVersion", ...] = ()
+
+    def at(self, transformers_version: str | None) -> "Backbone":
+        """The entry as it holds for one transformers version.
+
+        Args:
+            transformers_version: e.g. ``"5.14.1"``; None means the entry's own facts (the
+                versions no :attr:`by_version` item matches).
+
+        Returns:
+            A :class:`Backbone` without ``by_version``: the first matching item's facts over
+            the entry's.
+
+        Example:
+            >>> load_norms().backbones["nemotron_h"].at("5.14.1").kind
+            'rmsnorm'
+        """
+        if not self.by_version:
+            return self
+        for v in self.by_version if transformers_version is not None else ():
+            if version_in_range(transformers_version, v.transformers):
+                facts = {k: getattr(v, k) for k in ("kind", "eps", "eps_default", "inv_sqrt")
+                         if getattr(v, k) is not None}
+                return replace(self, **facts, source=v.source, note=v.note or self.note,
+                               by_version=())
+        return replace(self, by_version=())
+
+
+@dataclass(frozen=True)
+class BackboneVersion:
+    """Facts of a backbone that hold for a range of transformers versions only.
+
+    Attributes:
+        transformers: the version range, e.g. ``"<5.18"`` or ``">=5.15,<5.24"`` (comparisons
+            ``< <= > >= == !=`` joined by commas).
+        kind, eps, eps_default, inv_sqrt: the facts that differ there (None: as the entry).
+        source: where the fact comes from (the transformers version's module).
+        note: free text.
+    """
+
+    transformers: str
+    source: str
+    kind: str | None = None
+    eps: tuple[str, ...] | None = None
+    eps_default: float | None = None
+    inv_sqrt: str | None = None
+    note: str = ""
+
+
+_RANGE_ITEM = re.compile(r"\s*(<=|>=|==|!=|<|>)\s*(\d+(?:\.\d+)*)\s*")
+
+
+def parse_version_range(text: str) -> tuple[tuple[str, tuple[int, ...]], ...] | None:
+    """``">=5.15,<5.24"`` → ``((">=", (5, 15)), ("<", (5, 24)))``; None if it is not one."""
+    items = []
+    for part in text.split(","):
+        m = _RANGE_ITEM.fullmatch(part)
+        if m is None:
+            return None
+        items.append((m.group(1), tuple(int(x) for x in m.group(2).split("."))))
+    return tuple(items)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    m = re.match(r"\s*v?(\d+(?:\.\d+)*)", str(version))
+    if m is None:
+        raise NormError(f"not a version: {version!r}")
+    return tuple(int(x) for x in m.group(1).split("."))
+
+
+def version_in_range(version: str, text: str) -> bool:
+    """Whether a transformers version (``"5.14.1"``, ``"5.25.0.dev0"``) is in a range.
+
+    Example:
+        >>> version_in_range("5.14.1", "<5.18"), version_in_range("5.18.0", "<5.18")
+        (True, False)
+    """
+    items = parse_version_range(text)
+    if items is None:
+        raise NormError(f"not a version range: {text!r}")
+    v = _version_tuple(version)
+    for op, bound in items:
+        n = max(len(v), len(bound))
+        a, b = v + (0,) * (n - len(v)), bound + (0,) * (n - len(bound))
+        ok = {"<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b, "==": a == b,
+              "!=": a != b}[op]
+        if not ok:
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def installed_transformers_version() -> str | None:
+    """The installed transformers' version (read from its metadata: transformers is not
+    imported), or None when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -326,106 +434,14 @@ def _load(p: Path) -> NormsTable:
 
 
 # --------------------------------------------------------------------------------------------
-# Validation (works on the YAML node tree so every problem has a line and column)
+# Validation: pydantic models over the YAML data, errors located through the YAML node tree
+# (the same scheme as format specs, chatgrammar.spec)
 # --------------------------------------------------------------------------------------------
-
-class _Checker:
-    def __init__(self, file: str):
-        self.file = file
-        self.problems: list[NormProblem] = []
-
-    def add(self, message: str, node: Any = None, path: str | None = None) -> None:
-        line = col = None
-        if node is not None and getattr(node, "start_mark", None) is not None:
-            line, col = node.start_mark.line + 1, node.start_mark.column + 1
-        self.problems.append(NormProblem(message, self.file, line, col, path))
-
-    def mapping(self, node: Any, path: str, what: str) -> list[tuple[Any, Any]] | None:
-        """The (key node, value node) pairs of a mapping; reports duplicates and non-strings."""
-        if not isinstance(node, yaml.MappingNode):
-            self.add(f"{what} must be a mapping", node, path)
-            return None
-        seen: dict[str, Any] = {}
-        pairs = []
-        for knode, vnode in node.value:
-            if not isinstance(knode, yaml.ScalarNode) or knode.tag != "tag:yaml.org,2002:str":
-                self.add(f"keys of {what} must be strings", knode, path)
-                continue
-            if knode.value in seen:
-                first = seen[knode.value].start_mark.line + 1
-                self.add(f"duplicate key {knode.value!r} (first defined on line {first})",
-                         knode, _join(path, knode.value))
-                continue
-            seen[knode.value] = knode
-            pairs.append((knode, vnode))
-        return pairs
-
-    def keys(self, pairs: list[tuple[Any, Any]], allowed: set[str], required: Iterable[str],
-             node: Any, path: str, what: str) -> dict[str, tuple[Any, Any]]:
-        out = {}
-        for knode, vnode in pairs:
-            if knode.value not in allowed:
-                hint = _did_you_mean(knode.value, allowed)
-                self.add(f"unknown key {knode.value!r} in {what}{hint}; allowed: "
-                         + ", ".join(sorted(allowed)), knode, _join(path, knode.value))
-            else:
-                out[knode.value] = (knode, vnode)
-        for req in required:
-            if req not in out:
-                self.add(f"{what} is missing required key {req!r}", node, path)
-        return out
-
-
-def _join(path: str, key: Any) -> str:
-    return f"{path}.{key}" if path else str(key)
-
 
 def _did_you_mean(name: str, choices: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
-
-def _value(node: Any) -> Any:
-    loader = yaml.SafeLoader("")
-    try:
-        return loader.construct_object(node, deep=True)
-    finally:
-        loader.dispose()
-
-
-def _scalar(ck: _Checker, node: Any, path: str, types: tuple[type, ...], what: str) -> Any:
-    if not isinstance(node, yaml.ScalarNode):
-        ck.add(f"{what} must be a {' or '.join(t.__name__ for t in types)}", node, path)
-        return None
-    value = _value(node)
-    if isinstance(value, bool) and bool not in types:
-        ck.add(f"{what} must be a {' or '.join(t.__name__ for t in types)}, not a boolean",
-               node, path)
-        return None
-    if not isinstance(value, types):
-        ck.add(f"{what} must be a {' or '.join(t.__name__ for t in types)}, "
-               f"got {type(value).__name__} {value!r}", node, path)
-        return None
-    if isinstance(value, str) and not value.strip():
-        ck.add(f"{what} must not be empty", node, path)
-        return None
-    return value
-
-
-def _str_list(ck: _Checker, node: Any, path: str, what: str) -> tuple[str, ...] | None:
-    if isinstance(node, yaml.ScalarNode):
-        v = _scalar(ck, node, path, (str,), what)
-        return (v,) if v is not None else None
-    if not isinstance(node, yaml.SequenceNode) or not node.value:
-        ck.add(f"{what} must be a string or a non-empty list of strings", node, path)
-        return None
-    out = []
-    for i, item in enumerate(node.value):
-        v = _scalar(ck, item, f"{path}[{i}]", (str,), what)
-        if v is None:
-            return None
-        out.append(v)
-    return tuple(out)
 
 
 def _transformers_wrappers() -> Callable[[str], tuple[str, str | None] | None] | None:
@@ -451,11 +467,300 @@ def _transformers_wrappers() -> Callable[[str], tuple[str, str | None] | None] |
     return lookup
 
 
+
+def _what(v: Any) -> str:
+    return f"{type(v).__name__} {v!r}"
+
+
+def _text(v: Any, info: ValidationInfo) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"{info.field_name} must be a str, got {_what(v)}")
+    if not v.strip():
+        raise ValueError(f"{info.field_name} must not be empty")
+    return v
+
+
+def _free_text(v: Any, info: ValidationInfo) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"{info.field_name} must be a str, got {_what(v)}")
+    return v
+
+
+def _flag(v: Any, info: ValidationInfo) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"{info.field_name} must be a bool, got {_what(v)}")
+    return v
+
+
+def _choice(*allowed: str) -> Any:
+    def check(v: Any, info: ValidationInfo) -> str:
+        if v not in allowed or not isinstance(v, str):
+            raise ValueError(f"{info.field_name} must be one of {', '.join(allowed)}; got {v!r}")
+        return v
+    return Annotated[str, BeforeValidator(check)]
+
+
+def _offset(v: Any, info: ValidationInfo) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v not in (0, 1):
+        raise ValueError(f"offset must be 0 or 1; got {v!r}")
+    return float(v)
+
+
+def _positive(v: Any, info: ValidationInfo) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{info.field_name} must be a number, got {_what(v)}")
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"{info.field_name} must be a positive number; got {v!r}")
+    return float(v)
+
+
+def _names(v: Any, info: ValidationInfo) -> tuple[str, ...]:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not items or not all(
+            isinstance(s, str) and s.strip() for s in items):
+        raise ValueError(f"{info.field_name} must be a string or a non-empty list of strings")
+    return tuple(items)
+
+
+def _scalar_value(v: Any, info: ValidationInfo) -> Any:
+    if v is None or isinstance(v, (dict, list)):
+        raise ValueError("when must be a scalar (the flag value that triggers the override)")
+    return v
+
+
+def _version(v: Any, info: ValidationInfo) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"version must be an int, got {_what(v)}")
+    if v != 1:
+        raise ValueError(f"unsupported version {v} (this chatgrammar reads version 1)")
+    return v
+
+
+def _range(v: Any, info: ValidationInfo) -> str:
+    if not isinstance(v, str) or parse_version_range(v) is None:
+        raise ValueError(f"{info.field_name} must be a transformers version range such as "
+                         f"'<5.18' or '>=5.15,<5.24'; got {v!r}")
+    return v
+
+
+_Text = Annotated[str, BeforeValidator(_text)]
+_FreeText = Annotated[str, BeforeValidator(_free_text)]
+_Flag = Annotated[bool, BeforeValidator(_flag)]
+_Names = Annotated[tuple[str, ...], BeforeValidator(_names)]
+_Positive = Annotated[float, BeforeValidator(_positive)]
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class _KindSchema(_Schema):
+    formula: _Text
+    description: _FreeText = ""
+    center: _Flag
+    offset: Annotated[float, BeforeValidator(_offset)]
+    bias: _Flag
+    multiply: _choice(*_MULTIPLY)
+    weight_dtype: _choice(*_WEIGHT_DTYPES)
+    offset_dtype: _choice(*_OFFSET_DTYPES) = "float32"
+    statistics: _choice(*_STATISTICS) = "manual"
+
+
+class _TransformersSchema(_Schema):
+    model_type: Optional[_Text] = None
+    module: _Text
+    class_: _Text = Field(alias="class")
+
+
+class _VersionSchema(_Schema):
+    transformers: Annotated[str, BeforeValidator(_range)]
+    kind: Optional[_Text] = None
+    eps: Optional[_Names] = None
+    eps_default: Optional[_Positive] = None
+    inv_sqrt: Optional[_choice(*_INV_SQRT)] = None
+    source: _Text
+    note: _FreeText = ""
+
+
+class _BackboneSchema(_Schema):
+    kind: _Text
+    eps: _Names
+    eps_default: Optional[_Positive] = None
+    source: _Text
+    transformers: Optional[_TransformersSchema] = None
+    inv_sqrt: _choice(*_INV_SQRT) = "rsqrt"
+    by_version: list[_VersionSchema] = Field(default_factory=list)
+    note: _FreeText = ""
+
+
+class _OverrideSchema(_Schema):
+    when: Annotated[Any, BeforeValidator(_scalar_value)]
+    kind: _Text
+    source: _Text
+    note: _FreeText = ""
+
+
+class _OuterSchema(_Schema):
+    text_key: _choice(*TEXT_CONFIG_KEYS)
+    text_type: Optional[_Text] = None
+    source: _Text
+    note: _FreeText = ""
+
+
+class _NormsSchema(_Schema):
+    version: Annotated[int, BeforeValidator(_version)]
+    eps_attributes: _Names = ()
+    kinds: dict[StrictStr, _KindSchema]
+    overrides: dict[StrictStr, _OverrideSchema] = Field(default_factory=dict)
+    outer_types: dict[StrictStr, _OuterSchema] = Field(default_factory=dict)
+    backbones: dict[StrictStr, _BackboneSchema]
+
+
+def _schema_at(loc: tuple) -> tuple[type[BaseModel] | None, str]:
+    """The model validating the mapping at ``loc``, and how to name it in a message."""
+    if not loc:
+        return _NormsSchema, "the norms file"
+    top = {"kinds": (_KindSchema, "kind"), "backbones": (_BackboneSchema, "backbone"),
+           "overrides": (_OverrideSchema, "override"), "outer_types": (_OuterSchema,
+                                                                       "outer type")}
+    if len(loc) == 1:
+        return None, str(loc[0])
+    model, noun = top.get(loc[0], (None, str(loc[0])))
+    if len(loc) == 2:
+        return model, f"{noun} {loc[1]!r}"
+    if loc[0] == "backbones" and loc[2] == "transformers" and len(loc) == 3:
+        return _TransformersSchema, "transformers"
+    if loc[0] == "backbones" and loc[2] == "by_version" and len(loc) == 4:
+        return _VersionSchema, f"by_version[{loc[3]}] of backbone {loc[1]!r}"
+    return None, format_path(loc)
+
+
+def _allowed(model: type[BaseModel]) -> list[str]:
+    return sorted(f.alias or name for name, f in model.model_fields.items())
+
+
+def _required(model: type[BaseModel]) -> list[str]:
+    return [f.alias or n for n, f in model.model_fields.items() if f.is_required()]
+
+
+class _Locator:
+    """file + YAML positions → :class:`NormProblem`."""
+
+    def __init__(self, file: str, marks: dict):
+        self.src = SpecSource(file, marks)
+        self.problems: list[NormProblem] = []
+
+    def add(self, message: str, loc: tuple = (), key: bool = False) -> None:
+        _, line, col = self.src.where(tuple(loc), key=key)
+        self.problems.append(NormProblem(message, self.src.file, line, col,
+                                         format_path(tuple(loc)) or None))
+
+
+def _schema_problem(err: dict, at: _Locator) -> None:
+    """One pydantic error → a located problem, in norms terms."""
+    loc = tuple(x for x in err["loc"] if x != "[key]")
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        model, what = _schema_at(loc[:-1])
+        allowed = _allowed(model) if model else []
+        at.add(f"unknown key {loc[-1]!r} in {what}{_did_you_mean(str(loc[-1]), allowed)}; "
+               f"allowed: {', '.join(allowed)}", loc, key=True)
+    elif kind == "missing":
+        _, what = _schema_at(loc[:-1])
+        at.add(f"{what} is missing required key {loc[-1]!r}", loc[:-1], key=True)
+    elif kind in ("model_type", "dict_type", "model_attributes_type"):
+        _, what = _schema_at(loc)
+        at.add(f"{what} must be a mapping", loc)
+    elif "[key]" in err["loc"]:
+        _, what = _schema_at(loc[:-1])
+        at.add(f"keys of {what} must be strings", loc, key=True)
+    elif kind == "value_error":
+        at.add(err["msg"].removeprefix("Value error, "), loc)
+    else:
+        at.add(f"{format_path(loc)}: {err['msg']}", loc)
+
+
+def _duplicates(root: Any, at: _Locator) -> None:
+    """PyYAML keeps the last of two equal keys silently: report every duplicate."""
+    stack: list[tuple[Any, tuple]] = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for k, v in node.value:
+                key = k.value if isinstance(k, yaml.ScalarNode) else id(k)
+                if key in seen:
+                    first = seen[key].start_mark.line + 1
+                    at.problems.append(NormProblem(
+                        f"duplicate key {key!r} (first defined on line {first})", at.src.file,
+                        k.start_mark.line + 1, k.start_mark.column + 1,
+                        format_path(path + (key,))))
+                else:
+                    seen[key] = k
+                stack.append((v, path + (key,)))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((v, path + (i,)) for i, v in enumerate(node.value))
+
+
+def _cross_checks(data: dict, at: _Locator, use_transformers: bool) -> None:
+    """What one model cannot see: kinds referenced elsewhere, outer types used as keys."""
+    section = {k: data.get(k) if isinstance(data.get(k), dict) else {}
+               for k in ("kinds", "backbones", "overrides", "outer_types")}
+    known = set(section["kinds"])
+
+    def check_kind(value: Any, loc: tuple) -> None:
+        if isinstance(value, str) and value.strip() and value not in known:
+            at.add(f"unknown kind {value!r}{_did_you_mean(value, known)}; known kinds: "
+                   + (", ".join(sorted(known)) or "(none)"), loc)
+
+    wrappers = _transformers_wrappers() if use_transformers else None
+    for name, entry in section["backbones"].items():
+        loc = ("backbones", name)
+        outer = section["outer_types"].get(name)
+        if isinstance(outer, dict):
+            text_key, text_type = outer.get("text_key"), outer.get("text_type")
+            inner = f" (its text backbone is under {text_key}" + (
+                f": {text_type})" if text_type else ")")
+            at.add(f"{name!r} is an outer multimodal model_type, listed in outer_types{inner}; "
+                   "key the table on the text backbone", loc, key=True)
+        elif wrappers is not None and wrappers(name) is not None:
+            text_key, inner_type = wrappers(name)
+            hint = f"; key it on {inner_type!r}" if inner_type else \
+                "; key the table on the text backbone"
+            at.add(f"{name!r} is an outer multimodal model_type: transformers declares its "
+                   f"text backbone under {text_key}{hint}", loc, key=True)
+        if isinstance(entry, dict):
+            check_kind(entry.get("kind"), loc + ("kind",))
+            versions = entry.get("by_version")
+            for i, item in enumerate(versions if isinstance(versions, list) else []):
+                if isinstance(item, dict):
+                    check_kind(item.get("kind"), loc + ("by_version", i, "kind"))
+    for flag, entry in section["overrides"].items():
+        if isinstance(entry, dict):
+            check_kind(entry.get("kind"), ("overrides", flag, "kind"))
+
+
+def _table(file: str, s: _NormsSchema) -> NormsTable:
+    kinds = {name: NormKind(name=name, **k.model_dump()) for name, k in s.kinds.items()}
+    backbones = {}
+    for name, b in s.backbones.items():
+        tf = b.transformers.model_dump(by_alias=True, exclude_none=True) if b.transformers \
+            else None
+        versions = tuple(BackboneVersion(**v.model_dump()) for v in b.by_version)
+        backbones[name] = Backbone(name, b.kind, b.eps, b.eps_default, b.source, tf, b.note,
+                                   inv_sqrt=b.inv_sqrt, by_version=versions)
+    overrides = tuple(FlagOverride(flag, o.when, o.kind, o.source, o.note)
+                      for flag, o in s.overrides.items())
+    outer = {name: OuterType(name, o.text_key, o.text_type, o.source, o.note)
+             for name, o in s.outer_types.items()}
+    return NormsTable(file, kinds, backbones, overrides, outer, s.eps_attributes)
+
+
 def _check(text: str, file: str, *, use_transformers: bool) -> tuple[list[NormProblem],
                                                                     NormsTable | None]:
-    ck = _Checker(file)
+    """Every problem of a norms file (YAML, schema, cross-references), or its table."""
     try:
-        root, _ = _compose(text, file)
+        root, data = _compose(text, file)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         msg = "invalid YAML: " + " ".join(
@@ -465,187 +770,22 @@ def _check(text: str, file: str, *, use_transformers: bool) -> tuple[list[NormPr
                             mark.column + 1 if mark else None)], None
     if root is None:
         return [NormProblem("the norms file is empty", file)], None
-    top_pairs = ck.mapping(root, "", "the norms file")
-    if top_pairs is None:
-        return ck.problems, None
-    top = ck.keys(top_pairs, _TOP_KEYS, ("version", "kinds", "backbones"), root, "",
-                  "the norms file")
-
-    if "version" in top:
-        v = _scalar(ck, top["version"][1], "version", (int,), "version")
-        if v is not None and v != 1:
-            ck.add(f"unsupported version {v} (this chatgrammar reads version 1)",
-                   top["version"][1], "version")
-
-    eps_attributes: tuple[str, ...] = ()
-    if "eps_attributes" in top:
-        eps_attributes = _str_list(ck, top["eps_attributes"][1], "eps_attributes",
-                                   "eps_attributes") or ()
-
-    # kinds ---------------------------------------------------------------------------------
-    kinds: dict[str, NormKind] = {}
-    if "kinds" in top:
-        kinds_node = top["kinds"][1]
-        for knode, vnode in ck.mapping(kinds_node, "kinds", "kinds") or []:
-            name, path = knode.value, f"kinds.{knode.value}"
-            pairs = ck.mapping(vnode, path, f"kind {name!r}")
-            if pairs is None:
-                continue
-            got = ck.keys(pairs, _KIND_KEYS, _KIND_REQUIRED, knode, path, f"kind {name!r}")
-            vals: dict[str, Any] = {}
-            ok = all(r in got for r in _KIND_REQUIRED)
-            for key, types in (("formula", (str,)), ("description", (str,)),
-                               ("center", (bool,)), ("offset", (int, float)),
-                               ("bias", (bool,)), ("multiply", (str,)),
-                               ("weight_dtype", (str,)), ("offset_dtype", (str,))):
-                if key in got:
-                    vals[key] = _scalar(ck, got[key][1], f"{path}.{key}", types, key)
-                    ok = ok and vals[key] is not None
-            for key, allowed in (("multiply", _MULTIPLY), ("weight_dtype", _WEIGHT_DTYPES),
-                                 ("offset_dtype", _OFFSET_DTYPES)):
-                if vals.get(key) is not None and vals[key] not in allowed:
-                    ck.add(f"{key} must be one of {', '.join(allowed)}; got {vals[key]!r}",
-                           got[key][1], f"{path}.{key}")
-                    ok = False
-            if vals.get("offset") is not None and vals["offset"] not in (0, 1):
-                ck.add(f"offset must be 0 or 1; got {vals['offset']!r}", got["offset"][1],
-                       f"{path}.offset")
-                ok = False
-            if ok:
-                kinds[name] = NormKind(name=name, formula=vals["formula"],
-                                       center=vals["center"], offset=float(vals["offset"]),
-                                       bias=vals["bias"], multiply=vals["multiply"],
-                                       weight_dtype=vals["weight_dtype"],
-                                       description=vals.get("description") or "",
-                                       offset_dtype=vals.get("offset_dtype") or "float32")
-        known_kinds = {k.value for k, _ in (kinds_node.value if isinstance(
-            kinds_node, yaml.MappingNode) else [])}
-    else:
-        known_kinds = set()
-
-    def check_kind(node: Any, path: str) -> str | None:
-        name = _scalar(ck, node, path, (str,), "kind")
-        if name is None:
-            return None
-        if name not in known_kinds:
-            ck.add(f"unknown kind {name!r}{_did_you_mean(name, known_kinds)}; known kinds: "
-                   + (", ".join(sorted(known_kinds)) or "(none)"), node, path)
-            return None
-        return name
-
-    # outer types ---------------------------------------------------------------------------
-    outer_types: dict[str, OuterType] = {}
-    if "outer_types" in top:
-        for knode, vnode in ck.mapping(top["outer_types"][1], "outer_types",
-                                       "outer_types") or []:
-            name, path = knode.value, f"outer_types.{knode.value}"
-            pairs = ck.mapping(vnode, path, f"outer type {name!r}")
-            if pairs is None:
-                continue
-            got = ck.keys(pairs, _OUTER_KEYS, _OUTER_REQUIRED, knode, path,
-                          f"outer type {name!r}")
-            vals = {k: _scalar(ck, got[k][1], f"{path}.{k}", (str,), k) for k in got}
-            if vals.get("text_key") is not None and vals["text_key"] not in TEXT_CONFIG_KEYS:
-                ck.add(f"text_key must be one of {', '.join(TEXT_CONFIG_KEYS)}; got "
-                       f"{vals['text_key']!r}", got["text_key"][1], f"{path}.text_key")
-                vals["text_key"] = None
-            if all(vals.get(k) is not None for k in _OUTER_REQUIRED) and all(
-                    v is not None for v in vals.values()):
-                outer_types[name] = OuterType(name, vals["text_key"], vals.get("text_type"),
-                                              vals["source"], vals.get("note") or "")
-
-    # backbones -----------------------------------------------------------------------------
-    wrappers = _transformers_wrappers() if use_transformers else None
-    backbones: dict[str, Backbone] = {}
-    if "backbones" in top:
-        for knode, vnode in ck.mapping(top["backbones"][1], "backbones", "backbones") or []:
-            name, path = knode.value, f"backbones.{knode.value}"
-            outer_problem = False
-            if name in outer_types:
-                o = outer_types[name]
-                inner = f" (its text backbone is under {o.text_key}" + (
-                    f": {o.text_type})" if o.text_type else ")")
-                ck.add(f"{name!r} is an outer multimodal model_type, listed in outer_types"
-                       f"{inner}; key the table on the text backbone", knode, path)
-                outer_problem = True
-            elif wrappers is not None and wrappers(name) is not None:
-                text_key, inner_type = wrappers(name)
-                hint = f"; key it on {inner_type!r}" if inner_type else \
-                    "; key the table on the text backbone"
-                ck.add(f"{name!r} is an outer multimodal model_type: transformers declares its "
-                       f"text backbone under {text_key}{hint}", knode, path)
-                outer_problem = True
-            pairs = ck.mapping(vnode, path, f"backbone {name!r}")
-            if pairs is None:
-                continue
-            got = ck.keys(pairs, _BACKBONE_KEYS, _BACKBONE_REQUIRED, knode, path,
-                          f"backbone {name!r}")
-            kind = check_kind(got["kind"][1], f"{path}.kind") if "kind" in got else None
-            eps = _str_list(ck, got["eps"][1], f"{path}.eps", "eps") if "eps" in got else None
-            eps_default = None
-            eps_default_ok = True
-            if "eps_default" in got:
-                eps_default = _scalar(ck, got["eps_default"][1], f"{path}.eps_default",
-                                      (int, float), "eps_default")
-                eps_default_ok = eps_default is not None
-                if eps_default is not None and not (eps_default > 0 and math.isfinite(
-                        eps_default)):
-                    ck.add(f"eps_default must be a positive number; got {eps_default!r}",
-                           got["eps_default"][1], f"{path}.eps_default")
-                    eps_default_ok = False
-            source = _scalar(ck, got["source"][1], f"{path}.source", (str,),
-                             "source") if "source" in got else None
-            note = _scalar(ck, got["note"][1], f"{path}.note", (str,), "note") \
-                if "note" in got else ""
-            tf = None
-            tf_ok = True
-            if "transformers" in got:
-                tnode = got["transformers"][1]
-                tpairs = ck.mapping(tnode, f"{path}.transformers", "transformers")
-                if tpairs is None:
-                    tf_ok = False
-                else:
-                    tgot = ck.keys(tpairs, _TRANSFORMERS_KEYS, ("module", "class"), tnode,
-                                   f"{path}.transformers", "transformers")
-                    tf = {k: _scalar(ck, tgot[k][1], f"{path}.transformers.{k}", (str,), k)
-                          for k in tgot}
-                    tf_ok = all(v is not None for v in tf.values()) and all(
-                        k in tf for k in ("module", "class"))
-            if (kind and eps and source and eps_default_ok and tf_ok and note is not None
-                    and not outer_problem):
-                backbones[name] = Backbone(name, kind, eps,
-                                           float(eps_default) if eps_default is not None
-                                           else None, source, tf, note or "")
-
-    # overrides -----------------------------------------------------------------------------
-    overrides: list[FlagOverride] = []
-    if "overrides" in top:
-        for knode, vnode in ck.mapping(top["overrides"][1], "overrides", "overrides") or []:
-            flag, path = knode.value, f"overrides.{knode.value}"
-            pairs = ck.mapping(vnode, path, f"override {flag!r}")
-            if pairs is None:
-                continue
-            got = ck.keys(pairs, _OVERRIDE_KEYS, _OVERRIDE_REQUIRED, knode, path,
-                          f"override {flag!r}")
-            kind = check_kind(got["kind"][1], f"{path}.kind") if "kind" in got else None
-            when = None
-            if "when" in got:
-                if isinstance(got["when"][1], yaml.ScalarNode):
-                    when = _value(got["when"][1])
-                else:
-                    ck.add("when must be a scalar (the flag value that triggers the override)",
-                           got["when"][1], f"{path}.when")
-            source = _scalar(ck, got["source"][1], f"{path}.source", (str,), "source") \
-                if "source" in got else None
-            note = _scalar(ck, got["note"][1], f"{path}.note", (str,), "note") \
-                if "note" in got else ""
-            if kind and source and when is not None and note is not None:
-                overrides.append(FlagOverride(flag, when, kind, source, note or ""))
-
-    problems = sorted(ck.problems, key=lambda p: (p.line or 0, p.col or 0))
-    if problems:
+    at = _Locator(file, _node_marks(root))
+    if not isinstance(data, dict):
+        at.add("the norms file must be a mapping")
+        return at.problems, None
+    _duplicates(root, at)
+    schema = None
+    try:
+        schema = _NormsSchema.model_validate(data)
+    except ValidationError as exc:
+        for err in exc.errors():
+            _schema_problem(err, at)
+    _cross_checks(data, at, use_transformers)
+    problems = sorted(at.problems, key=lambda p: (p.line or 0, p.col or 0))
+    if problems or schema is None:
         return problems, None
-    return [], NormsTable(file, kinds, backbones, tuple(overrides), outer_types, eps_attributes)
+    return [], _table(file, schema)
 
 
 # --------------------------------------------------------------------------------------------
@@ -736,7 +876,8 @@ def _eps_of(node: Any, names: Iterable[str]) -> tuple[float | None, str | None]:
     return None, None
 
 
-def explain_final_norm(config: Any, *, table: NormsTable | None = None
+def explain_final_norm(config: Any, *, table: NormsTable | None = None,
+                       transformers_version: str | None = None
                        ) -> tuple[FinalNorm | None, str]:
     """Resolve a config's final norm and say why.
 
@@ -745,13 +886,17 @@ def explain_final_norm(config: Any, *, table: NormsTable | None = None
     one; the innermost ``model_type`` is the text backbone. A flag override (``use_gemma_norm:
     true``) on the backbone config or any enclosing config decides the kind whatever the type
     says, because some wrappers coerce their text config's ``model_type`` (e.g. to
-    ``mixtral``). Otherwise the backbone's ``model_type`` is looked up in the table. eps is read
-    from the backbone config's declared attribute(s), else the table's ``eps_default``.
+    ``mixtral``). Otherwise the backbone's ``model_type`` is looked up in the table, with the
+    facts of the transformers version in use (:meth:`Backbone.at`). eps is read from the
+    backbone config's declared attribute(s), else the table's ``eps_default``.
 
     Args:
         config: a config dict, a path to ``config.json`` (or a model directory), or a
             transformers config object.
         table: a :class:`NormsTable` to use instead of the bundled one.
+        transformers_version: the transformers version whose facts apply (``"5.14.1"``);
+            None: the installed one (:func:`installed_transformers_version`), or the entries'
+            own facts when transformers is not installed.
 
     Returns:
         ``(FinalNorm, reason)`` when resolved, ``(None, reason)`` when the backbone is unknown.
@@ -770,12 +915,12 @@ def explain_final_norm(config: Any, *, table: NormsTable | None = None
         >>> explain_final_norm({"model_type": "kimi_k3"})[1]  # doctest: +ELLIPSIS
         'kimi_k3: kimi_k3 is an outer multimodal model_type ...'
     """
-    norm, path, why = _explain(config, table or load_norms())
+    norm, path, why = _explain(config, table or load_norms(), transformers_version)
     return norm, f"{path}: {why}"
 
 
-def _explain(config: Any, table: NormsTable) -> tuple[FinalNorm | None, str, str]:
-    """(FinalNorm or None, resolution path, why)."""
+def _walk(config: Any) -> tuple[list[Any], list[str], str | None]:
+    """(configs from the outer one down to the backbone, path steps, problem or None)."""
     node = _as_config(config)
     chain = [node]
     steps: list[str] = []
@@ -785,15 +930,39 @@ def _explain(config: Any, table: NormsTable) -> tuple[FinalNorm | None, str, str
         steps.append(mt if isinstance(mt, str) and mt else "<no model_type>")
         sub = _text_sub_config(node)
         if sub is None:
-            break
+            return chain, steps, None
         node, via = sub
         if id(node) in seen or len(chain) >= _MAX_DEPTH:
-            return None, ARROW.join(steps), "text sub-configs nest in a cycle or too deep"
+            return chain, steps, "text sub-configs nest in a cycle or too deep"
         seen.add(id(node))
         chain.append(node)
         steps.append(via)
+
+
+def _entry(table: NormsTable, model_type: str | None, version: str | None
+           ) -> tuple[Backbone | None, str]:
+    """The backbone entry at a transformers version, and a note when a range decided."""
+    entry = table.backbones.get(model_type) if model_type else None
+    if entry is None or not entry.by_version:
+        return entry, ""
+    version = version if version is not None else installed_transformers_version()
+    at = entry.at(version)
+    if at.source != entry.source:
+        item = next(v for v in entry.by_version if version_in_range(version, v.transformers))
+        return at, f" (transformers {version}: the fact for {item.transformers})"
+    return at, ""
+
+
+def _explain(config: Any, table: NormsTable, transformers_version: str | None = None
+             ) -> tuple[FinalNorm | None, str, str]:
+    """(FinalNorm or None, resolution path, why)."""
+    chain, steps, problem = _walk(config)
+    if problem:
+        return None, ARROW.join(steps), problem
+    node = chain[-1]
     model_type = _get(node, "model_type")
     model_type = model_type if isinstance(model_type, str) and model_type else None
+    entry, when = _entry(table, model_type, transformers_version)
 
     # a flag override on the backbone or any enclosing config (innermost first)
     for override in table.overrides:
@@ -801,7 +970,6 @@ def _explain(config: Any, table: NormsTable) -> tuple[FinalNorm | None, str, str
             value = _get(level, override.flag)
             if value is not None and value == override.when and type(value) is type(
                     override.when):
-                entry = table.backbones.get(model_type) if model_type else None
                 names = entry.eps if entry else table.eps_attributes
                 eps, eps_name = _eps_of(node, names)
                 if eps is None and entry is not None:
@@ -817,13 +985,12 @@ def _explain(config: Any, table: NormsTable) -> tuple[FinalNorm | None, str, str
     if model_type is None:
         where = "text backbone config" if len(chain) > 1 else "config"
         return None, path, f"the {where} has no model_type"
-    entry = table.backbones.get(model_type)
     if entry is not None:
         eps, eps_name = _eps_of(node, entry.eps)
         if eps is None:
             eps = entry.eps_default
         return (FinalNorm(entry.kind, model_type, eps, path), path,
-                f"{model_type} is a text backbone in norms.yaml → kind {entry.kind}; "
+                f"{model_type} is a text backbone in norms.yaml → kind {entry.kind}{when}; "
                 f"{_eps_reason(eps, eps_name, entry)}")
     if model_type in table.outer_types:
         o = table.outer_types[model_type]
@@ -844,7 +1011,8 @@ def _eps_reason(eps: float | None, name: str | None, entry: Backbone | None = No
     return "eps unknown (the config has no eps attribute and the table no default)"
 
 
-def resolve_final_norm(config: Any, *, table: NormsTable | None = None) -> FinalNorm | None:
+def resolve_final_norm(config: Any, *, table: NormsTable | None = None,
+                       transformers_version: str | None = None) -> FinalNorm | None:
     """The final norm of a config's text backbone, or None when it is unknown.
 
     Same resolution as :func:`explain_final_norm`, without the reason (call that to learn why
@@ -854,6 +1022,7 @@ def resolve_final_norm(config: Any, *, table: NormsTable | None = None) -> Final
         config: a config dict, a path to ``config.json`` (or a model directory), or a
             transformers config object.
         table: a :class:`NormsTable` to use instead of the bundled one.
+        transformers_version: whose facts apply (default: the installed transformers').
 
     Returns:
         A :class:`FinalNorm` (``kind``, ``model_type``, ``eps``, ``path``) or None.
@@ -865,11 +1034,14 @@ def resolve_final_norm(config: Any, *, table: NormsTable | None = None) -> Final
         >>> resolve_final_norm({"model_type": "kimi_k3",
         ...                     "text_config": {"model_type": "kimi_linear"}}).kind
         'rmsnorm'
+        >>> resolve_final_norm({"model_type": "nemotron_h"}, transformers_version="5.14.1").kind
+        'rmsnorm'
     """
-    return explain_final_norm(config, table=table)[0]
+    return explain_final_norm(config, table=table, transformers_version=transformers_version)[0]
 
 
-def final_norm_kind(model_type: str, *, table: NormsTable | None = None) -> str | None:
+def final_norm_kind(model_type: str, *, table: NormsTable | None = None,
+                    transformers_version: str | None = None) -> str | None:
     """The bare table lookup: a text-backbone ``model_type`` → its norm kind.
 
     No resolution happens: an outer wrapper type (``kimi_k3``, ``gemma3``) is not a key and
@@ -878,6 +1050,7 @@ def final_norm_kind(model_type: str, *, table: NormsTable | None = None) -> str 
     Args:
         model_type: a text-backbone ``model_type``.
         table: a :class:`NormsTable` to use instead of the bundled one.
+        transformers_version: whose facts apply (default: the installed transformers').
 
     Returns:
         The kind name, or None if the type is not in the table.
@@ -888,8 +1061,64 @@ def final_norm_kind(model_type: str, *, table: NormsTable | None = None) -> str 
         >>> final_norm_kind("kimi_k3") is None
         True
     """
-    entry = (table or load_norms()).backbones.get(model_type)
+    entry, _ = _entry(table or load_norms(), model_type, transformers_version)
     return entry.kind if entry else None
+
+
+def build_final_norm(config: Any, *, dtype: Any = None, table: NormsTable | None = None,
+                     transformers_version: str | None = None, hidden_size: int | None = None):
+    """The exact final norm of a config's text backbone, as a torch module.
+
+    Bit-exact with transformers' own final-norm module of that backbone (same ops, same
+    dtypes) in float32 and bfloat16, for every backbone of ``norms.yaml`` and the
+    transformers version whose facts apply. torch is imported here, never by
+    ``import chatgrammar``.
+
+    Args:
+        config: as in :func:`resolve_final_norm` (dict, ``config.json`` path or model
+            directory, transformers config).
+        dtype: the model dtype (``torch.bfloat16``, ``"bfloat16"``, …); None: the config's
+            ``dtype`` / ``torch_dtype``, else float32. A kind whose weight transformers keeps in
+            fp32 (gpt-oss) keeps it in fp32 whatever the dtype.
+        table: a :class:`NormsTable` to use instead of the bundled one.
+        transformers_version: whose facts apply (default: the installed transformers').
+        hidden_size: the normalised size (default: the backbone config's ``hidden_size``).
+
+    Returns:
+        A ``torch.nn.Module`` (:class:`chatgrammar.norm_torch.FinalNormModule`) whose ``weight``
+        (and ``bias``, for LayerNorms with one) takes the checkpoint's norm tensor, e.g.
+        ``norm.load_state_dict({"weight": state["model.norm.weight"]})``.
+
+    Raises:
+        NormError: the backbone is unknown (the reason says why), eps or hidden_size is
+            unknown, or the dtype is unsupported.
+
+    Example:
+        >>> norm = build_final_norm({"model_type": "kimi_k3", "text_config": {  # doctest: +SKIP
+        ...     "model_type": "kimi_linear", "hidden_size": 7168}}, dtype="bfloat16")
+    """
+    import torch
+
+    from .norm_torch import FinalNormModule
+
+    table = table or load_norms()
+    norm, path, why = _explain(config, table, transformers_version)
+    if norm is None:
+        raise NormError(f"no final norm for this config: {path}: {why}")
+    chain, _, _ = _walk(config)
+    if norm.eps is None:
+        raise NormError(f"{path}: the config gives no eps and the table no default")
+    size = hidden_size if hidden_size is not None else _get(chain[-1], "hidden_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise NormError(f"{path}: the backbone config has no hidden_size; pass hidden_size=")
+    if dtype is None:
+        dtype = next((d for level in reversed(chain) for d in (
+            _get(level, "dtype"), _get(level, "torch_dtype")) if d is not None), "float32")
+    torch_dtype = getattr(torch, _dtype_name(dtype))
+    entry, _ = _entry(table, norm.model_type, transformers_version)
+    overridden = entry is None or entry.kind != norm.kind
+    inv_sqrt = "rsqrt" if overridden else entry.inv_sqrt
+    return FinalNormModule(table.kinds[norm.kind], size, norm.eps, torch_dtype, inv_sqrt)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1019,7 +1248,9 @@ def apply_norm(kind: str | NormKind, x: Any, weight: Any = None, eps: float = 1e
 
 
 __all__ = [
-    "ARROW", "Backbone", "FinalNorm", "FlagOverride", "NormKind", "NormProblem", "NormsTable",
-    "OuterType", "TEXT_CONFIG_KEYS", "apply_norm", "explain_final_norm", "final_norm_kind",
-    "load_norms", "norms_path", "read_config", "resolve_final_norm", "validate_norms",
+    "ARROW", "Backbone", "BackboneVersion", "FinalNorm", "FlagOverride", "NormKind",
+    "NormProblem", "NormsTable", "OuterType", "TEXT_CONFIG_KEYS", "apply_norm",
+    "build_final_norm", "explain_final_norm", "final_norm_kind", "installed_transformers_version",
+    "load_norms", "norms_path", "parse_version_range", "read_config", "resolve_final_norm",
+    "validate_norms", "version_in_range",
 ]

@@ -6,9 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from tests.kimi_tokenizers import kimi_k2_encoding, kimi_k3_encoding
+from tests.kimi_tokenizers import kimi_k3_encoding
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "tools" / "examples"
 
@@ -41,20 +39,38 @@ def test_k3_dataprep_writes_masks_and_trains_only_assistant_output(tmp_path):
     assert rows[-1]["num_trained"] > 0
 
 
-def test_modelopt_adapter_precedence_and_types():
-    mo = _load("modelopt_adapter")
-    rec = mo.ChatGrammarRecovery()
-    k3 = kimi_k3_encoding(True)  # carries K2's strings too: must still be K3
-    assert rec.detect(k3) and rec._format_for(k3).name == "kimi-k3"
-    k2 = kimi_k2_encoding()
-    assert rec.detect(k2) and rec._format_for(k2).name == "kimi-k2"
-    ids = (k2.encode("<|im_user|>user<|im_middle|>q<|im_end|><|im_assistant|>assistant"
-                     "<|im_middle|>", allowed_special="all") + k2.encode("the answer")
-           + k2.encode("<|im_end|>", allowed_special="all"))
-    mask = rec.compute(k2, ids)
-    assert isinstance(mask, list) and k2.decode([i for i, m in zip(ids, mask) if m]) == "the answer"
-    assert rec.compute(k2, np.asarray(ids)).tolist() == mask
-    # every Kimi recovery agrees whatever the list order
-    for r in mo.kimi_recoveries()[::-1]:
-        if r.format in (None, "kimi-k2"):
-            assert r.compute(k2, ids) == mask
+def test_k3_dataprep_runs_without_model_optimizer(tmp_path):
+    """README quick start command 1 runs the example after `pip install '.[tiktoken]'`: no
+    torch, no Model-Optimizer. With their import blocked it takes the direct chatgrammar path."""
+    import subprocess
+
+    out = tmp_path / "masks.jsonl"
+    code = ("import sys, runpy\n"
+            "for m in ('torch', 'modelopt', 'transformers'): sys.modules[m] = None\n"
+            f"sys.argv = ['k3_drafter_dataprep.py', '--out', {str(out)!r}]\n"
+            f"runpy.run_path({str(EXAMPLES / 'k3_drafter_dataprep.py')!r}, run_name='__main__')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "masks:  chatgrammar (fmt.loss_mask)" in res.stdout
+    assert out.read_text().count("\n") == 5
+
+
+def test_k3_dataprep_through_model_optimizer_gives_the_same_masks(tmp_path, capsys):
+    """With nvidia-modelopt installed the example goes through Model-Optimizer's own registry
+    after install(); the masks are exactly chatgrammar's."""
+    import pytest
+
+    pytest.importorskip("modelopt.torch.utils.loss_mask")
+    from chatgrammar.integrations import modelopt as cg_modelopt
+
+    prep = _load("k3_drafter_dataprep")
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    try:
+        assert prep.main(["--out", str(a), "--mask-with", "modelopt"]) == 0
+        assert "Model-Optimizer's loss-mask registry (chatgrammar:kimi-k3)" in \
+            capsys.readouterr().out
+    finally:
+        cg_modelopt.uninstall()
+    assert prep.main(["--out", str(b), "--mask-with", "chatgrammar"]) == 0
+    assert a.read_text() == b.read_text()

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from chatgrammar.errors import NormError
-from chatgrammar.norms import (FinalNorm, NormKind, apply_norm, explain_final_norm,
-                               final_norm_kind, load_norms, norms_path, read_config,
-                               resolve_final_norm, validate_norms)
+from chatgrammar.norms import (FinalNorm, NormKind, apply_norm, build_final_norm,
+                               explain_final_norm, final_norm_kind, load_norms, norms_path,
+                               read_config, resolve_final_norm, validate_norms)
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = load_norms()
@@ -73,7 +73,8 @@ def test_required_backbones_are_in_the_table(model_type):
     ("lfm2", "rmsnorm"),
 ])
 def test_kinds_of_notable_backbones(model_type, kind):
-    assert final_norm_kind(model_type) == kind
+    # (the facts of transformers 5.24; nemotron_h's differs before 5.18, see below)
+    assert final_norm_kind(model_type, transformers_version="5.24.0") == kind
 
 
 def test_gemma4_is_not_one_plus_and_gpt_oss_has_its_own_kind():
@@ -156,7 +157,7 @@ def test_eps_comes_from_the_backbone_not_the_wrapper():
 
 def test_nemotron_h_eps_attribute():
     norm = resolve_final_norm({"model_type": "nemotron_h", "layer_norm_epsilon": 3e-5,
-                               "rms_norm_eps": 0.25})
+                               "rms_norm_eps": 0.25}, transformers_version="5.24.0")
     assert (norm.kind, norm.eps) == ("rmsnorm_fp32_mul", 3e-5)
 
 
@@ -282,8 +283,9 @@ def test_transformers_kimi_k25_config_object():
         text_config={"model_type": "kimi_k2", "rms_norm_eps": 1e-6})
     # transformers rewrites the kimi_k2 text config to deepseek_v3: same norm either way
     norm = resolve_final_norm(config)
-    assert norm == FinalNorm("rmsnorm", "deepseek_v3", 1e-6,
-                             "kimi_k25 → text_config → deepseek_v3")
+    # (transformers 5.14 keeps kimi_k2; later versions rewrite it to deepseek_v3: the same norm)
+    backbone = "deepseek_v3" if norm.model_type == "deepseek_v3" else "kimi_k2"
+    assert norm == FinalNorm("rmsnorm", backbone, 1e-6, f"kimi_k25 → text_config → {backbone}")
 
 
 def test_unknown_backbone_is_none_with_reason():
@@ -333,6 +335,176 @@ def test_a_custom_table_can_be_passed(tmp_path):
     assert resolve_final_norm({"model_type": "toy", "toy_eps": 0.5}, table=table) == FinalNorm(
         "plain", "toy", 0.5, "toy")
     assert final_norm_kind("llama", table=table) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Facts per transformers version
+# ---------------------------------------------------------------------------------------------
+
+def test_nemotron_h_norm_changed_in_transformers_5_18():
+    entry = TABLE.backbones["nemotron_h"]
+    assert [v.transformers for v in entry.by_version] == ["<5.18"]
+    assert entry.at("5.14.1").kind == entry.at("5.17.0").kind == "rmsnorm"
+    assert entry.at("5.18.0").kind == entry.at("5.24.0").kind == "rmsnorm_fp32_mul"
+    assert entry.at("5.14.1").eps == entry.eps and "5.18.0" in entry.at("5.14.1").source
+    cfg = {"model_type": "nemotron_h", "layer_norm_epsilon": 1e-5}
+    assert resolve_final_norm(cfg, transformers_version="5.14.1").kind == "rmsnorm"
+    assert resolve_final_norm(cfg, transformers_version="5.24.0").kind == "rmsnorm_fp32_mul"
+    assert final_norm_kind("nemotron_h", transformers_version="5.16.0") == "rmsnorm"
+    norm, why = explain_final_norm(cfg, transformers_version="5.14.1")
+    assert "transformers 5.14.1: the fact for <5.18" in why
+
+
+def test_resolution_follows_the_installed_transformers_version(monkeypatch):
+    import chatgrammar.norms as norms
+
+    cfg = {"model_type": "nemotron_h"}
+    monkeypatch.setattr(norms, "installed_transformers_version", lambda: "5.14.1")
+    assert resolve_final_norm(cfg).kind == "rmsnorm"
+    monkeypatch.setattr(norms, "installed_transformers_version", lambda: "5.24.0")
+    assert resolve_final_norm(cfg).kind == "rmsnorm_fp32_mul"
+    monkeypatch.setattr(norms, "installed_transformers_version", lambda: None)
+    assert resolve_final_norm(cfg).kind == "rmsnorm_fp32_mul"  # the entry's own facts
+
+
+@pytest.mark.parametrize("version, text, inside", [
+    ("5.14.1", "<5.18", True), ("5.18.0", "<5.18", False), ("5.18", ">=5.18", True),
+    ("5.25.0.dev0", ">=5.15,<5.25", False), ("5.24.9", ">=5.15, <5.25", True),
+    ("4.57.6", "==4.57.6", True), ("5.0", "!=5.0.0", False),
+])
+def test_version_ranges(version, text, inside):
+    from chatgrammar.norms import version_in_range
+
+    assert version_in_range(version, text) is inside
+
+
+def test_by_version_is_validated(tmp_path):
+    path = tmp_path / "norms.yaml"
+    path.write_text("version: 1\nkinds:\n" + textwrap.indent(textwrap.dedent(_GOOD_KIND), "  ")
+                    + "backbones:\n"
+                    "  toy:\n"                                   # 11
+                    "    kind: rms\n"
+                    "    eps: [rms_norm_eps]\n"
+                    "    source: a test\n"
+                    "    by_version:\n"
+                    "      - transformers: soon\n"               # 16
+                    "        kind: rms\n"
+                    "        source: x\n"
+                    "      - transformers: '<5.18'\n"            # 19
+                    "        kind: rms_gemma\n"
+                    "        colour: blue\n", encoding="utf-8")  # 21 (and source missing)
+    found = {(p.line, p.col, p.path): p.message for p in validate_norms(path,
+                                                                         use_transformers=False)}
+    assert set(found) == {(16, 23, "backbones.toy.by_version[0].transformers"),
+                          (19, 9, "backbones.toy.by_version[1]"),
+                          (20, 15, "backbones.toy.by_version[1].kind"),
+                          (21, 9, "backbones.toy.by_version[1].colour")}, found
+    assert "version range" in found[(16, 23, "backbones.toy.by_version[0].transformers")]
+    assert "missing required key 'source'" in found[(19, 9, "backbones.toy.by_version[1]")]
+    assert "unknown kind 'rms_gemma'" in found[(20, 15, "backbones.toy.by_version[1].kind")]
+
+
+def test_validation_errors_of_the_new_keys_are_located(tmp_path):
+    path = tmp_path / "norms.yaml"
+    path.write_text(textwrap.dedent("""\
+        version: 1
+        kinds:
+          odd:
+            formula: y
+            center: false
+            offset: 0
+            bias: false
+            multiply: float32
+            weight_dtype: model
+            statistics: sometimes
+        backbones:
+          toy:
+            kind: odd
+            eps: rms_norm_eps
+            source: a test
+            inv_sqrt: cbrt
+        """), encoding="utf-8")
+    found = {(p.line, p.path): p.message for p in validate_norms(path, use_transformers=False)}
+    assert found == {
+        (10, "kinds.odd.statistics"): "statistics must be one of manual, fused; got 'sometimes'",
+        (16, "backbones.toy.inv_sqrt"): "inv_sqrt must be one of rsqrt, pow; got 'cbrt'"}
+
+
+# ---------------------------------------------------------------------------------------------
+# build_final_norm
+# ---------------------------------------------------------------------------------------------
+
+def test_build_final_norm_shapes_dtypes_and_errors():
+    torch = pytest.importorskip("torch")
+    import chatgrammar as cg
+
+    k3 = {"model_type": "kimi_k3", "text_config": {"model_type": "kimi_linear",
+                                                    "hidden_size": 16, "rms_norm_eps": 1e-5}}
+    norm = cg.build_final_norm(k3, dtype=torch.bfloat16)
+    assert isinstance(norm, torch.nn.Module) and norm.kind.name == "rmsnorm"
+    assert norm.weight.shape == (16,) and norm.weight.dtype == torch.bfloat16
+    assert norm.eps == 1e-5 and norm.bias is None
+    # the dtype comes from the config when not given; gpt-oss keeps its weight in fp32
+    assert cg.build_final_norm({**k3["text_config"], "dtype": "bfloat16"}).weight.dtype == \
+        torch.bfloat16
+    assert cg.build_final_norm({"model_type": "llama", "hidden_size": 8}).weight.dtype == \
+        torch.float32
+    gpt = cg.build_final_norm({"model_type": "gpt_oss", "hidden_size": 8}, dtype="bfloat16")
+    assert gpt.weight.dtype == torch.float32
+    # Gemma-style weights start at 0 (1 + w), LayerNorms have a bias
+    assert not cg.build_final_norm({"model_type": "gemma3_text", "hidden_size": 4}).weight.any()
+    assert cg.build_final_norm({"model_type": "phi", "hidden_size": 4}).bias.shape == (4,)
+    # a checkpoint's tensor loads into it
+    w = torch.randn(16, dtype=torch.bfloat16)
+    norm.load_state_dict({"weight": w})
+    assert torch.equal(norm.weight.detach(), w)
+    assert norm(torch.randn(2, 3, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    with pytest.raises(NormError, match="no final norm for this config: kimi_k3: "):
+        cg.build_final_norm({"model_type": "kimi_k3"})
+    with pytest.raises(NormError, match="no hidden_size"):
+        cg.build_final_norm({"model_type": "llama"})
+    assert cg.build_final_norm({"model_type": "llama"}, hidden_size=4).weight.shape == (4,)
+
+
+def test_build_final_norm_follows_the_transformers_version():
+    torch = pytest.importorskip("torch")
+    cfg = {"model_type": "nemotron_h", "hidden_size": 64, "layer_norm_epsilon": 1e-5}
+    old = build_final_norm(cfg, dtype="bfloat16", transformers_version="5.14.1")
+    new = build_final_norm(cfg, dtype="bfloat16", transformers_version="5.24.0")
+    assert (old.kind.name, new.kind.name) == ("rmsnorm", "rmsnorm_fp32_mul")
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(64, generator=gen) * 0.5 + 1).to(torch.bfloat16)
+    x = (torch.randn(8, 64, generator=gen) * 0.3).to(torch.bfloat16)
+    for m in (old, new):
+        m.load_state_dict({"weight": w})
+    with torch.no_grad():
+        differ = (old(x) != new(x)).float().mean().item()
+    assert differ > 0.05  # one bf16 rounding on a good share of the outputs
+
+
+def test_nemotron_h_version_fact_is_needed_against_the_installed_transformers():
+    """On whichever transformers runs the tests, only the fact of its own range is exact."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    version = transformers.__version__
+    config = _tiny_config(transformers.CONFIG_MAPPING["nemotron_h"], "layer_norm_epsilon")
+    torch.manual_seed(0)
+    ref = transformers.AutoModel.from_config(config).norm_f.to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(64, generator=gen) * 0.5 + 1)
+    x = (torch.randn(4, 16, 64, generator=gen) * 0.3).to(torch.bfloat16)
+    other = "5.24.0" if TABLE.backbones["nemotron_h"].at(version).kind == "rmsnorm" else "5.14.1"
+    results = {}
+    for v in (version, other):
+        ours = build_final_norm(config, dtype=torch.bfloat16, transformers_version=v)
+        ours.load_state_dict(ref.state_dict())
+        with torch.no_grad():
+            results[v] = torch.equal(ours(x), ref(x))
+    assert results == {version: True, other: False}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,6 +715,17 @@ def test_cli_main_in_process(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_cli_transformers_version(tmp_path, capsys):
+    from chatgrammar.cli import main
+
+    cfg = _write(tmp_path / "config.json", {"model_type": "nemotron_h"})
+    assert main(["norm", str(cfg), "--transformers-version", "5.14.1"]) == 0
+    out = capsys.readouterr().out
+    assert "kind:    rmsnorm " in out and "transformers 5.14.1: the fact for <5.18" in out
+    assert main(["norm", str(cfg), "--transformers-version", "5.24.0"]) == 0
+    assert "kind:    rmsnorm_fp32_mul " in capsys.readouterr().out
+
+
 def test_cli_custom_norms_table(tmp_path, capsys):
     from chatgrammar.cli import main
 
@@ -722,7 +905,7 @@ def test_kind_matches_transformers_final_norm(name):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    entry = TABLE.backbones[name]
+    entry = TABLE.backbones[name].at(transformers.__version__)  # this version's facts
     ref = entry.transformers
     model_type = ref.get("model_type", name)
     if model_type not in transformers.CONFIG_MAPPING:
@@ -777,6 +960,15 @@ def test_kind_matches_transformers_final_norm(name):
             f"{name} ({dtype_name}): kind {entry.kind} disagrees with transformers "
             f"{ref['class']}; max abs diff {np.abs(expected - got).max():.3g}, "
             f"{(expected != got).mean():.1%} of values differ")
+        # the torch module chatgrammar builds is bit-exact with transformers' own
+        ours = build_final_norm(config, dtype=dtype)
+        assert ours.weight.dtype == norm.weight.dtype
+        ours.load_state_dict(norm.state_dict())
+        with torch.no_grad():
+            mine = ours(x)
+        assert mine.dtype == out.dtype and torch.equal(mine, out), (
+            f"{name} ({dtype_name}): build_final_norm differs from transformers "
+            f"{ref['class']} on {(mine != out).float().mean().item():.1%} of values")
         # and no kind with a different formula would also have matched (in fp32 the cast
         # order is invisible, so there only the formula itself must differ)
         for other in TABLE.kinds.values():

@@ -34,6 +34,9 @@ def register(subparsers: Any) -> None:
                         help="output format (default: text)")
     parser.add_argument("--norms", metavar="NORMS_YAML", default=None,
                         help="use this norms table instead of the bundled formats/norms.yaml")
+    parser.add_argument("--transformers-version", metavar="VERSION", default=None,
+                        help="the transformers version whose facts apply (default: the "
+                             "installed one)")
     parser.set_defaults(func=run)
 
 
@@ -59,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     except NormError as exc:
         _write(f"chatgrammar norm: error: {exc}", sys.stderr)
         return 2
-    norm, path, why = _explain(config, table)
+    norm, path, why = _explain(config, table, args.transformers_version)
 
     if args.output == "json":
         payload = {

@@ -7,6 +7,13 @@ by the ``kimi-k3`` grammar in id mode (authoritative: a ``<|close|>`` typed by a
 ordinary text). A sample that does not parse is reported and written to a reject file — never
 given a silent all-zero mask.
 
+Where NVIDIA Model-Optimizer is installed (``pip install 'chatgrammar[modelopt]'``), the masks are
+computed the way its speculative-decoding data paths compute them: after
+``chatgrammar.integrations.modelopt.install()``, through Model-Optimizer's own loss-mask
+registry (``get_loss_mask_recovery(tokenizer).compute``), strict so that rejects are still
+reported. Without it (``pip install '.[tiktoken]'``) chatgrammar computes them directly; the
+masks are the same. ``--mask-with`` chooses.
+
 Run from a checkout:
     python tools/examples/k3_drafter_dataprep.py --out k3_masks.jsonl
 With a real Kimi-K3 tokenizer directory (remote code):
@@ -67,6 +74,28 @@ def render_ids(tok, template: str, sample: dict) -> tuple[str, list[int]]:
     return "".join(out), ids
 
 
+def mask_function(tok, fmt, policy, how: str = "auto"):
+    """(a description, ids -> list of 0/1): Model-Optimizer's registry with chatgrammar
+    installed when it is there (or asked for), else chatgrammar directly."""
+    direct = ("chatgrammar (fmt.loss_mask)", lambda ids: fmt.loss_mask(ids, tok, policy=policy))
+    if how == "chatgrammar":
+        return direct
+    try:
+        from chatgrammar.integrations import modelopt as cg_modelopt
+        from modelopt.torch.utils.loss_mask import get_loss_mask_recovery
+    except ImportError:
+        if how == "modelopt":
+            raise SystemExit("--mask-with modelopt needs nvidia-modelopt: "
+                             "pip install 'chatgrammar[modelopt]'")
+        return direct
+    cg_modelopt.install(format=fmt.name, policy=policy, strict=True)  # the two lines
+    rec = get_loss_mask_recovery(tok)
+    if rec is None:
+        raise SystemExit(f"Model-Optimizer found no loss-mask recovery for {type(tok).__name__}")
+    return (f"Model-Optimizer's loss-mask registry ({rec.name})",
+            lambda ids: rec.compute(tok, ids).tolist())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--input", default=str(HERE / "data" / "k3_conversations.jsonl"))
@@ -75,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trust-remote-code", action="store_true")
     ap.add_argument("--out", default="k3_masks.jsonl")
     ap.add_argument("--no-thinking", action="store_true", help="do not train reasoning")
+    ap.add_argument("--mask-with", choices=("auto", "modelopt", "chatgrammar"), default="auto",
+                    help="auto (default): Model-Optimizer's registry when it is installed")
     args = ap.parse_args(argv)
 
     if args.tokenizer:
@@ -86,6 +117,8 @@ def main(argv=None) -> int:
     print(f"format: {fmt.name} (detected from the tokenizer)")
     policy = fmt.default_policy.replace(thinking=not args.no_thinking)
     template = Path(args.template).read_text(encoding="utf-8")
+    how, loss_mask = mask_function(tok, fmt, policy, args.mask_with)
+    print(f"masks:  {how}")
 
     n = rejects = tokens = trained = 0
     reject_path = Path(args.out).with_suffix(".rejects.jsonl")
@@ -95,7 +128,7 @@ def main(argv=None) -> int:
             sample = json.loads(line)
             _, ids = render_ids(tok, template, sample)
             try:
-                mask = fmt.loss_mask(ids, tok, policy=policy)
+                mask = loss_mask(ids)
             except cg.ParseError as exc:
                 rejects += 1
                 frej.write(json.dumps({"line": line_no, "error": str(exc)}) + "\n")
