@@ -36,7 +36,8 @@ DEFAULT_OUT = ROOT / "docs" / "conformance.md"
 #: is in tests/data/templates (provenance: tests/data/templates/SOURCES.md). Kept here, not in
 #: the specs, because it names test data, not format facts.
 TEMPLATES: dict[str, list[str]] = {
-    "kimi-k2": ["moonshotai-Kimi-K2.jinja", "moonshotai-Kimi-K2-Thinking.jinja"],
+    "kimi-k2": ["moonshotai-Kimi-K2.jinja", "moonshotai-Kimi-K2-Thinking.jinja",
+                "derived/Kimi-K2-Instruct.jinja", "derived/Kimi-K2-Thinking.jinja"],
     "kimi-k3": ["moonshotai-Kimi-K3.jinja"],
     "chatml": [
         "Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-Qwen2.5-VL.jinja", "Qwen-QwQ-32B.jinja",
@@ -222,7 +223,9 @@ def markdown(results: list, missing: list[str], formats: list[str]) -> str:
         for (f, t, why), names in skips.items():
             lines.append(f"- {f} × {t}: {', '.join(f'`{n}`' for n in names)} — {_cell(why)}")
         lines.append("")
-    unassigned = sorted(set(p.name for p in TEMPLATE_DIR.glob("*.jinja"))
+    unassigned = sorted(set(p.relative_to(TEMPLATE_DIR).as_posix()
+                            for pat in ("*.jinja", "derived/*.jinja")
+                            for p in TEMPLATE_DIR.glob(pat))
                         - {t for ts in TEMPLATES.values() for t in ts})
     if unassigned:
         lines += ["## Templates without a bundled format", "",
