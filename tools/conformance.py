@@ -66,7 +66,7 @@ TEMPLATES: dict[str, list[str]] = {
         "deepseek-ai-DeepSeek-V3.jinja", "deepseek-ai-DeepSeek-R1.jinja",
         "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
         "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja", "deepseek-ai-DeepSeek-V3.1.jinja",
-        "deepseek-ai-DeepSeek-V3.2.jinja",
+        "deepseek-ai-DeepSeek-V3.2.jinja", "derived/llama-cpp-deepseek-r1.jinja",
     ],
     "gemma": ["google-gemma-2-2b-it.jinja", "google-gemma-3-it.jinja", "google-gemma-3n.jinja"],
     "functiongemma": ["google-functiongemma.jinja",
