@@ -51,9 +51,8 @@ TEMPLATES: dict[str, list[str]] = {
         "nvidia-NVIDIA-Nemotron-3-Super.jinja", "nvidia-NVIDIA-Nemotron-3-Ultra.jinja",
         "stepfun-ai-Step-3.5-Flash.jinja", "StepFun3.5-Flash.jinja",
         "Bielik-11B-v3.0-Instruct.jinja", "LiquidAI-LFM2.jinja", "LFM2.5-8B-A1B.jinja",
-        "LFM2.5-Instruct.jinja",
-        # LFM2-8B-A1B.jinja is left out: with tools it writes a bare notice before the first
-        # turn (docs/formats.md, chatml quirks)
+        "LFM2.5-Instruct.jinja", "LFM2-8B-A1B.jinja", "derived/llama-cpp-lfm2.jinja",
+        "derived/unsloth-Nemotron-3-Nano.jinja",
     ],
     "cohere": [
         "CohereForAI-c4ai-command-r-v01.jinja", "CohereForAI-c4ai-command-r-plus-tool_use.jinja",
