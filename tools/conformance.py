@@ -98,7 +98,8 @@ TEMPLATES: dict[str, list[str]] = {
     "seed-oss": ["ByteDance-Seed-OSS.jinja"],
     "solar-open": ["upstage-Solar-Open-100B.jinja"],
     "phi3": ["microsoft-Phi-3-mini-4k-instruct.jinja", "microsoft-Phi-3.5-mini-instruct.jinja",
-             "microsoft-Phi-4-mini-instruct.jinja"],
+             "microsoft-Phi-4-mini-instruct.jinja",
+             "derived/llama-cpp-microsoft-Phi-4-mini-instruct.jinja"],
     "phi4": ["microsoft-phi-4.jinja", "microsoft-Phi-4-reasoning.jinja"],
 }
 
