@@ -1267,6 +1267,10 @@ class TextMemo:
         fmt = self.fmt
         if fmt._partial_marker_tail(text) is not None:
             return None
+        rx = self.drv.unknown_rx
+        if rx is not None and any(m.group() not in self.drv.known_texts
+                                  for m in rx.finditer(text)):
+            return None  # a marker the spec does not know: the full parse judges where it is
         toks = lex_text(text, fmt._lexcfg)
         bounds = self._walk(toks)
         if bounds is None:

@@ -54,6 +54,7 @@ MIN_PASS = {
     "derived/unsloth-Magistral-Small-2509.jinja": 20,
     "derived/unsloth-mistral-Devstral-Small-2507.jinja": 20,
     "derived/unsloth-Apriel-1.5.jinja": 20,
+    "derived/THUDM-glm-4-9b-chat.jinja": 20,
 }
 
 
@@ -167,14 +168,14 @@ class AddedTok:
 
 #: (format, rendering with one unknown marker in an assistant turn, the unknown marker, text that
 #: must never train). GLM has no end-of-turn token: a tool result under a role marker the spec
-#: lacks (``<|tool|>`` instead of ``<|observation|>``) would otherwise run on as the assistant's
-#: text — the silent wrong mask of issue 11.
+#: lacks would otherwise run on as the assistant's text — the silent wrong mask of issue 11
+#: (GLM-4-9B-Chat's `<|tool|>`, now a marker of glm4; here a made-up `<|function|>`).
 UNKNOWN = [
     ("glm4",
      "[gMASK]<sop><|user|>\nWeather?<|assistant|>\n<think></think>\n<tool_call>get_weather\n"
-     "<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call><|tool|>\n"
+     "<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call><|function|>\n"
      "<tool_response>\nsunny\n</tool_response><|assistant|>\n<think></think>\nSunny.",
-     "<|tool|>", "sunny"),
+     "<|function|>", "sunny"),
     ("chatml",
      "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{}\n"
      "</tool_call><|observation|>sunny<|im_end|>\n<|im_start|>assistant\nSunny.<|im_end|>\n",
@@ -200,6 +201,10 @@ def _ids_case(name, text, unknown):
 def test_unknown_marker_text_mode(name, text, unknown, never):
     fmt = cg.load_format(name)
     at = text.index(unknown)
+    # the text memo (Format.parse's fast path) has learnt the same shape from a clean sample
+    clean = text.replace(unknown, "x" * len(unknown))
+    for _ in range(3):
+        fmt.parse(clean)
     with pytest.raises(cg.ParseError) as ei:
         fmt.parse(text)
     err = ei.value
@@ -298,3 +303,23 @@ def test_unknown_marker_after_the_fast_path_learnt_the_shape(name, text, unknown
         fmt.loss_mask(ids, tok)
     lenient = list(fmt.parse_ids(ids, tok, strict=False).mask_array(fmt.default_policy))
     assert list(fmt.loss_mask(ids, tok, strict=False)) == lenient != want_clean
+
+
+def test_glm4_9b_chat_tool_message_is_a_tool_turn():
+    """GLM-4-9B-Chat's template writes a Hugging Face `tool` message as `<|tool|>\n…`, a role
+    marker GLM's vocabulary lacks: a tool turn of glm4 (never trained), in both modes."""
+    fmt = cg.load_format("glm4")
+    case = get_case("tool-call-with-content")
+    text = render_chat((TEMPLATES / "derived/THUDM-glm-4-9b-chat.jinja").read_text(),
+                       case.messages)
+    assert "<|tool|>\nRover finds water ice." in text
+    conv = fmt.parse(text)
+    assert [t.role for t in conv.turns] == ["user", "assistant", "tool", "assistant"]
+    assert "".join(conv.trained_text(OUTPUT_POLICY)) == \
+        "\nLet me search for that.\nA rover found water ice on Mars."
+    tok = AddedTok([m.text for m in fmt.spec.markers.values() if m.special])
+    ids = tok.encode(text)   # `<|tool|>` (soft) as ordinary ids: found in the decoded text
+    want = fmt.parse_ids(ids, tok).mask_array(OUTPUT_POLICY)
+    assert list(fmt.loss_mask(ids, tok, policy=OUTPUT_POLICY)) == list(want)
+    assert tok.decode([i for i, m in zip(ids, want) if m]) == \
+        "\nLet me search for that.\nA rover found water ice on Mars."
