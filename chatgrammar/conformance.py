@@ -399,6 +399,11 @@ def _generation_prompt(r: _Renderer, i: int, cut: int | None = None) -> str | No
     n = len(b) if cut is None else cut
     if g.startswith(b[:n]):
         return g[n:]
+    k = len(os.path.commonprefix([b[:n], g]))
+    if cut is None and b[k:].isspace():
+        # whitespace the template prints at the very end whether or not a prompt follows
+        # (Unsloth's one-line templates): the prompt is what follows the shared part
+        return g[k:]
     return None
 
 
@@ -644,6 +649,12 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
                 gr = _Renderer(template, probe, variables, timeout)
                 generic_g = _generation_prompt(gr, 1) or ""
             g = generic_g
+        if g and not g[0].isspace():
+            # whitespace before the message's header is between-turn text, not the message
+            # (Unsloth's one-line templates write "  " before a turn, one " " of which ends
+            # the rendering of the previous messages)
+            while s < e and R[s].isspace() and not R.startswith(g, s):
+                s += 1
         if not R.startswith(g, s):
             # The template prompts with more than it renders for this message (a prefilled
             # "<think>\n" that history turns do not repeat): the header is the common part.

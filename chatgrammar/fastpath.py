@@ -58,6 +58,7 @@ if os.environ.get("CHATGRAMMAR_PURE"):
     _speedups = None
 
 from .compile import HEADER, HEADER_CHARS_PER_TOKEN, TEXT
+from .parse import unknown_marker_ids
 from .errors import ParseError
 from .lexers import IdLexer, as_id_array, lex_text
 from .parse import Source
@@ -355,6 +356,16 @@ class FastMasker:
             self.soft_lut = _soft_lut(lx)
             if self.soft_lut is None:
                 self.enabled = False
+        # special/added ids of markers the format does not know (parse.unknown_marker_ids): a
+        # sample holding one takes the full pipeline, which reports it where it would train
+        unk = unknown_marker_ids(self.drv, lx.adapter)[0]
+        if len(unk) and self.enabled:
+            top = int(unk.max()) + 1
+            lut = self.soft_lut if self.soft_lut is not None else np.zeros(top, dtype=bool)
+            if len(lut) < top:
+                lut = np.concatenate([lut, np.zeros(top - len(lut), dtype=bool)])
+            lut[unk] = True
+            self.soft_lut = lut
         self.stats = {"fast": 0, "slow": 0, "harvest": 0}
 
     # ------------------------------------------------------------------ public
@@ -1256,6 +1267,10 @@ class TextMemo:
         fmt = self.fmt
         if fmt._partial_marker_tail(text) is not None:
             return None
+        rx = self.drv.unknown_rx
+        if rx is not None and any(m.group() not in self.drv.known_texts
+                                  for m in rx.finditer(text)):
+            return None  # a marker the spec does not know: the full parse judges where it is
         toks = lex_text(text, fmt._lexcfg)
         bounds = self._walk(toks)
         if bounds is None:

@@ -166,6 +166,13 @@ class Driver:
         self.openerless_headers = any(not el.open and el.header is not None
                                       and el.header.until is not None
                                       for el in spec.elements.values())
+        # A marker the spec does not know is never assistant text: strings shaped like this
+        # format's special markers (``unknown_marker_shape``) inside a turn of a trained role
+        # are a problem of that turn (``_Ctx._unknown_markers``)
+        self.unknown_rx = unknown_marker_shape(spec)
+        self.known_texts = frozenset(m.text for m in spec.markers.values())
+        self.checked_roles = frozenset(spec.policy.roles) if spec.policy is not None \
+            else frozenset(("assistant",))
         self.aliases = {k: v for k, v in spec.role_aliases.items() if not _is_glob(k)}
         # glob keys ("functions.*", "*") name roles no exact key and no canonical role matches
         self.alias_globs = [(k, v) for k, v in spec.role_aliases.items() if _is_glob(k)]
@@ -415,10 +422,12 @@ class _Ctx:
             warnings, turns
         self.pending_preamble: list[Turn] = []
 
-    def problem(self, offset: int, message: str, block: Block | None = None) -> None:
+    def problem(self, offset: int, message: str, block: Block | None = None, *,
+                expected: list[str] | tuple = (), found: str | None = None) -> None:
         if self.strict:
             raise ParseError(message, offset=offset, mode=self.src.mode,
-                             format=self.drv.spec.name, excerpt=self.src.excerpt(offset))
+                             format=self.drv.spec.name, excerpt=self.src.excerpt(offset),
+                             expected=expected, found=found)
         self.warnings.append(Issue(offset, message))
         if block is not None:
             block.valid = False
@@ -484,8 +493,48 @@ class _Ctx:
             if b.valid and b.complete and b.body_start is not None:
                 self.problem(b.start, "cannot tell the role of this turn", b)
         role = self.drv.alias(role)
+        if role in self.drv.checked_roles and b.valid and b.body_start is not None:
+            self._unknown_markers(b, el, role)
         return Turn(role=role, start=b.start, end=b.end, complete=b.complete, block=b,
                     valid=b.valid)
+
+    def _unknown_markers(self, b: Block, el: Element | None, role: str) -> None:
+        """A marker the spec does not know, inside a turn that trains, is never trained as
+        that turn's text: a located problem (strict: ParseError; lenient: a warning, and the
+        turn trains nothing). Text mode: a string shaped like the format's special markers
+        that is none of them; id mode: one special/added id of such a text."""
+        drv, src = self.drv, self.src
+        s, e = b.body_start, b.body_end if b.body_end is not None else b.end
+        if drv.unknown_rx is None or e <= s:
+            return
+        at = found = None
+        if src.mode == "text":
+            for m in drv.unknown_rx.finditer(src.text, s, e):
+                if m.group() not in drv.known_texts:
+                    at, found = m.start(), m.group()
+                    break
+        elif src.adapter is not None and src.arr is not None:
+            ids, texts = unknown_marker_ids(drv, src.adapter)
+            if len(ids):
+                import numpy as np
+                hit = np.flatnonzero(np.isin(src.arr[s:e], ids))
+                if len(hit):
+                    at = s + int(hit[0])
+                    found = texts.get(int(src.arr[at]))
+        if at is None:
+            return
+        exp: list[str] = []
+        if el is not None:
+            if el.close is not None:
+                exp += [drv.describe(term_name(c)) for c in el.close.markers]
+            for c in el.children:
+                exp += [drv.describe(term_name(o)) for o in drv.spec.elements[c].open]
+            exp += [drv.describe(term_name(m)) for m in el.inner_markers]
+        exp.append("text")
+        self.problem(at, f"unknown marker {found!r} in a turn of role {role!r}: the format "
+                         "does not know it, so it is never trained as that turn's text "
+                         f"(expected one of: {', '.join(dict.fromkeys(exp))})", b,
+                     expected=list(dict.fromkeys(exp)), found=found)
 
     @staticmethod
     def _raw_role(b: Block, el: Element | None) -> str | None:
@@ -746,6 +795,58 @@ class _Ctx:
         parsed = parse_xtml_head(b.header or "")
         if parsed and tag != parsed[0]:
             self.problem(offset, f"close tag {tag!r} does not match open tag {parsed[0]!r}", b)
+
+
+def unknown_marker_shape(spec: FormatSpec) -> re.Pattern | None:
+    """The shape of this format's special markers, as a regex: for each special marker
+    ``PREFIX inner SUFFIX`` (``<|`` ``im_end`` ``|>``, ``<｜`` ``User`` ``｜>``), where prefix and
+    suffix are the runs of punctuation around a word-like inner part and together hold at
+    least 3 characters and are not only brackets and slashes, the same prefix and suffix
+    around any word-like inner part. None when no marker has such a shape (``[INST]``,
+    ``</s>``, ``<start_of_turn>`` and ``<bos>`` give none: brackets and tags are ordinary text
+    too often). A string of that shape that is none
+    of the spec's markers is an *unknown marker* (see ``_Ctx._unknown_markers``)."""
+    pairs: dict[tuple[str, str], None] = {}
+    for m in spec.markers.values():
+        if not m.special:
+            continue
+        mt = re.fullmatch(r"([^\w\s]+)((?:\w|[.:\-\u2581])+)([^\w\s]+)", m.text)
+        if mt is None:
+            continue
+        pre, suf = mt.group(1), mt.group(3)
+        # at least 3 characters, not only brackets and slashes (`</s>`, `[/INST]` would make
+        # every closing HTML tag or `[/b]` in content a marker)
+        if len(pre) + len(suf) >= 3 and set(pre + suf) - set("<>/[]"):
+            pairs[(pre, suf)] = None
+    if not pairs:
+        return None
+    inner = r"(?:\w|[.:\-\u2581]){1,48}"
+    alts = sorted((re.escape(p) + inner + re.escape(q) for p, q in pairs), key=len,
+                  reverse=True)
+    return re.compile("|".join(alts))
+
+
+def unknown_marker_ids(drv: "Driver", adapter: Any) -> tuple:
+    """The tokenizer's special/added ids whose text has the shape of the format's special
+    markers (:func:`unknown_marker_shape`) but is none of them: (sorted id array, id → text).
+    Cached on the adapter, per format."""
+    cache = adapter.__dict__.setdefault("_cg_unknown_markers", {})
+    key = (drv.spec.name, drv.unknown_rx.pattern if drv.unknown_rx is not None else None)
+    got = cache.get(key)
+    if got is None:
+        import numpy as np
+        texts: dict[int, str] = {}
+        if drv.unknown_rx is not None:
+            try:
+                vocab = adapter.added_vocab()
+            except Exception:  # a tokenizer that cannot list its added tokens: nothing known
+                vocab = {}
+            for text, tid in vocab.items():
+                if (isinstance(text, str) and text not in drv.known_texts
+                        and drv.unknown_rx.fullmatch(text)):
+                    texts[int(tid)] = text
+        got = cache[key] = (np.array(sorted(texts), dtype=np.int64), texts)
+    return got
 
 
 def _is_glob(key: str) -> bool:

@@ -144,7 +144,9 @@ def markdown(results: list, missing: list[str], formats: list[str]) -> str:
             lines.append(f"- {f} × {t}: {', '.join(f'`{n}`' for n in names)} — {_cell(why)}")
         lines.append("")
     assigned = {n: [t for t, _ in templates_of(n)] for n in list_formats()}
-    unassigned = sorted(set(p.name for p in TEMPLATE_DIR.glob("*.jinja"))
+    unassigned = sorted(set(p.relative_to(TEMPLATE_DIR).as_posix()
+                            for pat in ("*.jinja", "derived/*.jinja")
+                            for p in TEMPLATE_DIR.glob(pat))
                         - {t for ts in assigned.values() for t in ts})
     if unassigned:
         lines += ["## Templates without a bundled format", "",
