@@ -45,7 +45,9 @@ def bundled_paths() -> dict[str, Path]:
 
 @lru_cache(maxsize=8)
 def _bundled_paths(d: str, stamp) -> tuple:
-    return tuple((p.stem, p) for p in sorted(Path(d).glob("*.yaml")) if p.stem != "norms")
+    # formats/<name>.tests.yaml holds a format's test facts, not a spec
+    return tuple((p.stem, p) for p in sorted(Path(d).glob("*.yaml"))
+                 if p.stem != "norms" and not p.name.endswith(".tests.yaml"))
 
 
 def _plugin_specs() -> list[tuple[str, Path]]:

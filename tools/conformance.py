@@ -100,6 +100,9 @@ TEMPLATES: dict[str, list[str]] = {
     "phi3": ["microsoft-Phi-3-mini-4k-instruct.jinja", "microsoft-Phi-3.5-mini-instruct.jinja",
              "microsoft-Phi-4-mini-instruct.jinja"],
     "phi4": ["microsoft-phi-4.jinja", "microsoft-Phi-4-reasoning.jinja"],
+    # issue 11 §2 families (their formats/<name>.tests.yaml lists the same templates)
+    "llama2": ["meta-llama-Llama-2-7b-chat-hf.jinja", "codellama-CodeLlama-7b-Instruct-hf.jinja",
+               "bofenghuang-vigogne-2-70b-chat.jinja"],
 }
 
 #: Template variables transformers would pass from each family's tokenizer
@@ -122,6 +125,7 @@ VARIABLES: dict[str, dict[str, str]] = {
     "functiongemma": {"bos_token": "<bos>"},
     "functionary-v3": {"bos_token": "<|begin_of_text|>"},
     "seed-oss": {"bos_token": "<seed:bos>", "eos_token": "<seed:eos>"},
+    "llama2": {"bos_token": "<s>", "eos_token": "</s>"},
 }
 
 MARK = {"pass": "✓", "fail": "✗", "skip": "–", "deviation": "✓†"}
