@@ -103,6 +103,8 @@ TEMPLATES: dict[str, list[str]] = {
     # issue 11 §2 families (their formats/<name>.tests.yaml lists the same templates)
     "llama2": ["meta-llama-Llama-2-7b-chat-hf.jinja", "codellama-CodeLlama-7b-Instruct-hf.jinja",
                "bofenghuang-vigogne-2-70b-chat.jinja"],
+    "zephyr": ["HuggingFaceH4-zephyr-7b-beta.jinja", "TinyLlama-TinyLlama-1.1B-Chat-v1.0.jinja"],
+    "tulu": ["allenai-OLMo-2-1124-13B-Instruct.jinja"],
 }
 
 #: Template variables transformers would pass from each family's tokenizer
@@ -126,6 +128,8 @@ VARIABLES: dict[str, dict[str, str]] = {
     "functionary-v3": {"bos_token": "<|begin_of_text|>"},
     "seed-oss": {"bos_token": "<seed:bos>", "eos_token": "<seed:eos>"},
     "llama2": {"bos_token": "<s>", "eos_token": "</s>"},
+    "zephyr": {"bos_token": "<s>", "eos_token": "</s>"},
+    "tulu": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
 }
 
 MARK = {"pass": "✓", "fail": "✗", "skip": "–", "deviation": "✓†"}
