@@ -105,6 +105,9 @@ TEMPLATES: dict[str, list[str]] = {
                "bofenghuang-vigogne-2-70b-chat.jinja"],
     "zephyr": ["HuggingFaceH4-zephyr-7b-beta.jinja", "TinyLlama-TinyLlama-1.1B-Chat-v1.0.jinja"],
     "tulu": ["allenai-OLMo-2-1124-13B-Instruct.jinja"],
+    # their tool cases are accepted deviations (formats/deepseek-*.tests.yaml `accepted:`)
+    "deepseek-llm": ["deepseek-ai-DeepSeek-V2-Chat.jinja"],
+    "deepseek-coder": ["deepseek-ai-deepseek-coder-33b-instruct.jinja"],
 }
 
 #: Template variables transformers would pass from each family's tokenizer
@@ -130,6 +133,10 @@ VARIABLES: dict[str, dict[str, str]] = {
     "llama2": {"bos_token": "<s>", "eos_token": "</s>"},
     "zephyr": {"bos_token": "<s>", "eos_token": "</s>"},
     "tulu": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
+    "deepseek-llm": {"bos_token": "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
+                     "eos_token": "<\uff5cend\u2581of\u2581sentence\uff5c>"},
+    "deepseek-coder": {"bos_token": "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
+                       "eos_token": "<|EOT|>"},
 }
 
 MARK = {"pass": "✓", "fail": "✗", "skip": "–", "deviation": "✓†"}
