@@ -29,7 +29,7 @@ FORMATS = ROOT / "formats"
 TEMPLATES = ROOT / "tests" / "data" / "templates"
 
 #: The families added by issue 11 §2 (each has formats/<name>.yaml and <name>.tests.yaml).
-FAMILIES = ("llama2", "zephyr", "tulu", "deepseek-llm", "deepseek-coder")
+FAMILIES = ("llama2", "zephyr", "tulu", "deepseek-llm", "deepseek-coder", "exaone")
 
 
 def _facts(name: str) -> dict:

@@ -108,6 +108,7 @@ TEMPLATES: dict[str, list[str]] = {
     # their tool cases are accepted deviations (formats/deepseek-*.tests.yaml `accepted:`)
     "deepseek-llm": ["deepseek-ai-DeepSeek-V2-Chat.jinja"],
     "deepseek-coder": ["deepseek-ai-deepseek-coder-33b-instruct.jinja"],
+    "exaone": ["LGAI-EXAONE-EXAONE-3.5-7.8B-Instruct.jinja"],
 }
 
 #: Template variables transformers would pass from each family's tokenizer
