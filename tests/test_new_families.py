@@ -29,7 +29,8 @@ FORMATS = ROOT / "formats"
 TEMPLATES = ROOT / "tests" / "data" / "templates"
 
 #: The families added by issue 11 §2 (each has formats/<name>.yaml and <name>.tests.yaml).
-FAMILIES = ("llama2", "zephyr", "tulu", "deepseek-llm", "deepseek-coder", "exaone")
+FAMILIES = ("llama2", "zephyr", "tulu", "deepseek-llm", "deepseek-coder", "exaone",
+            "openchat")
 
 
 def _facts(name: str) -> dict:

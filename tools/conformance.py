@@ -109,6 +109,7 @@ TEMPLATES: dict[str, list[str]] = {
     "deepseek-llm": ["deepseek-ai-DeepSeek-V2-Chat.jinja"],
     "deepseek-coder": ["deepseek-ai-deepseek-coder-33b-instruct.jinja"],
     "exaone": ["LGAI-EXAONE-EXAONE-3.5-7.8B-Instruct.jinja"],
+    "openchat": ["openchat-openchat-3.5-0106.jinja"],
 }
 
 #: Template variables transformers would pass from each family's tokenizer
@@ -138,6 +139,7 @@ VARIABLES: dict[str, dict[str, str]] = {
                      "eos_token": "<\uff5cend\u2581of\u2581sentence\uff5c>"},
     "deepseek-coder": {"bos_token": "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
                        "eos_token": "<|EOT|>"},
+    "openchat": {"bos_token": "<s>", "eos_token": "<|end_of_turn|>"},
 }
 
 MARK = {"pass": "✓", "fail": "✗", "skip": "–", "deviation": "✓†"}
