@@ -110,6 +110,8 @@ TEMPLATES: dict[str, list[str]] = {
     "deepseek-coder": ["deepseek-ai-deepseek-coder-33b-instruct.jinja"],
     "exaone": ["LGAI-EXAONE-EXAONE-3.5-7.8B-Instruct.jinja"],
     "openchat": ["openchat-openchat-3.5-0106.jinja"],
+    "chatglm3": ["THUDM-chatglm3-6b.jinja"],
+    "glm-edge": ["THUDM-glm-edge-1.5b-chat.jinja"],
 }
 
 #: Template variables transformers would pass from each family's tokenizer
