@@ -554,7 +554,8 @@ def resolve_paths(paths: Sequence[str]) -> list[Path]:
     for s in paths:
         p = Path(s)
         if p.is_dir():
-            found = sorted(list(p.glob("*.yaml")) + list(p.glob("*.yml")))
+            found = sorted(q for q in list(p.glob("*.yaml")) + list(p.glob("*.yml"))
+                           if not q.name.endswith(".tests.yaml"))  # test facts, not specs
             if not found:
                 raise ChatGrammarError(f"no *.yaml files in directory {p}")
             out.extend(found)

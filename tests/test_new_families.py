@@ -1,0 +1,149 @@
+"""The families bundled for issue 11 §2, checked from their data: ``formats/<name>.tests.yaml``.
+
+For every family in :data:`FAMILIES`, every template its ``.tests.yaml`` lists (under
+tests/data/templates, provenance in SOURCES.md) is checked with
+:func:`chatgrammar.conformance.check_template` over the conversation matrix — text mode and id
+mode with the one-id-per-marker tokenizer, then id mode with a tokenizer carrying the family's
+``special_ids`` at their real ids (Qwen's byte-level BPE ranks renumbered around them, so marker
+strings typed in text are ordinary BPE pieces) — and must fail no case. Detection: each template
+detects as its family; a tokenizer with the family's special ids does too when the family has a
+token detector, and families whose markers are all text (no token detector) say so.
+
+Nothing here names a template or a case: adding a family is adding its name to FAMILIES and its
+``.tests.yaml`` (the data-driven format suite reads the same files).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+import chatgrammar as cg
+from chatgrammar.conformance import check_template
+from chatgrammar.errors import DetectionError
+
+ROOT = Path(__file__).resolve().parent.parent
+FORMATS = ROOT / "formats"
+TEMPLATES = ROOT / "tests" / "data" / "templates"
+
+#: The families added by issue 11 §2 (each has formats/<name>.yaml and <name>.tests.yaml).
+FAMILIES = ("llama2", "zephyr", "tulu", "deepseek-llm", "deepseek-coder", "exaone",
+            "openchat", "chatglm3", "glm-edge")
+
+
+def _facts(name: str) -> dict:
+    return yaml.safe_load((FORMATS / f"{name}.tests.yaml").read_text(encoding="utf-8")) or {}
+
+
+def _template_params():
+    out = []
+    for name in FAMILIES:
+        for t in _facts(name).get("templates", []):
+            out.append(pytest.param(name, t["file"], t.get("vars") or {},
+                                    id=f"{name}-{t['file']}"))
+    return out
+
+
+@lru_cache(maxsize=None)
+def _encoding(name: str):
+    """Qwen's BPE with the family's special ids at their real ids (ordinary ranks renumbered
+    around them: the order of merges, hence every tokenisation of text, is Qwen's)."""
+    import tiktoken
+
+    from tests.tokenizers import QWEN_PATTERN, QWEN_TIKTOKEN
+    from tiktoken.load import load_tiktoken_bpe
+
+    specials = {str(k): int(v) for k, v in (_facts(name).get("special_ids") or {}).items()}
+    taken = set(specials.values())
+    assert len(taken) == len(specials), f"{name}: two special tokens share an id"
+    ranks, next_id = {}, 0
+    for piece, _ in sorted(load_tiktoken_bpe(str(QWEN_TIKTOKEN)).items(), key=lambda kv: kv[1]):
+        while next_id in taken:
+            next_id += 1
+        ranks[piece] = next_id
+        next_id += 1
+    return tiktoken.Encoding(name=f"{name}-test", pat_str=QWEN_PATTERN, mergeable_ranks=ranks,
+                             special_tokens=specials)
+
+
+def _chars(spans) -> set[int]:
+    return {i for a, b in spans for i in range(a, b)}
+
+
+def _failures(res, accepted: dict) -> list[str]:
+    """Failing cases that are not accepted. An accepted case (``accepted:`` of the .tests.yaml,
+    with its reason) may fail only by not parsing — a located ParseError, never a wrong mask —
+    or by training whitespace the template writes where the model's output would start
+    (nothing else: no word of another message)."""
+    assert res.error is None, res.error
+    out = []
+    for c in res.cases:
+        if c.status != "fail":
+            continue
+        if c.case in accepted:
+            if "does not parse" in c.reason:
+                continue
+            extra = _chars(c.found) ^ _chars(c.expected)
+            assert c.text is not None and extra and all(c.text[i].isspace() for i in extra), (
+                f"{c.case}: accepted, but {c.reason}")
+            continue
+        out.append(f"{c.case}: {c.reason}")
+    return out
+
+
+@pytest.mark.parametrize("name,template,variables", _template_params())
+def test_template_conformance(name, template, variables):
+    """Text mode and id mode (one id per marker) train exactly the assistant output."""
+    res = check_template(cg.load_format(name), (TEMPLATES / template).read_text(encoding="utf-8"),
+                         name=template, variables=variables)
+    assert not _failures(res, _facts(name).get("accepted") or {})
+    assert res.counts()["pass"] > 0
+
+
+@pytest.mark.parametrize("name,template,variables", _template_params())
+def test_template_conformance_real_ids(name, template, variables):
+    """Id mode with the family's real special ids agrees with text mode."""
+    if not _facts(name).get("special_ids"):
+        pytest.skip("no special ids recorded")
+    res = check_template(cg.load_format(name), (TEMPLATES / template).read_text(encoding="utf-8"),
+                         name=template, variables=variables, tokenizer=_encoding(name),
+                         tokenizer_name=f"{name} special ids")
+    assert not _failures(res, _facts(name).get("accepted") or {})
+
+
+@pytest.mark.parametrize("name,template,variables", _template_params())
+def test_template_detects_as_family(name, template, variables):
+    src = (TEMPLATES / template).read_text(encoding="utf-8")
+    assert cg.detect_format(chat_template=src).name == name
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tokenizer_detection(name):
+    """A tokenizer with the family's special ids detects as the family. A family whose turn
+    markers are all text has no token detector: its tokenizer alone is never detected as it
+    (it is not detected, or as the family whose special tokens the vocabulary carries)."""
+    fmt = cg.load_format(name)
+    d = fmt.spec.detect
+    enc = _encoding(name)
+    if d.require or d.require_any:
+        assert cg.detect_format(enc).name == name
+    else:
+        try:
+            got = cg.detect_format(enc).name
+        except DetectionError:
+            got = None
+        assert got != name
+
+
+@pytest.mark.parametrize("name,template,variables", _template_params())
+def test_tokenizer_with_template_never_detects_another_family(name, template, variables):
+    """The family's tokenizer together with its own template: the family, or a
+    DetectionError (template-only families), never another format."""
+    src = (TEMPLATES / template).read_text(encoding="utf-8")
+    try:
+        got = cg.detect_format(_encoding(name), chat_template=src).name
+    except DetectionError:
+        return
+    assert got == name
