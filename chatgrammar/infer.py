@@ -244,6 +244,8 @@ class _Shape:
     think: tuple | None = None                     # (open, close)
     call: tuple | None = None                      # (open, close or None, inner markers)
     tool_head: str | None = None
+    glue: list = field(default_factory=list)       # markers seen before some headers
+    renders: list = field(default_factory=list)    # every probe rendering
     after_tool_head: str | None = None
     notes: list = field(default_factory=list)
 
@@ -265,18 +267,42 @@ def _split_term(lex: _Lexicon, term: str) -> tuple[str, str]:
     return term[:cut], term[cut:]
 
 
-def _one(values: dict, role: str, what: str) -> str | None:
+def _one(lex: _Lexicon, values: dict, role: str, what: str, suffix: bool) -> tuple:
+    """The part every rendering of a role's header (``suffix``: the common tail, what is
+    before it being the previous turn's end) or terminator (the common head) shares, and the
+    pieces some renderings add to it."""
     seen = values.get(role)
     if not seen:
-        return None
+        return None, []
     uniq = list(dict.fromkeys(t for t, _ in seen))
-    if len(uniq) > 1:
+    if len(uniq) == 1:
+        return uniq[0], []
+    rev = (lambda t: t[::-1]) if suffix else (lambda t: t)
+    common = rev(os.path.commonprefix([rev(t) for t in uniq]))
+    # never cut inside a marker
+    ref = uniq[0]
+    cut = len(ref) - len(common) if suffix else len(common)
+    bounds = [0]
+    for _, p in lex.pieces(ref):
+        bounds.append(bounds[-1] + len(p))
+    if suffix:
+        cut = min((b for b in bounds if b >= cut), default=len(ref))
+        common = ref[cut:]
+    else:
+        cut = max((b for b in bounds if b <= cut), default=0)
+        common = ref[:cut]
+    extra = []
+    for t in uniq:
+        rest = t[:len(t) - len(common)] if suffix else t[len(common):]
+        extra.extend(p for m, p in lex.pieces(rest) if m)
+    if suffix and any(not m and p.strip() for t in uniq
+                      for m, p in lex.pieces(t[:len(t) - len(common)])):
         a, b = uniq[0], uniq[1]
         wa = next(w for t, w in seen if t == a)
         wb = next(w for t, w in seen if t == b)
         raise InferenceError(f"{role} turns render {what} differently: {a!r} ({wa}) vs {b!r} "
                              f"({wb})", where=f"probes {wa}, {wb}")
-    return uniq[0]
+    return common, extra
 
 
 def _collect(lex: _Lexicon, located: list[_Msg], shape: str, heads: dict, terms: dict,
@@ -333,11 +359,12 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
                              "the template never emits an assistant turn",
                              where="probes " + ", ".join(_BASIC))
     for role in ("user", "assistant"):
-        h = _one(heads, role, "their header")
+        h, extra = _one(lex, heads, role, "their header", suffix=role != "assistant")
         if h is not None:
             sh.heads[role] = h
+            sh.glue.extend(extra)
     for role in ("system", "user", "assistant"):
-        t = _one(terms, role, "their terminator")
+        t, _ = _one(lex, terms, role, "their terminator", suffix=False)
         if t is not None:
             sh.terms[role] = t
     for role, vals in first.items():
@@ -437,6 +464,8 @@ def _reasoning(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
 
 def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
     """The tool-call wrapper and the tool turn's header, from a call, its result, an answer."""
+    probe.render([_u(U1), _a(A1)], tools=_TOOLS, shape="tools-declared")
+    probe.render([_s(SYS), _u(U1), _a(A1)], tools=_TOOLS, shape="tools-declared")
     msgs = [_u(U1), _a("", tool_calls=[_call()]),
             {"role": "tool", "tool_call_id": "call00001", "name": FN, "content": TR1},
             _a(A2)]
@@ -453,7 +482,9 @@ def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
     t = R.find(TR1)
     if 0 <= f < v < t:
         start = R.find(h_a, u_end) + len(h_a) if h_a and R.find(h_a, u_end) >= 0 else u_end
-        x = [p for m, p in lex.pieces(R[start:f]) if m]
+        struct = {p for t in list(sh.heads.values()) + list(sh.terms.values())
+                  + list(sh.first.values()) for m, p in lex.pieces(t) if m}
+        x = [p for m, p in lex.pieces(R[start:f]) if m and p not in struct]
         if sh.think and sh.think[1] in x:
             x = x[x.index(sh.think[1]) + 1:]
         closes = {p for m, p in lex.pieces(sh.terms.get("assistant", "")) if m}
@@ -464,7 +495,7 @@ def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
                 break
             if m:
                 y.append(p)
-        inner = [p for m, p in lex.pieces(R[f:v]) if m]
+        inner = [p for m, p in lex.pieces(R[f:v]) if m and p not in struct]
         if x:
             ends = y[-1] if y else None
             sh.call = (x[0], ends, tuple(dict.fromkeys(x[1:] + inner + y[:-1])))
@@ -547,7 +578,22 @@ def _term_parts(lex: _Lexicon, term: str | None) -> tuple[list, bool]:
     return marks, ws
 
 
-def _role_names(roles: dict, lex: _Lexicon, where: str) -> tuple[str, str, dict, str | None]:
+def _more_names(renders: list, opener: str, kind: str, sep: str, known: set) -> list[str]:
+    """Role names the renders write after ``opener`` that no probed role has (Kimi's
+    ``tool_declare``, Granite's ``available_tools``): turns of their own, never trained."""
+    body = r"([A-Za-z_][^\n<>|]{0,40}?)" if kind == "until_text" else r"([^<>\n]{0,64}?)"
+    rx = re.compile(re.escape(opener) + body + re.escape(sep))
+    out: list[str] = []
+    for text in renders:
+        for m in rx.finditer(text):
+            n = m.group(1)
+            if n and n not in known and n not in out and not any(s in n for s in _ALL):
+                out.append(n)
+    return out
+
+
+def _role_names(roles: dict, lex: _Lexicon, where: str, opener: str = "",
+                renders: list | None = None) -> tuple[str, str, dict, str | None]:
     """For roles sharing an opener, headers ``NAME<sep>`` or ``NAME<marker>``: the header
     form (``until_text`` separator or ``until`` marker), the pattern, the aliases, the lead."""
     rests = {r: h.rest for r, h in roles.items()}
@@ -572,7 +618,7 @@ def _role_names(roles: dict, lex: _Lexicon, where: str) -> tuple[str, str, dict,
             raise InferenceError(f"roles {', '.join(roles)} share the opener and their "
                                  f"headers {sorted(texts.values())} end with no common "
                                  "separator", where=where)
-        names = {r: t[:len(t) - len(sep)] for r, t in texts.items()}
+        names = {r: t[:t.index(sep)] for r, t in texts.items()}
         kind, lead = "until_text", None
     else:
         raise InferenceError(f"the headers of roles {', '.join(roles)} have no common form: "
@@ -580,6 +626,12 @@ def _role_names(roles: dict, lex: _Lexicon, where: str) -> tuple[str, str, dict,
                                          for r, h in roles.items()), where=where)
     by_name: dict[str, str] = {}
     dup: list[str] = []
+    generic = False
+    for r, n in list(names.items()):
+        if FN in n:   # the tool's name is the role (Kimi-K2-Thinking's tool results)
+            generic = True
+            dup.append(r)
+            del names[r]
     for r, n in names.items():
         if not n or not re.fullmatch(r"[^\n]{1,64}", n):
             raise InferenceError(f"the {r} header's role name {n!r} cannot be read",
@@ -591,7 +643,12 @@ def _role_names(roles: dict, lex: _Lexicon, where: str) -> tuple[str, str, dict,
             dup.append(r)
             continue
         by_name.setdefault(n, r)
+    for n in _more_names(renders or [], opener, kind, sep, set(by_name)):
+        if n != "assistant":
+            by_name[n] = n
     alts = "|".join(re.escape(n) for n in sorted(by_name, key=len, reverse=True))
+    if generic:
+        alts += r"|(?!assistant\b)[A-Za-z_][\w.:-]{0,63}"
     pattern = f"(?P<role>{alts})" + (re.escape(sep) if kind == "until_text" else "")
     aliases = {n: r for n, r in by_name.items() if n != r}
     return kind, sep, {"pattern": pattern, "aliases": aliases, "dup": dup}, lead
@@ -624,6 +681,10 @@ def _heads(lex: _Lexicon, sh: _Shape, h_a: str) -> tuple[dict, list, bool]:
     preamble: list = []
     if "system" in sh.first:
         c = _cut_head(lex, sh.first["system"], openers)
+        no_close = not _term_parts(lex, sh.terms.get("system"))[0]
+        if c.opener is not None and c.opener not in openers and not c.rest and no_close \
+                and c.opener not in lex.extra:
+            c = _Head(c.glue + [c.opener], None, [])
         if c.opener is None or (c.opener not in openers and c.opener in lex.extra
                                 and not c.rest):
             bare = True
@@ -702,7 +763,7 @@ def _turn_element(plan: _Plan, lex: _Lexicon, sh: _Shape, opener: str,
             el["lead"] = rest[0][1]
     else:
         name = "turn"
-        kind, sep, pat, lead = _role_names(roles, lex, where)
+        kind, sep, pat, lead = _role_names(roles, lex, where, opener, sh.renders)
         el["header"] = {kind: plan.m(sep) if kind == "until" else sep,
                         "pattern": pat["pattern"], "max_tokens": 32}
         plan.aliases.update(pat["aliases"])
@@ -770,7 +831,20 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
                     raise InferenceError("a turn before a headerless assistant reply has no "
                                          "terminator to end at", where=f"element {ename}")
                 el["follow"] = "reply"
-    glue = [g for g in dict.fromkeys(glue)]
+    structural = set()
+    for el in plan.elements.values():
+        o = el.get("open")
+        structural.update([o] if isinstance(o, str) else o or [])
+        for h in (el.get("header") or {}, (el.get("close") or {}).get("header") or {}):
+            if h.get("until"):
+                structural.add(h["until"])
+        structural.update((el.get("close") or {}).get("markers", []))
+        structural.update((el.get("close") or {}).get("after", []))
+    loose = [n for n in plan.names.by_text.values() if n not in structural]
+    for ename, el in plan.elements.items():
+        if (ename in plan.top or ename == "reply") and loose:
+            el["inner_markers"] = list(loose)
+    glue = [g for g in dict.fromkeys(glue + sh.glue)]
     closing = [c for c in sh.closing if lex.pieces(c) and all(m for m, _ in lex.pieces(c))]
     betweens = list(dict.fromkeys(glue + [p for c in closing for _, p in lex.pieces(c)]))
     preamble = [p for p in preamble if p not in betweens]
@@ -913,6 +987,7 @@ def _shape(probe: _Probe, lex: _Lexicon) -> tuple[_Shape, str]:
     h_a = _assistant_header(lex, sh, g)
     _reasoning(probe, lex, sh, h_a)
     _tools(probe, lex, sh, h_a)
+    sh.renders = [t for t in probe.cache.values() if t]
     if sh.after_tool_head is not None and sh.after_tool_head.strip() != h_a.strip() \
             and sh.heads.get("assistant", "").strip() != sh.after_tool_head.strip():
         sh.notes.append(f"assistant turns render differently after a tool turn: "
