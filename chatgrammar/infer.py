@@ -45,7 +45,7 @@ _MARKERISH = re.compile(
     r"|<</?[A-Z_]{1,16}>>"                       # <<SYS>>
     r"|</?[A-Za-z_][\w:.\-]{0,40}\|?>"           # <s>, </s>, <think>, <start_of_turn>, <turn|>
     r"|<\|?[A-Za-z_][\w:.\-]{0,40}>"             # <|turn>
-    r"|\[/?[A-Z][A-Z_]{1,30}\]"                  # [INST], [/INST], [TOOL_CALLS]
+    r"|\[/?[A-Za-z][A-Za-z_]{1,30}\]"            # [INST], [/INST], [TOOL_CALLS], [gMASK]
 )
 _SPECIAL_SHAPE = re.compile(r"<\|[^<>|\s]{0,48}\|>|<｜[^<>\s]{1,48}｜>")
 _THINK_ON = {"enable_thinking": True, "thinking": True}
@@ -244,20 +244,23 @@ class _Shape:
     think: tuple | None = None                     # (open, close)
     call: tuple | None = None                      # (open, close or None, inner markers)
     tool_head: str | None = None
+    decl: tuple | None = None                      # a tool-declaration block (open, close)
     glue: list = field(default_factory=list)       # markers seen before some headers
     renders: list = field(default_factory=list)    # every probe rendering
+    opening: set = field(default_factory=set)      # markers that start a header
     after_tool_head: str | None = None
     notes: list = field(default_factory=list)
 
 
-def _split_term(lex: _Lexicon, term: str) -> tuple[str, str]:
+def _split_term(lex: _Lexicon, term: str, opening: set = frozenset()) -> tuple[str, str]:
     """A terminator as ``[text] markers [whitespace]``, and what follows it (the next turn's
-    header, printed by this turn)."""
+    header, printed by this turn: from a marker that starts headers, ``opening``)."""
     ps = lex.pieces(term)
     k = 0
     if k < len(ps) and not ps[k][0] and k + 1 < len(ps):
         k += 1                                  # text before the close marker (body)
-    while k < len(ps) and ps[k][0]:
+    k0 = k
+    while k < len(ps) and ps[k][0] and (k == k0 or ps[k][1] not in opening):
         k += 1
     if k < len(ps) and not ps[k][0] and not ps[k][1].strip():
         k += 1
@@ -306,7 +309,7 @@ def _one(lex: _Lexicon, values: dict, role: str, what: str, suffix: bool) -> tup
 
 
 def _collect(lex: _Lexicon, located: list[_Msg], shape: str, heads: dict, terms: dict,
-             first: dict, last_terms: dict) -> None:
+             first: dict, last_terms: dict, opening: set = frozenset()) -> None:
     """Heads and terms of one probe's messages, with a header printed by the previous turn
     moved to the turn it opens."""
     carry = ""
@@ -324,7 +327,7 @@ def _collect(lex: _Lexicon, located: list[_Msg], shape: str, heads: dict, terms:
             continue
         if located[k + 1].index != m.index + 1:
             continue  # messages in between are not located: no terminator to tell
-        term, carry = _split_term(lex, m.term)
+        term, carry = _split_term(lex, m.term, opening)
         terms.setdefault(m.role, []).append((term, shape))
 
 
@@ -340,16 +343,23 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
     terms: dict = {}
     first: dict = {}
     last: dict = {}
-    seen_any = False
+    runs = []
     for name, msgs in _BASIC.items():
         R = probe.render(msgs, shape=name)
-        if R is None:
-            continue
-        seen_any = True
-        located = _locate(probe, msgs, R, name)
+        if R is not None:
+            runs.append((name, _locate(probe, msgs, R, name)))
+    seen_any = bool(runs)
+    opening = set()   # markers that start a header (where a turn prints the next one's)
+    for _, located in runs:
+        for m in located[1:]:
+            ps = lex.pieces((m.head or "").lstrip())
+            if ps and ps[0][0]:
+                opening.add(ps[0][1])
+    sh.opening = opening
+    for name, located in runs:
         if name.startswith("s-") and not any(m.role == "system" for m in located):
             sh.notes.append("the system message is folded into a later turn")
-        _collect(lex, located, name, heads, terms, first, last)
+        _collect(lex, located, name, heads, terms, first, last, opening)
     if not seen_any:
         why = "; ".join(f"{k}: {v}" for k, v in probe.rejected.items())
         raise InferenceError(f"the template rejects every basic conversation ({why})",
@@ -382,16 +392,15 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
 
 
 def _snap(lex: _Lexicon, text: str, at: int, lo: int = 0) -> int:
-    """The largest piece boundary of ``text`` at or before ``at`` (never inside a marker)."""
+    """``at``, moved back to the start of the marker it falls inside (never below ``lo``)."""
     pos = 0
-    best = lo
-    for _, p in lex.pieces(text):
-        if pos > at:
-            break
-        if pos >= lo:
-            best = pos
+    for is_marker, p in lex.pieces(text):
+        if pos < at < pos + len(p) and is_marker:
+            return max(pos, lo)
         pos += len(p)
-    return at if pos == at else best if pos > at else at
+        if pos >= at:
+            break
+    return at
 
 
 _GEN = {
@@ -431,11 +440,14 @@ def _assistant_header(lex: _Lexicon, sh: _Shape, g: str | None) -> str:
     g = (g or "").lstrip()
     head_ws = head[:len(head) - len(head.lstrip())]
     body = head[len(head_ws):]
-    if not g:
+    if not g or body.endswith(g):
         return body
     if body.startswith(g) or g.startswith(body):
         return g if body.startswith(g) else body
     cut = _snap(lex, body, len(os.path.commonprefix([body, g])))
+    ps = lex.pieces(body[:cut])
+    while ps and ps[-1][0]:
+        cut -= len(ps.pop()[1])   # a marker where they part opens the body (a prefill)
     sh.notes.append(f"the generation prompt {g!r} differs from the assistant header {body!r}: "
                     f"header taken as {body[:cut]!r}")
     return body[:cut]
@@ -460,6 +472,26 @@ def _reasoning(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
         else:
             sh.notes.append("reasoning is rendered without markers: it trains as content")
         return
+    for g in sh.gens:  # an empty think block in a generation prompt (thinking switched off)
+        tail = [p for m, p in lex.pieces(g[len(h_a):]) if m] if g.startswith(h_a) else []
+        if len(tail) >= 2 and tail[1] == _mirror(tail[0]):
+            sh.think = (tail[0], tail[1])
+            sh.notes.append("the think block is known from the generation prompt only")
+            return
+
+
+def _mirror(marker: str) -> str:
+    """The closing twin of an opening marker: ``<x>``/``</x>``, ``[X]``/``[/X]``,
+    ``…begin…``/``…end…``, ``…start…``/``…end…``, ``…open…``/``…close…``."""
+    for a, b in (("begin", "end"), ("start", "end"), ("open", "close"), ("BEGIN", "END"),
+                 ("START", "END")):
+        if a in marker:
+            return marker.replace(a, b)
+    if marker.startswith("<") and not marker.startswith("</"):
+        return "</" + marker[1:]
+    if marker.startswith("[") and not marker.startswith("[/"):
+        return "[/" + marker[1:]
+    return ""
 
 
 def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
@@ -476,6 +508,19 @@ def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
     if R is None or TR1 not in R or A2 not in R:
         sh.notes.append("no tool-call probe renders: tool calls are left to verification")
         return
+    # the tool turn and the answer after it
+    located = _locate(probe, msgs, R, "tool-call", tools=_TOOLS)
+    heads: dict = {}
+    terms: dict = {}
+    first: dict = {}
+    last: dict = {}
+    _collect(lex, located, "tool-call", heads, terms, first, last, sh.opening)
+    if heads.get("tool"):
+        sh.tool_head = heads["tool"][0][0]
+    if terms.get("tool"):
+        sh.terms.setdefault("tool", terms["tool"][0][0])
+    if heads.get("assistant"):
+        sh.after_tool_head = heads["assistant"][-1][0]
     u_end = R.find(U1) + len(U1)
     f = R.find(FN, u_end)
     v = R.rfind(ARGV, 0, R.find(TR1))
@@ -483,7 +528,8 @@ def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
     if 0 <= f < v < t:
         start = R.find(h_a, u_end) + len(h_a) if h_a and R.find(h_a, u_end) >= 0 else u_end
         struct = {p for t in list(sh.heads.values()) + list(sh.terms.values())
-                  + list(sh.first.values()) for m, p in lex.pieces(t) if m}
+                  + list(sh.first.values()) + [sh.tool_head or ""]
+                  for m, p in lex.pieces(t) if m}
         x = [p for m, p in lex.pieces(R[start:f]) if m and p not in struct]
         if sh.think and sh.think[1] in x:
             x = x[x.index(sh.think[1]) + 1:]
@@ -491,27 +537,40 @@ def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
         tail = lex.pieces(R[v + len(ARGV):t])
         y: list[str] = []
         for m, p in tail:
-            if m and p in closes:
+            if m and (p in closes or p in struct):
                 break
             if m:
                 y.append(p)
         inner = [p for m, p in lex.pieces(R[f:v]) if m and p not in struct]
         if x:
-            ends = y[-1] if y else None
-            sh.call = (x[0], ends, tuple(dict.fromkeys(x[1:] + inner + y[:-1])))
-    # the tool turn and the answer after it
-    located = _locate(probe, msgs, R, "tool-call", tools=_TOOLS)
-    heads: dict = {}
-    terms: dict = {}
-    first: dict = {}
-    last: dict = {}
-    _collect(lex, located, "tool-call", heads, terms, first, last)
-    if heads.get("tool"):
-        sh.tool_head = heads["tool"][0][0]
-    if terms.get("tool"):
-        sh.terms.setdefault("tool", terms["tool"][0][0])
-    if heads.get("assistant"):
-        sh.after_tool_head = heads["assistant"][-1][0]
+            mirror = _mirror(x[0])
+            ends = mirror if mirror in y else y[-1] if y else None
+            sh.call = (x[0], ends, tuple(dict.fromkeys(x[1:] + inner
+                                                       + [q for q in y if q != ends])))
+    _declarations(probe, lex, sh)
+
+
+def _declarations(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
+    """A tool-declaration block of its own (Mistral's ``[AVAILABLE_TOOLS]…[/AVAILABLE_TOOLS]``):
+    what declaring tools inserts, when it is wrapped in markers no turn uses."""
+    msgs = [_u(U1), _a(A1)]
+    r0 = probe.render(msgs, shape="tools-declared")
+    r1 = probe.render(msgs, tools=_TOOLS, shape="tools-declared")
+    if r0 is None or r1 is None or r0 == r1:
+        return
+    cp = len(os.path.commonprefix([r0, r1]))
+    cs = len(os.path.commonprefix([r0[cp:][::-1], r1[cp:][::-1]]))
+    ps = lex.pieces(r1[_snap(lex, r1, cp):len(r1) - cs])
+    marks = [p for m, p in ps if m]
+    struct = {p for t in list(sh.heads.values()) + list(sh.terms.values())
+              + list(sh.first.values()) for m, p in lex.pieces(t) if m}
+    new = [p for p in marks if p not in struct]
+    before = [q for q in lex.pieces(r1[:_snap(lex, r1, cp)].rstrip()) if q[1]]
+    if before and not before[-1][0]:
+        return  # inside a turn's text (Qwen's <tools> in the system prompt)
+    lead = [q for q in ps if q[1].strip()]
+    if len(new) >= 2 and _mirror(new[0]) in new and lead and lead[0] == (True, new[0]):
+        sh.decl = (new[0], _mirror(new[0]))
 
 
 # -------------------------------------------------------------------------------- design
@@ -808,6 +867,11 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
         glue.extend(g for g in c.glue if g not in preamble or r != "system")
         groups.setdefault(c.opener, {})[r] = c
     for opener, roles in groups.items():
+        if "tool" in roles and len(roles) > 1 and ("assistant" in roles or opener is None):
+            # tool results rendered like assistant turns: no spec can tell them apart (the
+            # tool cases of the matrix then fail verification, with that reason)
+            sh.notes.append("tool results are rendered with the assistant's header")
+            roles = {r: c for r, c in roles.items() if r != "tool"}
         if opener is not None:
             ename, el = _turn_element(plan, lex, sh, opener, roles)
             plan.elements[ename] = el
@@ -821,6 +885,10 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
             raise InferenceError("assistant turns have neither a header nor a terminator",
                                  where="role headers")
         plan.elements["reply"] = {"role": "assistant", "close": close}
+    if sh.decl:
+        plan.elements["tool_declarations"] = {"open": plan.m(sh.decl[0]), "role": "system",
+                                              "close": {"markers": [plan.m(sh.decl[1])]}}
+        plan.top.append("tool_declarations")
     children = _blocks(plan, sh)
     for ename, el in plan.elements.items():
         if ename in plan.top or ename == "reply":
@@ -996,13 +1064,21 @@ def _shape(probe: _Probe, lex: _Lexicon) -> tuple[_Shape, str]:
 
 
 def _variants(spec: dict) -> list[dict]:
-    """The designed spec, then the cheap alternatives (between-turn text or not)."""
+    """The designed spec, then the cheap alternatives: between-turn text or not; whitespace
+    before a turn's opener absorbed by it (``lstrip``) instead."""
     out = [spec]
     alt = json.loads(json.dumps(spec))
     if "between" in alt:
         del alt["between"]
     else:
         alt["between"] = "\\s*"
+    out.append(alt)
+    alt = json.loads(json.dumps(spec))
+    alt.pop("between", None)
+    for name in alt["top"]:
+        o = alt["elements"][name].get("open")
+        for m in [o] if isinstance(o, str) else o or []:
+            alt["markers"][m]["lstrip"] = True
     out.append(alt)
     return out
 
