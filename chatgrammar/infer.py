@@ -867,7 +867,8 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
         glue.extend(g for g in c.glue if g not in preamble or r != "system")
         groups.setdefault(c.opener, {})[r] = c
     for opener, roles in groups.items():
-        if "tool" in roles and len(roles) > 1 and ("assistant" in roles or opener is None):
+        if "tool" in roles and "assistant" in roles and (
+                opener is None or roles["tool"].rest == roles["assistant"].rest):
             # tool results rendered like assistant turns: no spec can tell them apart (the
             # tool cases of the matrix then fail verification, with that reason)
             sh.notes.append("tool results are rendered with the assistant's header")
@@ -1000,9 +1001,32 @@ def _from_yaml(text: str, verification: Verification | None = None) -> InferredF
     return fmt
 
 
+class _Dumper(yaml.SafeDumper):
+    """Readable YAML: strings with control characters double-quoted on one line, markers as
+    flow mappings."""
+
+
+def _str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    if any(c in data for c in "\n\t\r") or data != data.strip():
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style='"')
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data)
+
+
+_Dumper.add_representer(str, _str)
+
+
 def _emit(spec: dict, header: str) -> str:
-    body = yaml.safe_dump(spec, sort_keys=False, allow_unicode=True, width=100)
-    return header + body
+    markers = spec.pop("markers")
+    body = yaml.dump(spec, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
+    lines = ["markers:"]
+    for name, m in markers.items():
+        flow = yaml.dump(m, Dumper=_Dumper, default_flow_style=True, allow_unicode=True,
+                         sort_keys=False, width=10 ** 6).strip()
+        lines.append(f"  {name}: {flow}")
+    spec["markers"] = markers
+    head, rest = body.split("elements:", 1)
+    text = header + head + "\n".join(lines) + "\nelements:" + rest
+    return text if text.endswith("\n") else text + "\n"
 
 
 def _verify(fmt: Format, template: str, variables: dict, tokenizer: Any,
@@ -1104,7 +1128,8 @@ def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> Inferre
         res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT)
         if fails:
             c = fails[0]
-            first_problem = first_problem or InferenceError(
+            first_problem = (first_problem if first_problem and first_problem.where != "compile"
+                             else None) or InferenceError(
                 f"the inferred spec fails matrix case {c.case!r}: {c.reason}"
                 + (f" [{len(fails) - 1} more case(s) fail]" if len(fails) > 1 else ""),
                 where=f"case {c.case}", details=c.details + "\n\n" + text)
