@@ -1199,3 +1199,54 @@ def infer_format(chat_template: str, *, tokenizer: Any = None, **template_kwargs
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     return fmt
+
+
+def template_of(tokenizer: Any) -> str | None:
+    """A tokenizer's own chat template (the ``default`` one of a named set), or None."""
+    t = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    t = t.get("default") if isinstance(t, dict) else t
+    return t if isinstance(t, str) and t.strip() else None
+
+
+def resolve_format(tokenizer: Any = None, *, chat_template: str | None = None,
+                   **template_kwargs: Any) -> tuple[Format, str]:
+    """The bundled format detected for a tokenizer / template, else one inferred.
+
+    What ``chatgrammar mask -f auto``, ``chatgrammar detect`` and ``chatgrammar.hf.map_fn``
+    (``fmt="auto"``) use.
+
+    Args:
+        tokenizer: the tokenizer (its special tokens and its own chat template), or None.
+        chat_template: the chat template (default: the tokenizer's).
+        **template_kwargs: template variables for inference.
+
+    Returns:
+        ``(format, how)``: ``how`` is ``"detected"`` (a bundled or plugin format) or
+        ``"inferred"`` (:func:`infer_format`; the format's ``verification`` says how it was
+        checked).
+
+    Raises:
+        DetectionError: nothing is detected and there is no template to infer from.
+        InferenceError: nothing is detected and the template cannot be captured (the message
+            says both).
+
+    Example:
+        >>> fmt, how = resolve_format(chat_template=open("vicuna.jinja").read())  # doctest: +SKIP
+        >>> how                                                                   # doctest: +SKIP
+        'inferred'
+    """
+    from .detect import detect_format
+    from .errors import DetectionError
+
+    try:
+        return detect_format(tokenizer, chat_template=chat_template), "detected"
+    except DetectionError as exc:
+        template = chat_template or template_of(tokenizer)
+        if template is None:
+            raise
+        why = str(exc).splitlines()[0]
+    try:
+        return infer_format(template, tokenizer=tokenizer, **template_kwargs), "inferred"
+    except InferenceError as exc:
+        raise InferenceError(f"no bundled format ({why}); and inference fails: {exc.message}",
+                             where=exc.where, details=exc.details) from None
