@@ -85,6 +85,7 @@ class _Probe:
         self.cache: dict[str, str | None] = {}
         self.rejected: dict[str, str] = {}
         self.parts = False  # content given as a list of text parts
+        self.tools: list | None = None  # tools always declared (a template that needs them)
 
     def content(self, m: dict) -> dict:
         if self.parts and isinstance(m.get("content"), str) and m["content"]:
@@ -94,6 +95,7 @@ class _Probe:
     def render(self, msgs: list[dict], *, agp: bool = False, tools: list | None = None,
                extra: dict | None = None, shape: str = "") -> str | None:
         msgs = [self.content(m) for m in msgs]
+        tools = tools if tools is not None else self.tools
         key = json.dumps([msgs, agp, tools, extra, self.parts], sort_keys=True)
         if key in self.cache:
             return self.cache[key]
@@ -165,9 +167,13 @@ def _locate(probe: _Probe, msgs: list[dict], R: str, shape: str, **kw: Any) -> l
         if own is not None and own.startswith(R[:prev.end]):
             t = own[prev.end:]
             split = len(os.path.commonprefix([t, gap]))
-        else:
-            split = _split_guess(gap)
-        prev.term, cur.head = gap[:split], gap[split:]
+            split = min(_snap(_PLAIN, t, split), _snap(_PLAIN, gap, split))
+            # what only the shorter rendering has must be a closing (an EOS), never text
+            if not t[split:].strip() or _MARKERISH.fullmatch(t[split:].strip()) or \
+                    _SPECIAL_SHAPE.fullmatch(t[split:].strip()):
+                prev.term, cur.head = gap[:split], gap[split:]
+        # else: the earlier messages render differently once this one exists (Qwen3's last
+        # assistant turn): where the terminator ends cannot be told from this probe
     kept[-1].term = R[kept[-1].end:]
     return kept
 
@@ -207,6 +213,9 @@ class _Lexicon:
         if tokenizer is not None:
             return marker in self.specials
         return bool(_SPECIAL_SHAPE.fullmatch(marker))
+
+
+_PLAIN = _Lexicon()
 
 
 def _tokenizer_specials(tokenizer: Any) -> frozenset:
@@ -360,6 +369,11 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
         if name.startswith("s-") and not any(m.role == "system" for m in located):
             sh.notes.append("the system message is folded into a later turn")
         _collect(lex, located, name, heads, terms, first, last, opening)
+    if not seen_any and probe.tools is None:
+        probe.tools = list(_TOOLS)   # templates that iterate over `tools` unconditionally
+        probe.cache.clear()
+        probe.rejected.clear()
+        return _basic(probe, lex, sh)
     if not seen_any:
         why = "; ".join(f"{k}: {v}" for k, v in probe.rejected.items())
         raise InferenceError(f"the template rejects every basic conversation ({why})",
@@ -517,6 +531,11 @@ def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
     _collect(lex, located, "tool-call", heads, terms, first, last, sh.opening)
     if heads.get("tool"):
         sh.tool_head = heads["tool"][0][0]
+    else:  # from the last marker before the result that starts a header
+        seg = R[:R.find(TR1)]
+        at = max((seg.rfind(o) for o in sh.opening), default=-1)
+        if at >= 0 and not any(x in seg[at:] for x in _ALL):
+            sh.tool_head = seg[at:]
     if terms.get("tool"):
         sh.terms.setdefault("tool", terms["tool"][0][0])
     if heads.get("assistant"):
