@@ -210,8 +210,11 @@ class _Lexicon:
         return out
 
     def special(self, marker: str, tokenizer: Any) -> bool:
+        """With a tokenizer: one special/added id of it. Without: shaped like ``<|…|>``."""
         if tokenizer is not None:
-            return marker in self.specials
+            from .tokenizers import adapt
+
+            return marker in self.specials or adapt(tokenizer).token_id(marker, True) is not None
         return bool(_SPECIAL_SHAPE.fullmatch(marker))
 
 
@@ -757,8 +760,20 @@ def _heads(lex: _Lexicon, sh: _Shape, h_a: str) -> tuple[dict, list, bool]:
     openers = {c.opener for c in cut.values() if c.opener}
     bare = False
     preamble: list = []
+    first_u = sh.first.get("user")
+    if first_u is not None and user and first_u.endswith(user.lstrip()):
+        pre = first_u[:len(first_u) - len(user.lstrip())]
+        ps = lex.pieces(pre)
+        if ps and all(m for m, _ in ps) and not (set(p for _, p in ps) & openers):
+            preamble = [p for _, p in ps]
+        elif ps and not any(m for m, _ in ps) and pre.strip():
+            bare = True   # a default system text, bare before the first turn
     if "system" in sh.first:
-        c = _cut_head(lex, sh.first["system"], openers)
+        head = sh.first["system"]
+        for p in preamble:   # the BOS the first turn always has
+            if head.startswith(p):
+                head = head[len(p):]
+        c = _cut_head(lex, head, openers)
         no_close = not _term_parts(lex, sh.terms.get("system"))[0]
         if c.opener is not None and c.opener not in openers and not c.rest and no_close \
                 and c.opener not in lex.extra:
@@ -766,22 +781,13 @@ def _heads(lex: _Lexicon, sh: _Shape, h_a: str) -> tuple[dict, list, bool]:
         if c.opener is None or (c.opener not in openers and c.opener in lex.extra
                                 and not c.rest):
             bare = True
-            preamble = list(c.glue)
         else:
             cut["system"] = c
-            preamble = list(c.glue)
+        preamble = list(dict.fromkeys(preamble + list(c.glue)))
     if sh.tool_head is not None and sh.tool_head.strip():
         c = _cut_head(lex, sh.tool_head, openers | {cut.get("system", cut["user"]).opener})
         if c.opener:
             cut["tool"] = c
-    first_u = sh.first.get("user")
-    if first_u is not None and user and first_u.endswith(user.lstrip()):
-        pre = first_u[:len(first_u) - len(user.lstrip())]
-        ps = lex.pieces(pre)
-        if ps and all(m for m, _ in ps) and not (set(p for _, p in ps) & openers):
-            preamble = list(dict.fromkeys(preamble + [p for _, p in ps]))
-        elif ps and not any(m for m, _ in ps) and pre.strip():
-            bare = True   # a default system text, bare before the first turn
     return cut, preamble, bare
 
 
