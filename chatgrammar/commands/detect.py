@@ -200,10 +200,9 @@ def run(args: argparse.Namespace) -> int:
             if evidence:
                 print("nothing matched; evidence per format:")
                 _print_evidence(evidence, None, "  ")
-        _err(_first_line(exc))
-        if getattr(args, "_inference_error", None):
-            _err("no format could be inferred from the template either: "
-                 + args._inference_error.splitlines()[0])
+        extra = getattr(args, "_inference_error", None)
+        _err(_first_line(exc) + ("; and no format can be inferred from the template: "
+                                 + extra.splitlines()[0] if extra else ""))
         return 1
     except TypeError as exc:  # the loaded object offers no tokenizer protocol
         _err(_first_line(exc))
