@@ -746,6 +746,7 @@ class _Plan:
     aliases: dict = field(default_factory=dict)
     between: bool = False
     follow_from: list = field(default_factory=list)   # elements the headerless reply follows
+    ws_after: dict = field(default_factory=dict)      # close marker -> whitespace after it
 
     def m(self, text: str) -> str:
         return self.names(text)
@@ -805,6 +806,11 @@ def _close(plan: _Plan, lex: _Lexicon, sh: _Shape, roles: list[str]) -> dict | N
     for r in roles:
         marks, ws = parts[r]
         plan.between = plan.between or ws
+        term = sh.terms.get(r) or ""
+        if marks and term.endswith(marks[-1] + term[term.rfind(marks[-1]) + len(marks[-1]):]):
+            tail = term[term.rfind(marks[-1]) + len(marks[-1]):]
+            if tail and not tail.strip():
+                plan.ws_after.setdefault(marks[-1], set()).add(tail)
         if primary in marks:
             marks = marks[marks.index(primary):]
         if marks:
@@ -892,8 +898,10 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
         glue.extend(g for g in c.glue if g not in preamble or r != "system")
         groups.setdefault(c.opener, {})[r] = c
     for opener, roles in groups.items():
-        if "tool" in roles and "assistant" in roles and (
-                opener is None or roles["tool"].rest == roles["assistant"].rest):
+        same = "tool" in roles and "assistant" in roles and (
+            "".join(p for _, p in roles["tool"].rest).strip()
+            == "".join(p for _, p in roles["assistant"].rest).strip())
+        if same or ("tool" in roles and "assistant" in roles and opener is None):
             # tool results rendered like assistant turns: no spec can tell them apart (the
             # tool cases of the matrix then fail verification, with that reason)
             sh.notes.append("tool results are rendered with the assistant's header")
@@ -968,6 +976,8 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
     if gens:
         spec["generation_prompt"] = gens
     spec["policy"] = {"roles": ["assistant"]}
+    spec["_ws_after"] = {plan.m(t): next(iter(w)) for t, w in plan.ws_after.items()
+                         if len(w) == 1}
     del used
     spec["markers"] = {n: {"text": t, "special": lex.special(t, tokenizer)}
                        for t, n in plan.names.by_text.items()}
@@ -1054,6 +1064,15 @@ def _emit(spec: dict, header: str) -> str:
     return text if text.endswith("\n") else text + "\n"
 
 
+def _tags(case: str) -> frozenset:
+    from .matrix import get_case
+
+    try:
+        return get_case(case).tags
+    except KeyError:
+        return frozenset()
+
+
 def _verify(fmt: Format, template: str, variables: dict, tokenizer: Any,
             timeout: float) -> tuple[Any, list]:
     from .conformance import check_template
@@ -1115,6 +1134,7 @@ def _shape(probe: _Probe, lex: _Lexicon) -> tuple[_Shape, str]:
 def _variants(spec: dict) -> list[dict]:
     """The designed spec, then the cheap alternatives: between-turn text or not; whitespace
     before a turn's opener absorbed by it (``lstrip``) instead."""
+    ws_after = spec.pop("_ws_after", {})
     out = [spec]
     alt = json.loads(json.dumps(spec))
     if "between" in alt:
@@ -1129,6 +1149,14 @@ def _variants(spec: dict) -> list[dict]:
         for m in [o] if isinstance(o, str) else o or []:
             alt["markers"][m]["lstrip"] = True
     out.append(alt)
+    if ws_after and any("close" not in alt["elements"][n] for n in alt["top"]):
+        # turns without a terminator cannot share text with between-turn whitespace: the
+        # whitespace a terminator is always followed by becomes part of it (soft)
+        alt = json.loads(json.dumps(alt))
+        for name, ws in ws_after.items():
+            alt["markers"][name]["text"] += ws
+            alt["markers"][name]["special"] = False
+        out.append(alt)
     return out
 
 
@@ -1151,6 +1179,15 @@ def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> Inferre
                 where="compile", details=text)
             continue
         res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT)
+        if fails and "tool results are rendered with the assistant's header" in sh.notes and \
+                all("tool-results" in _tags(f.case) for f in fails):
+            first_problem = InferenceError(
+                "the template renders tool results as assistant turns (with the assistant's "
+                "header): no spec can tell them apart, a tool result would train as assistant "
+                "text; refused (conversations without tool messages are captured: "
+                + ", ".join(c.case for c in res.cases if c.status == "pass") + ")",
+                where="case " + fails[0].case, details=fails[0].details + "\n\n" + text)
+            break
         if fails:
             c = fails[0]
             first_problem = (first_problem if first_problem and first_problem.where != "compile"
