@@ -367,6 +367,15 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
             ps = lex.pieces((m.head or "").lstrip())
             if ps and ps[0][0]:
                 opening.add(ps[0][1])
+    closers = set()
+    for _, located in runs:
+        for m in located:
+            ps = [q for q in lex.pieces(m.term or "") if q[1].strip()]
+            if ps and ps[0][0]:
+                closers.add(ps[0][1])
+        if located:   # the first turn's header shows every marker a header starts with
+            opening.update(p for is_m, p in lex.pieces(located[0].head or "") if is_m)
+    opening -= closers
     sh.opening = opening
     for name, located in runs:
         if name.startswith("s-") and not any(m.role == "system" for m in located):
