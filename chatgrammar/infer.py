@@ -500,8 +500,10 @@ def _reasoning(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
         return
     for g in sh.gens:  # an empty think block in a generation prompt (thinking switched off)
         tail = [p for m, p in lex.pieces(g[len(h_a):]) if m] if g.startswith(h_a) else []
-        if len(tail) >= 2 and tail[1] == _mirror(tail[0]):
-            sh.think = (tail[0], tail[1])
+        twin = _mirror(tail[0]) if tail else ""
+        if tail and twin and (tail[1:2] == [twin] or re.fullmatch(r"<\w+>", tail[0])
+                              or any(twin in r for r in probe.cache.values() if r)):
+            sh.think = (tail[0], twin)
             sh.notes.append("the think block is known from the generation prompt only")
             return
 
@@ -848,8 +850,9 @@ def _turn_element(plan: _Plan, lex: _Lexicon, sh: _Shape, opener: str,
         el["role"] = r
         rest = list(c.rest)
         if len(rest) >= 2 and not rest[0][0] and rest[1][0]:
-            el["header"] = {"until": plan.m(rest[1][1]), "pattern": re.escape(rest[0][1]),
-                            "max_tokens": 32}
+            el["header"] = {"until": plan.m(rest[1][1]), "max_tokens": 32}
+            if r == "assistant":   # other roles never train: their header may say anything
+                el["header"]["pattern"] = re.escape(rest[0][1])
             rest = rest[2:]
         elif rest and rest[0][0]:
             el["header"] = {"until": plan.m(rest[0][1]), "max_tokens": 32}
@@ -889,7 +892,8 @@ def _blocks(plan: _Plan, sh: _Shape) -> list[str]:
             el["close"] = {"markers": [plan.m(close)]}
         else:
             el["ends_with_parent"] = True
-        inner = [plan.m(x) for x in inner if x not in (open_, close)]
+            inner = (open_,) + tuple(inner)   # one block per reply: calls repeat the opener
+        inner = [plan.m(x) for x in dict.fromkeys(inner) if x != close]
         if inner:
             el["inner_markers"] = inner
         plan.elements["tool_call"] = el
