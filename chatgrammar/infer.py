@@ -704,8 +704,10 @@ def _role_names(roles: dict, lex: _Lexicon, where: str, opener: str = "",
             lead = a[2][1]
     elif all(len(rest) >= 1 and not rest[0][0] for rest in rests.values()):
         texts = {r: rest[0][1] for r, rest in rests.items()}
-        suffix = os.path.commonprefix([t[::-1] for t in texts.values()])[::-1]
-        sep = re.match(r"[^A-Za-z0-9]*", suffix[::-1]).group()[::-1]
+        # NAME then its separator: the separators' common head ends every header
+        seps = [re.match(r"[A-Za-z_][\w.\-]*([^A-Za-z0-9]*)", t) for t in texts.values()]
+        sep = os.path.commonprefix([m.group(1) for m in seps]) if all(seps) else ""
+        sep = sep if "\n" not in sep else sep[:sep.index("\n") + 1]
         if not sep:
             raise InferenceError(f"roles {', '.join(roles)} share the opener and their "
                                  f"headers {sorted(texts.values())} end with no common "
