@@ -8,13 +8,15 @@ Example:
     >>> conv.trained_text()
     ['Hello!']
 """
-from .errors import (ChatGrammarError, CompileError, DetectionError, NormError, ParseError,
-                     SpecError)
+from .errors import (ChatGrammarError, CompileError, DetectionError, InferenceError, NormError,
+                     ParseError, SpecError)
 from .format import Format
 from .policy import MaskPolicy
 from .registry import list_formats, load_format
 from .spans import Block, Conversation, Issue, Span, Turn
 from .detect import detect_format, explain_detection
+
+from .infer import infer_format
 
 from .norms import (FinalNorm, build_final_norm, explain_final_norm, final_norm_kind,
                     resolve_final_norm)
@@ -26,5 +28,5 @@ __all__ = [
     "Block", "Issue", "MaskPolicy", "resolve_final_norm", "final_norm_kind", "FinalNorm",
     "explain_final_norm", "build_final_norm",
     "ChatGrammarError", "SpecError", "CompileError", "ParseError", "DetectionError",
-    "NormError",
+    "NormError", "InferenceError", "infer_format",
 ]

@@ -181,5 +181,26 @@ class TokenizerLoadError(ChatGrammarError):
     """A tokenizer could not be loaded (missing, needs remote code, broken, no transformers)."""
 
 
+class InferenceError(ChatGrammarError):
+    """A chat template cannot be captured by an inferred format (:func:`chatgrammar.infer_format`).
+
+    Raised instead of returning a format that would be only partly right: the probes show a
+    structure the spec language cannot say, or the inferred spec fails the template's
+    conformance matrix.
+
+    Attributes:
+        message: what cannot be captured.
+        where: the probe, role or matrix case it was seen in (``"case tool-call"``), or None.
+        details: a longer explanation (the failing case's renderings), or ``""``.
+    """
+
+    def __init__(self, message: str, *, where: str | None = None, details: str = ""):
+        self.message = message
+        self.where = where
+        self.details = details
+        super().__init__(f"{message} ({where})" if where else message)
+
+
 __all__ = ["ChatGrammarError", "SpecError", "CompileError", "ParseError", "DetectionError",
-           "NormError", "PrecedenceError", "TemplateError", "RenderTimeout", "TokenizerLoadError"]
+           "NormError", "InferenceError", "PrecedenceError", "TemplateError", "RenderTimeout",
+           "TokenizerLoadError"]

@@ -36,7 +36,15 @@ class MaskFn:
                  messages_column: str = "messages", ids_column: str = "input_ids"):
         if on_error not in ("raise", "record"):
             raise ValueError("on_error must be 'raise' or 'record'")
-        self.fmt = load_format(fmt)
+        # "auto": the bundled format detected for the tokenizer / template, else one inferred
+        # from the chat template and verified (chatgrammar.infer); format_source says which
+        self.format_source = "given"
+        if isinstance(fmt, str) and fmt == "auto":
+            from .infer import resolve_format
+            self.fmt, self.format_source = resolve_format(
+                tokenizer, chat_template=template, **dict(template_kwargs or {}))
+        else:
+            self.fmt = load_format(fmt)
         self.tokenizer = tokenizer
         self.policy = policy
         self.strict = strict
@@ -47,7 +55,8 @@ class MaskFn:
         self.ids_column = ids_column
 
     def __repr__(self) -> str:
-        return f"MaskFn({self.fmt.name!r}, policy={self.policy!r}, strict={self.strict})"
+        src = "" if self.format_source == "given" else f" ({self.format_source})"
+        return f"MaskFn({self.fmt.name!r}{src}, policy={self.policy!r}, strict={self.strict})"
 
     # the tokenizer's chat template and special tokens, looked up once per process
     def _render_setup(self) -> tuple[str, dict]:
@@ -141,7 +150,10 @@ def map_fn(fmt: Format | str, tokenizer: Any, *, policy: MaskPolicy | None = Non
     tokenised without adding special tokens, then masked.
 
     Args:
-        fmt: a :class:`~chatgrammar.Format` or a format name / spec path.
+        fmt: a :class:`~chatgrammar.Format`, a format name / spec path, or ``"auto"``: the
+            bundled format detected for the tokenizer / template, else one inferred from the
+            chat template (:func:`chatgrammar.infer_format`); ``MaskFn.format_source`` and its
+            repr say which (``"detected"`` / ``"inferred"``).
         tokenizer: a transformers tokenizer or ``tiktoken.Encoding`` (picklable).
         policy: the :class:`~chatgrammar.MaskPolicy`; None uses the format's default.
         strict: structure errors raise (default); False skips malformed parts.
@@ -156,7 +168,8 @@ def map_fn(fmt: Format | str, tokenizer: Any, *, policy: MaskPolicy | None = Non
         A :class:`MaskFn` producing ``input_ids``, ``loss_mask`` and ``num_trained``.
 
     Raises:
-        SpecError: unknown format. ValueError: bad ``on_error``.
+        SpecError: unknown format. ValueError: bad ``on_error``. DetectionError /
+        InferenceError: ``"auto"`` finds no bundled format and cannot infer one.
 
     Example:
         >>> ds = ds.map(map_fn("kimi-k3", tok), batched=True, num_proc=4)  # doctest: +SKIP

@@ -127,6 +127,39 @@ def _describe_inputs(args: argparse.Namespace, inputs: dict) -> str:
     return ", ".join(parts)
 
 
+def _inferred(tokenizer: Any, template: str | None, exc: DetectionError,
+              args: argparse.Namespace) -> int | None:
+    """No bundled format: a format inferred from the template (given, or the tokenizer's),
+    when inference captures it; None otherwise (the detection error stands)."""
+    from ..errors import InferenceError
+    from ..infer import infer_format, template_of
+
+    template = template or template_of(tokenizer)
+    if template is None:
+        return None
+    try:
+        fmt = infer_format(template, tokenizer=tokenizer)
+    except InferenceError as err:
+        args._inference_error = str(err)
+        return None
+    v = fmt.verification
+    if args.output == "json":
+        print(json.dumps({"format": fmt.name, "inferred": True,
+                          "detection_error": _first_line(exc),
+                          "verification": {"checked": list(v.checked),
+                                           "rejected": dict(v.rejected),
+                                           "notes": list(v.notes)},
+                          "spec_yaml": fmt.spec_yaml}, indent=2, ensure_ascii=False))
+        return 0
+    print(f"format:   no bundled format; inferred {fmt.name} from the chat template")
+    print(f"detect:   {_first_line(exc)}")
+    print(f"verified: {v.summary()}")
+    for note in v.notes:
+        print(f"note:     {note}")
+    print("spec:     chatgrammar infer TEMPLATE -o SPEC.yaml writes it (docs/inference.md)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``chatgrammar detect``; returns the exit code."""
     from ..detect import explain_detection
@@ -153,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         det = explain_detection(tokenizer, chat_template=template)
     except DetectionError as exc:
+        inferred = _inferred(tokenizer, template, exc, args)
+        if inferred is not None:
+            return inferred
         if args.output == "json":
             print(json.dumps({"format": None, "error": str(exc),
                               "candidates": getattr(exc, "candidates", []),
@@ -164,7 +200,9 @@ def run(args: argparse.Namespace) -> int:
             if evidence:
                 print("nothing matched; evidence per format:")
                 _print_evidence(evidence, None, "  ")
-        _err(_first_line(exc))
+        extra = getattr(args, "_inference_error", None)
+        _err(_first_line(exc) + ("; and no format can be inferred from the template: "
+                                 + extra.splitlines()[0] if extra else ""))
         return 1
     except TypeError as exc:  # the loaded object offers no tokenizer protocol
         _err(_first_line(exc))

@@ -256,7 +256,11 @@ def _init(cfg: dict) -> None:
     from .detect import load_tokenizer
 
     tok = load_tokenizer(cfg["tokenizer"], trust_remote_code=cfg["trust_remote_code"])
-    fmt = cg.load_format(cfg["format"])
+    if cfg.get("spec_yaml"):  # an inferred format: rebuilt from its YAML in each process
+        from ..infer import _from_yaml
+        fmt = _from_yaml(cfg["spec_yaml"])
+    else:
+        fmt = cg.load_format(cfg["format"])
     policy = fmt.default_policy.replace(**cfg["policy"]) if cfg["policy"] else fmt.default_policy
     template = cfg["template"]
     if template is None:
@@ -391,12 +395,19 @@ def _run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UsageError(f"cannot read --template: {exc}") from None
     tok = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+    how = "given"
     try:
-        fmt = cg.detect_format(tok) if args.format == "auto" else cg.load_format(args.format)
+        if args.format == "auto":
+            from ..infer import resolve_format
+            fmt, how = resolve_format(tok, chat_template=template,
+                                      **_template_kwargs(args.template_kwarg))
+        else:
+            fmt = cg.load_format(args.format)
     except ChatGrammarError as exc:
         raise UsageError(str(exc).splitlines()[0]) from None
     cfg = {"tokenizer": args.tokenizer, "trust_remote_code": args.trust_remote_code,
            "format": str(fmt.path) if args.format == "auto" else args.format,
+           "spec_yaml": getattr(fmt, "spec_yaml", None) if how == "inferred" else None,
            "template": template, "template_kwargs": _template_kwargs(args.template_kwarg),
            "policy": policy_changes(args), "strict": not args.lenient}
     policy_for(fmt, args)  # a bad combination is a usage error here, not in every worker
@@ -405,7 +416,8 @@ def _run(args: argparse.Namespace) -> int:
 
     writer = _Writer(args.output)
     rej_f = None
-    summary = {"input": args.input, "output": args.output, "format": fmt.name, "samples": 0,
+    summary = {"input": args.input, "output": args.output, "format": fmt.name,
+               "format_source": how, "samples": 0,
                "written": 0, "rejected": 0, "tokens": 0, "trained_tokens": 0,
                "empty_masks": 0, "roles": collections.Counter()}
     t0 = time.perf_counter()
@@ -485,7 +497,10 @@ def _progress(disabled: bool, total: int | None):
 
 def _print_summary(s: dict) -> None:
     lines = [
-        f"format          {s['format']}",
+        f"format          {s['format']}" + {
+            "detected": " (detected: a bundled format)",
+            "inferred": " (no bundled format; inferred from the chat template and verified)",
+        }.get(s.get("format_source"), ""),
         f"samples         {s['samples']:,} ({s['written']:,} written, {s['rejected']:,} rejected)",
         f"tokens          {s['tokens']:,}",
         f"trained         {s['trained_tokens']:,} ({100 * s['trained_fraction']:.1f}%)",

@@ -1,0 +1,97 @@
+"""``chatgrammar infer TEMPLATE`` — infer a verified format spec from a chat template.
+
+Renders the template in the sandbox on sentinel conversations, writes a spec in the ordinary
+spec language and checks it against the template over the ``validate --template`` matrix
+(see :func:`chatgrammar.infer_format` and docs/inference.md). Prints the spec (or writes it
+with ``-o``) and the verification summary: the cases checked and the shapes the template
+rejects.
+
+Exit codes: 0 inferred and verified; 1 the template cannot be captured (one line saying what
+and where; ``-v`` adds the failing case); 2 usage error (missing file, bad tokenizer).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import ChatGrammarError, InferenceError
+from ._common import UsageError, guarded
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``infer`` subcommand to the ``chatgrammar`` parser.
+
+    Args:
+        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
+    """
+    p = subparsers.add_parser(
+        "infer", help="infer a verified format spec from a chat template",
+        description="Probe a Jinja chat template with sentinel conversations, write a format "
+                    "spec for it and verify the spec against the template over the "
+                    "validate --template matrix. Prints the spec and the verification summary.")
+    p.add_argument("template", metavar="TEMPLATE", help="a Jinja chat template file")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="a local transformers tokenizer directory: its special tokens are the "
+                        "template's variables and decide which markers are special")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let --tokenizer run the directory's own tokenizer code")
+    p.add_argument("--var", action="append", default=[], metavar="KEY=VALUE",
+                   help="a template variable (bos_token=<s>); VALUE is JSON if it parses")
+    p.add_argument("-o", "--output", metavar="SPEC.yaml",
+                   help="write the spec there instead of printing it")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="on failure, also show the failing case and the spec that failed")
+    p.set_defaults(func=lambda a: guarded("infer", run, a))
+
+
+def _read(path: str) -> str:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"no such template file: {path}")
+    try:
+        return p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read {path}: {exc}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``chatgrammar infer``; returns the exit code."""
+    from ..infer import infer_format
+    from .validate import _vars
+
+    template = _read(args.template)
+    variables = _vars(args.var)
+    tokenizer = None
+    if args.tokenizer:
+        from .detect import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+    try:
+        fmt = infer_format(template, tokenizer=tokenizer, **variables)
+    except InferenceError as exc:
+        print(f"chatgrammar infer: error: {args.template}: {exc}", file=sys.stderr)
+        if args.verbose and exc.details:
+            print(exc.details, file=sys.stderr)
+        return 1
+    except ChatGrammarError as exc:
+        print(f"chatgrammar infer: error: {args.template}: {str(exc).splitlines()[0]}",
+              file=sys.stderr)
+        return 1
+    v = fmt.verification
+    if args.output:
+        try:
+            Path(args.output).write_text(fmt.spec_yaml, encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"cannot write {args.output}: {exc}") from None
+        print(f"{fmt.name}: written to {args.output}")
+    else:
+        sys.stdout.write(fmt.spec_yaml)
+    out = sys.stdout if args.output else sys.stderr
+    print(f"{fmt.name} × {Path(args.template).name}: {v.summary()}", file=out)
+    for case, why in v.rejected:
+        print(f"  rejected by the template: {case}: {why}", file=out)
+    for note in v.notes:
+        print(f"  note: {note}", file=out)
+    return 0

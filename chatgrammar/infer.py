@@ -1,0 +1,1329 @@
+"""Infer a verified format spec from a chat template (:func:`infer_format`).
+
+A chat template is a function from conversations to text. Rendered (in the sandbox of
+:mod:`chatgrammar.render`, exactly as transformers renders) on conversations whose every value
+is a unique sentinel, whatever is not a sentinel is the template's scaffolding. Comparing the
+scaffolding across probes gives each role's header and terminator, the text between turns, the
+BOS / preamble / default system prompt, the generation prompt, and the reasoning and tool-call
+wrappers. From them a spec is written in the ordinary spec language (YAML), compiled strictly
+and checked against the same template over the ``validate --template`` matrix
+(:func:`chatgrammar.conformance.check_template`) before it is returned. Whatever cannot be
+captured raises :class:`~chatgrammar.errors.InferenceError`. See docs/inference.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from .errors import ChatGrammarError, InferenceError
+from .format import Format
+from .render import RenderTimeout, TemplateError, compile_template, render_chat
+from .spec import parse_spec
+
+__all__ = ["infer_format", "InferredFormat", "Verification"]
+
+# ------------------------------------------------------------------------------- sentinels
+# Short alphanumeric values that survive strip/trim/split and that no template inspects.
+SYS, U1, A1, U2, A2, U3 = "qzs01x", "qzu01x", "qza01x", "qzu02x", "qza02x", "qzu03x"
+RS1, RS2 = "qzr01x", "qzr02x"           # reasoning
+FN, ARGK, ARGV = "qzfnx", "qzargx", "qzvalx"   # a tool call: function, argument, value
+TR1 = "qzt01x"                           # a tool result
+_ALL = (SYS, U1, A1, U2, A2, U3, RS1, RS2, FN, ARGK, ARGV, TR1)
+
+#: Strings shaped like special tokens (used when no tokenizer says which strings are special).
+_MARKERISH = re.compile(
+    r"<\|[^<>|\s]{0,48}\|>"                      # <|im_start|>, <|user|>
+    r"|<｜[^<>\s]{1,48}?｜>"                     # DeepSeek's <｜User｜>
+    r"|<</?[A-Z_]{1,16}>>"                       # <<SYS>>
+    r"|</?[A-Za-z_][\w:.\-]{0,40}\|?>"           # <s>, </s>, <think>, <start_of_turn>, <turn|>
+    r"|<\|?[A-Za-z_][\w:.\-]{0,40}>"             # <|turn>
+    r"|\[/?[A-Za-z][A-Za-z_]{1,30}\]"            # [INST], [/INST], [TOOL_CALLS], [gMASK]
+)
+_SPECIAL_SHAPE = re.compile(r"<\|[^<>|\s]{0,48}\|>|<｜[^<>\s]{1,48}｜>")
+_THINK_ON = {"enable_thinking": True, "thinking": True}
+_THINK_OFF = {"enable_thinking": False, "thinking": False}
+_TOOLS = [{"type": "function", "function": {
+    "name": FN, "description": "A tool.",
+    "parameters": {"type": "object", "properties": {ARGK: {"type": "string",
+                                                           "description": "An argument."}},
+                   "required": [ARGK]}}}]
+
+
+def _u(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def _a(text: str, **kw: Any) -> dict:
+    return {"role": "assistant", "content": text, **kw}
+
+
+def _s(text: str) -> dict:
+    return {"role": "system", "content": text}
+
+
+def _call(call_id: str = "call00001") -> dict:
+    return {"id": call_id, "type": "function",
+            "function": {"name": FN, "arguments": {ARGK: ARGV}}}
+
+
+# --------------------------------------------------------------------------------- probing
+class _Probe:
+    """Renders sentinel conversations (cached), recording the shapes the template rejects."""
+
+    def __init__(self, template: str, variables: dict, timeout: float):
+        self.template = template
+        self.variables = variables
+        self.timeout = timeout
+        self.cache: dict[str, str | None] = {}
+        self.rejected: dict[str, str] = {}
+        self.parts = False  # content given as a list of text parts
+        self.tools: list | None = None  # tools always declared (a template that needs them)
+
+    def content(self, m: dict) -> dict:
+        if self.parts and isinstance(m.get("content"), str) and m["content"]:
+            return {**m, "content": [{"type": "text", "text": m["content"]}]}
+        return m
+
+    def render(self, msgs: list[dict], *, agp: bool = False, tools: list | None = None,
+               extra: dict | None = None, shape: str = "") -> str | None:
+        msgs = [self.content(m) for m in msgs]
+        tools = tools if tools is not None else self.tools
+        key = json.dumps([msgs, agp, tools, extra, self.parts], sort_keys=True)
+        if key in self.cache:
+            return self.cache[key]
+        try:
+            text = render_chat(self.template, msgs, tools=tools, add_generation_prompt=agp,
+                               timeout=self.timeout, **{**self.variables, **(extra or {})})
+        except RenderTimeout as exc:
+            raise InferenceError(f"the template does not render within the time limit "
+                                 f"({exc.message})", where=shape or "a probe") from None
+        except TemplateError as exc:
+            m = re.search(r"'(\w*_token)' is undefined", exc.message)
+            if exc.kind == "undefined" and m:
+                raise InferenceError(f"the template needs the variable {m.group(1)!r} (a "
+                                     f"tokenizer special token): pass {m.group(1)}=... or a "
+                                     "tokenizer", where=shape or "a probe") from None
+            if exc.kind == "security":
+                raise InferenceError(f"the template breaks the sandbox: {exc.message}",
+                                     where=shape or "a probe") from None
+            self.rejected.setdefault(shape or "probe", f"[{exc.kind}] {exc.message}")
+            text = None
+        except (ValueError, TypeError) as exc:
+            self.rejected.setdefault(shape or "probe", str(exc))
+            text = None
+        self.cache[key] = text
+        return text
+
+
+def _sentinel(m: dict) -> str | None:
+    c = m.get("content")
+    if isinstance(c, list):
+        c = "".join(p.get("text", "") for p in c)
+    return c if c in _ALL else None
+
+
+@dataclass
+class _Msg:
+    """One message located in a rendering: its head (text before its value since the previous
+    kept message's value) and its term (text after its value up to the next head)."""
+    index: int
+    role: str
+    pos: int
+    end: int
+    head: str | None = None
+    term: str | None = None
+
+
+def _locate(probe: _Probe, msgs: list[dict], R: str, shape: str, **kw: Any) -> list[_Msg]:
+    """The messages whose value is rendered in their own place, with heads and terms."""
+    kept: list[_Msg] = []
+    last_end = 0
+    for i, m in enumerate(msgs):
+        s = _sentinel(m)
+        if s is None:
+            continue
+        pos = R.find(s, last_end)
+        if pos < 0:
+            continue  # dropped, or moved before an earlier message
+        own = probe.render(msgs[:i + 1], shape=shape, **kw)
+        if own is not None and s not in own:
+            continue  # folded: rendered only once a later message exists
+        kept.append(_Msg(i, m["role"], pos, pos + len(s)))
+        last_end = pos + len(s)
+    if not kept:
+        return kept
+    kept[0].head = R[:kept[0].pos]
+    for prev, cur in zip(kept, kept[1:]):
+        gap = R[prev.end:cur.pos]
+        own = probe.render(msgs[:cur.index], shape=shape, **kw)
+        if own is not None and own.startswith(R[:prev.end]):
+            t = own[prev.end:]
+            split = len(os.path.commonprefix([t, gap]))
+            split = min(_snap(_PLAIN, t, split), _snap(_PLAIN, gap, split))
+            # what only the shorter rendering has must be a closing (an EOS), never text
+            if not t[split:].strip() or _MARKERISH.fullmatch(t[split:].strip()) or \
+                    _SPECIAL_SHAPE.fullmatch(t[split:].strip()):
+                prev.term, cur.head = gap[:split], gap[split:]
+        # else: the earlier messages render differently once this one exists (Qwen3's last
+        # assistant turn): where the terminator ends cannot be told from this probe
+    kept[-1].term = R[kept[-1].end:]
+    return kept
+
+
+def _split_guess(gap: str) -> int:
+    """Without a prefix rendering: the terminator runs to the end of the first whitespace."""
+    m = re.match(r"(?:.*?)(?:\s+)", gap, re.S)
+    return m.end() if m else 0
+
+
+# ------------------------------------------------------------------------------- markers
+@dataclass
+class _Lexicon:
+    """The marker strings of a template: shaped like special tokens, or the tokenizer's."""
+    specials: frozenset = frozenset()   # one special/added id of the tokenizer
+    extra: tuple = ()                   # literal role strings promoted to (soft) markers
+    found: set = field(default_factory=set)
+
+    def rx(self) -> re.Pattern:
+        alts = sorted(set(self.specials) | set(self.extra), key=len, reverse=True)
+        parts = [re.escape(a) for a in alts if a] + [_MARKERISH.pattern]
+        return re.compile("|".join(parts))
+
+    def pieces(self, text: str) -> list[tuple[bool, str]]:
+        out: list[tuple[bool, str]] = []
+        at = 0
+        for m in self.rx().finditer(text):
+            if m.start() > at:
+                out.append((False, text[at:m.start()]))
+            out.append((True, m.group()))
+            at = m.end()
+        if at < len(text):
+            out.append((False, text[at:]))
+        return out
+
+    def special(self, marker: str, tokenizer: Any) -> bool:
+        """With a tokenizer: one special/added id of it. Without: shaped like ``<|…|>``."""
+        if tokenizer is not None:
+            from .tokenizers import adapt
+
+            return marker in self.specials or adapt(tokenizer).token_id(marker, True) is not None
+        return bool(_SPECIAL_SHAPE.fullmatch(marker))
+
+
+_PLAIN = _Lexicon()
+
+
+def _tokenizer_specials(tokenizer: Any) -> frozenset:
+    """The strings that are one special/added id of the tokenizer."""
+    if tokenizer is None:
+        return frozenset()
+    from .tokenizers import adapt
+
+    ad = adapt(tokenizer)
+    names = [n for n in ad.added_vocab() if isinstance(n, str) and n.strip()]
+    return frozenset(n for n in names if ad.token_id(n, True) is not None)
+
+
+def _tokenizer_vars(tokenizer: Any) -> dict:
+    if tokenizer is None:
+        return {}
+    from .conformance import _special_vars
+
+    try:
+        return dict(_special_vars(tokenizer))
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+# ------------------------------------------------------------------------------ analysis
+@dataclass
+class _Shape:
+    """What the probes show: the raw material of the spec."""
+    heads: dict = field(default_factory=dict)      # role -> header text (not first turn)
+    terms: dict = field(default_factory=dict)      # role -> terminator text
+    first: dict = field(default_factory=dict)      # role -> head of a first turn (preamble in)
+    gens: list = field(default_factory=list)       # generation prompts seen
+    closing: list = field(default_factory=list)    # text only the very end carries
+    bare_system: bool = False
+    think: tuple | None = None                     # (open, close)
+    call: tuple | None = None                      # (open, close or None, inner markers)
+    tool_head: str | None = None
+    decl: tuple | None = None                      # a tool-declaration block (open, close)
+    glue: list = field(default_factory=list)       # markers seen before some headers
+    renders: list = field(default_factory=list)    # every probe rendering
+    opening: set = field(default_factory=set)      # markers that start a header
+    after_tool_head: str | None = None
+    notes: list = field(default_factory=list)
+
+
+def _split_term(lex: _Lexicon, term: str, opening: set = frozenset()) -> tuple[str, str]:
+    """A terminator as ``[text] markers [whitespace]``, and what follows it (the next turn's
+    header, printed by this turn: from a marker that starts headers, ``opening``)."""
+    ps = lex.pieces(term)
+    k = 0
+    if k < len(ps) and not ps[k][0] and k + 1 < len(ps):
+        k += 1                                  # text before the close marker (body)
+    k0 = k
+    while k < len(ps) and ps[k][0] and (k == k0 or ps[k][1] not in opening):
+        k += 1
+    if k < len(ps) and not ps[k][0] and not ps[k][1].strip():
+        k += 1
+    if k < len(ps) and not any(p[0] for p in ps[:k]):
+        k = 0 if ps[0][0] else k                # no close marker: all of it is whitespace
+    cut = sum(len(p[1]) for p in ps[:k])
+    return term[:cut], term[cut:]
+
+
+def _one(lex: _Lexicon, values: dict, role: str, what: str, suffix: bool) -> tuple:
+    """The part every rendering of a role's header (``suffix``: the common tail, what is
+    before it being the previous turn's end) or terminator (the common head) shares, and the
+    pieces some renderings add to it."""
+    seen = values.get(role)
+    if not seen:
+        return None, []
+    uniq = list(dict.fromkeys(t for t, _ in seen))
+    if len(uniq) == 1:
+        return uniq[0], []
+    rev = (lambda t: t[::-1]) if suffix else (lambda t: t)
+    common = rev(os.path.commonprefix([rev(t) for t in uniq]))
+    # never cut inside a marker
+    ref = uniq[0]
+    cut = len(ref) - len(common) if suffix else len(common)
+    bounds = [0]
+    for _, p in lex.pieces(ref):
+        bounds.append(bounds[-1] + len(p))
+    if suffix:
+        cut = min((b for b in bounds if b >= cut), default=len(ref))
+        common = ref[cut:]
+    else:
+        cut = max((b for b in bounds if b <= cut), default=0)
+        common = ref[:cut]
+    extra = []
+    for t in uniq:
+        rest = t[:len(t) - len(common)] if suffix else t[len(common):]
+        extra.extend(p for m, p in lex.pieces(rest) if m)
+    if suffix and any(not m and p.strip() for t in uniq
+                      for m, p in lex.pieces(t[:len(t) - len(common)])):
+        a, b = uniq[0], uniq[1]
+        wa = next(w for t, w in seen if t == a)
+        wb = next(w for t, w in seen if t == b)
+        raise InferenceError(f"{role} turns render {what} differently: {a!r} ({wa}) vs {b!r} "
+                             f"({wb})", where=f"probes {wa}, {wb}")
+    return common, extra
+
+
+def _collect(lex: _Lexicon, located: list[_Msg], shape: str, heads: dict, terms: dict,
+             first: dict, last_terms: dict, opening: set = frozenset()) -> None:
+    """Heads and terms of one probe's messages, with a header printed by the previous turn
+    moved to the turn it opens."""
+    carry = ""
+    for k, m in enumerate(located):
+        head = carry + (m.head or "")
+        carry = ""
+        if k == 0:
+            first.setdefault(m.role, []).append((head, shape))
+        elif m.head is not None:
+            heads.setdefault(m.role, []).append((head, shape))
+        if m.term is None:
+            continue
+        if k == len(located) - 1:
+            last_terms.setdefault(m.role, []).append((m.term, shape))
+            continue
+        if located[k + 1].index != m.index + 1:
+            continue  # messages in between are not located: no terminator to tell
+        term, carry = _split_term(lex, m.term, opening)
+        terms.setdefault(m.role, []).append((term, shape))
+
+
+_BASIC = {
+    "u-a-u-a": [_u(U1), _a(A1), _u(U2), _a(A2)],
+    "s-u-a-u-a": [_s(SYS), _u(U1), _a(A1), _u(U2), _a(A2)],
+    "u-a-u-a-u": [_u(U1), _a(A1), _u(U2), _a(A2), _u(U3)],
+}
+
+
+def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
+    heads: dict = {}
+    terms: dict = {}
+    first: dict = {}
+    last: dict = {}
+    runs = []
+    for name, msgs in _BASIC.items():
+        R = probe.render(msgs, shape=name)
+        if R is not None:
+            runs.append((name, _locate(probe, msgs, R, name)))
+    seen_any = bool(runs)
+    opening = set()   # markers that start a header (where a turn prints the next one's)
+    for _, located in runs:
+        for m in located[1:]:
+            ps = lex.pieces((m.head or "").lstrip())
+            if ps and ps[0][0]:
+                opening.add(ps[0][1])
+    closers = set()
+    for _, located in runs:
+        for m in located:
+            ps = [q for q in lex.pieces(m.term or "") if q[1].strip()]
+            if ps and ps[0][0]:
+                closers.add(ps[0][1])
+        if located:   # the first turn's header shows every marker a header starts with
+            opening.update(p for is_m, p in lex.pieces(located[0].head or "") if is_m)
+    opening -= closers
+    sh.opening = opening
+    for name, located in runs:
+        if name.startswith("s-") and not any(m.role == "system" for m in located):
+            sh.notes.append("the system message is folded into a later turn")
+        _collect(lex, located, name, heads, terms, first, last, opening)
+    if not seen_any and probe.tools is None:
+        probe.tools = list(_TOOLS)   # templates that iterate over `tools` unconditionally
+        probe.cache.clear()
+        probe.rejected.clear()
+        return _basic(probe, lex, sh)
+    if not seen_any:
+        why = "; ".join(f"{k}: {v}" for k, v in probe.rejected.items())
+        raise InferenceError(f"the template rejects every basic conversation ({why})",
+                             where="probes " + ", ".join(_BASIC))
+    if "assistant" not in heads and "assistant" not in first:
+        raise InferenceError("no assistant message is rendered with its content in place: "
+                             "the template never emits an assistant turn",
+                             where="probes " + ", ".join(_BASIC))
+    for role in ("user", "assistant"):
+        h, extra = _one(lex, heads, role, "their header", suffix=role != "assistant")
+        if h is not None:
+            sh.heads[role] = h
+            sh.glue.extend(extra)
+    for role in ("system", "user", "assistant"):
+        t, _ = _one(lex, terms, role, "their terminator", suffix=False)
+        if t is not None:
+            sh.terms[role] = t
+    for role, vals in first.items():
+        sh.first[role] = vals[0][0]
+    # what the last message's terminator adds to the ordinary one (an EOS at the very end)
+    for role, vals in last.items():
+        base = sh.terms.get(role)
+        for t, _ in vals:
+            if base is not None and t.startswith(base.rstrip()):
+                rest = t[len(base.rstrip()):]
+                if rest.strip():
+                    sh.closing.append(rest.strip())
+            elif base is None and t.strip():
+                sh.terms.setdefault(role, _split_term(lex, t)[0])
+
+
+def _snap(lex: _Lexicon, text: str, at: int, lo: int = 0) -> int:
+    """``at``, moved back to the start of the marker it falls inside (never below ``lo``)."""
+    pos = 0
+    for is_marker, p in lex.pieces(text):
+        if pos < at < pos + len(p) and is_marker:
+            return max(pos, lo)
+        pos += len(p)
+        if pos >= at:
+            break
+    return at
+
+
+_GEN = {
+    "u-a-u+gen": [_u(U1), _a(A1), _u(U2)],
+    "u+gen": [_u(U1)],
+    "s-u+gen": [_s(SYS), _u(U1)],
+}
+
+
+def _generation(probe: _Probe, lex: _Lexicon, sh: _Shape) -> str | None:
+    """The generation prompts (what ``add_generation_prompt`` appends), the main one first."""
+    main = None
+    for name, msgs in _GEN.items():
+        for kw in (None, _THINK_ON, _THINK_OFF):
+            r0 = probe.render(msgs, extra=kw, shape=name)
+            r1 = probe.render(msgs, agp=True, extra=kw, shape=name)
+            if r0 is None or r1 is None:
+                continue
+            last = r1.rfind(msgs[-1]["content"]) + len(msgs[-1]["content"])
+            cp = len(os.path.commonprefix([r0, r1]))
+            cp = max(_snap(lex, r1, cp, last), last) if cp >= last else cp
+            g = r1[cp:]
+            if main is None and kw is None:
+                main = g
+            if g.strip():
+                sh.gens.append(g.lstrip())
+            if r0[cp:].strip() and r0[cp:].strip() not in sh.closing:
+                sh.closing.append(r0[cp:].strip())
+    return main
+
+
+def _assistant_header(lex: _Lexicon, sh: _Shape, g: str | None) -> str:
+    head = sh.heads.get("assistant")
+    if head is None:
+        raise InferenceError("the assistant turn's header cannot be told: no probe renders an "
+                             "assistant message after another message", where="basic probes")
+    g = (g or "").lstrip()
+    head_ws = head[:len(head) - len(head.lstrip())]
+    body = head[len(head_ws):]
+    if not g or body.endswith(g):
+        return body
+    if body.startswith(g) or g.startswith(body):
+        return g if body.startswith(g) else body
+    cut = _snap(lex, body, len(os.path.commonprefix([body, g])))
+    ps = lex.pieces(body[:cut])
+    while ps and ps[-1][0]:
+        cut -= len(ps.pop()[1])   # a marker where they part opens the body (a prefill)
+    sh.notes.append(f"the generation prompt {g!r} differs from the assistant header {body!r}: "
+                    f"header taken as {body[:cut]!r}")
+    return body[:cut]
+
+
+def _reasoning(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
+    """The think block's markers, from a last assistant turn with ``reasoning_content``."""
+    for kw in (None, _THINK_ON):
+        msgs = [_u(U1), _a(A1, reasoning_content=RS1)]
+        R = probe.render(msgs, extra=kw, shape="reasoning")
+        if R is None or RS1 not in R or A1 not in R:
+            continue
+        r, a = R.find(RS1), R.find(A1)
+        if r > a:
+            sh.notes.append("reasoning is rendered after the answer: left as content")
+            return
+        start = R.find(h_a, R.find(U1)) + len(h_a) if h_a else R.find(U1) + len(U1)
+        x = [p for m, p in lex.pieces(R[start:r]) if m]
+        y = [p for m, p in lex.pieces(R[r + len(RS1):a]) if m]
+        if x and y:
+            sh.think = (x[-1], y[0])
+        else:
+            sh.notes.append("reasoning is rendered without markers: it trains as content")
+        return
+    for g in sh.gens:  # an empty think block in a generation prompt (thinking switched off)
+        tail = [p for m, p in lex.pieces(g[len(h_a):]) if m] if g.startswith(h_a) else []
+        twin = _mirror(tail[0]) if tail else ""
+        if tail and twin and (tail[1:2] == [twin] or re.fullmatch(r"<\w+>", tail[0])
+                              or any(twin in r for r in probe.cache.values() if r)):
+            sh.think = (tail[0], twin)
+            sh.notes.append("the think block is known from the generation prompt only")
+            return
+
+
+def _mirror(marker: str) -> str:
+    """The closing twin of an opening marker: ``<x>``/``</x>``, ``[X]``/``[/X]``,
+    ``…begin…``/``…end…``, ``…start…``/``…end…``, ``…open…``/``…close…``."""
+    for a, b in (("begin", "end"), ("start", "end"), ("open", "close"), ("BEGIN", "END"),
+                 ("START", "END")):
+        if a in marker:
+            return marker.replace(a, b)
+    if marker.startswith("<") and not marker.startswith("</"):
+        return "</" + marker[1:]
+    if marker.startswith("[") and not marker.startswith("[/"):
+        return "[/" + marker[1:]
+    return ""
+
+
+def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
+    """The tool-call wrapper and the tool turn's header, from a call, its result, an answer."""
+    probe.render([_u(U1), _a(A1)], tools=_TOOLS, shape="tools-declared")
+    probe.render([_s(SYS), _u(U1), _a(A1)], tools=_TOOLS, shape="tools-declared")
+    msgs = [_u(U1), _a("", tool_calls=[_call()]),
+            {"role": "tool", "tool_call_id": "call00001", "name": FN, "content": TR1},
+            _a(A2)]
+    R = probe.render(msgs, tools=_TOOLS, shape="tool-call")
+    if R is None:
+        msgs = [_s(SYS)] + msgs
+        R = probe.render(msgs, tools=_TOOLS, shape="tool-call")
+    if R is None or TR1 not in R or A2 not in R:
+        sh.notes.append("no tool-call probe renders: tool calls are left to verification")
+        return
+    # the tool turn and the answer after it
+    located = _locate(probe, msgs, R, "tool-call", tools=_TOOLS)
+    heads: dict = {}
+    terms: dict = {}
+    first: dict = {}
+    last: dict = {}
+    _collect(lex, located, "tool-call", heads, terms, first, last, sh.opening)
+    if heads.get("tool"):
+        sh.tool_head = heads["tool"][0][0]
+    else:  # from the last marker before the result that starts a header
+        seg = R[:R.find(TR1)]
+        at = max((seg.rfind(o) for o in sh.opening), default=-1)
+        if at >= 0 and not any(x in seg[at:] for x in _ALL):
+            sh.tool_head = seg[at:]
+    if terms.get("tool"):
+        sh.terms.setdefault("tool", terms["tool"][0][0])
+    if heads.get("assistant"):
+        sh.after_tool_head = heads["assistant"][-1][0]
+    u_end = R.find(U1) + len(U1)
+    f = R.find(FN, u_end)
+    v = R.rfind(ARGV, 0, R.find(TR1))
+    t = R.find(TR1)
+    if 0 <= f < v < t:
+        start = R.find(h_a, u_end) + len(h_a) if h_a and R.find(h_a, u_end) >= 0 else u_end
+        struct = {p for t in list(sh.heads.values()) + list(sh.terms.values())
+                  + list(sh.first.values()) + [sh.tool_head or ""]
+                  for m, p in lex.pieces(t) if m}
+        x = [p for m, p in lex.pieces(R[start:f]) if m and p not in struct]
+        if sh.think and sh.think[1] in x:
+            x = x[x.index(sh.think[1]) + 1:]
+        closes = {p for m, p in lex.pieces(sh.terms.get("assistant", "")) if m}
+        tail = lex.pieces(R[v + len(ARGV):t])
+        y: list[str] = []
+        for m, p in tail:
+            if m and (p in closes or p in struct):
+                break
+            if m:
+                y.append(p)
+        inner = [p for m, p in lex.pieces(R[f:v]) if m and p not in struct]
+        if x:
+            mirror = _mirror(x[0])
+            ends = mirror if mirror in y else y[-1] if y else None
+            sh.call = (x[0], ends, tuple(dict.fromkeys(x[1:] + inner
+                                                       + [q for q in y if q != ends])))
+    _declarations(probe, lex, sh)
+
+
+def _declarations(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
+    """A tool-declaration block of its own (Mistral's ``[AVAILABLE_TOOLS]…[/AVAILABLE_TOOLS]``):
+    what declaring tools inserts, when it is wrapped in markers no turn uses."""
+    msgs = [_u(U1), _a(A1)]
+    r0 = probe.render(msgs, shape="tools-declared")
+    r1 = probe.render(msgs, tools=_TOOLS, shape="tools-declared")
+    if r0 is None or r1 is None or r0 == r1:
+        return
+    cp = len(os.path.commonprefix([r0, r1]))
+    cs = len(os.path.commonprefix([r0[cp:][::-1], r1[cp:][::-1]]))
+    ps = lex.pieces(r1[_snap(lex, r1, cp):len(r1) - cs])
+    marks = [p for m, p in ps if m]
+    struct = {p for t in list(sh.heads.values()) + list(sh.terms.values())
+              + list(sh.first.values()) for m, p in lex.pieces(t) if m}
+    new = [p for p in marks if p not in struct]
+    before = [q for q in lex.pieces(r1[:_snap(lex, r1, cp)].rstrip()) if q[1]]
+    if before and not before[-1][0]:
+        return  # inside a turn's text (Qwen's <tools> in the system prompt)
+    lead = [q for q in ps if q[1].strip()]
+    if len(new) >= 2 and _mirror(new[0]) in new and lead and lead[0] == (True, new[0]):
+        sh.decl = (new[0], _mirror(new[0]))
+
+
+# -------------------------------------------------------------------------------- design
+class _Names:
+    """Marker names for the spec, readable and unique."""
+
+    def __init__(self) -> None:
+        self.by_text: dict[str, str] = {}
+
+    def __call__(self, text: str) -> str:
+        if text not in self.by_text:
+            base = re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_") or "m"
+            if not base[0].isalpha():
+                base = "m_" + base
+            base = base[:32]
+            name, n = base, 2
+            while name in self.by_text.values():
+                name, n = f"{base}_{n}", n + 1
+            self.by_text[text] = name
+        return self.by_text[text]
+
+
+@dataclass
+class _Head:
+    """A header cut into: glue markers before the opener, the opener, the rest (pieces)."""
+    glue: list
+    opener: str | None
+    rest: list
+
+
+def _cut_head(lex: _Lexicon, head: str, openers: set | None = None) -> _Head:
+    ps = lex.pieces(head.lstrip())
+    if not ps:
+        return _Head([], None, [])
+    if not ps[0][0]:
+        # a header without a marker ("USER: "): its words become a soft marker
+        text = ps[0][1]
+        word = text.rstrip()
+        if not word:
+            return _Head([], None, ps)
+        lex.extra = tuple(dict.fromkeys(lex.extra + (word,)))
+        rest = [(False, text[len(word):])] if text[len(word):] else []
+        return _Head([], word, rest + ps[1:])
+    k = 0
+    while k + 1 < len(ps) and ps[k + 1][0] and (openers is None or ps[k][1] not in openers):
+        k += 1
+    return _Head([p for _, p in ps[:k]], ps[k][1], ps[k + 1:])
+
+
+def _term_parts(lex: _Lexicon, term: str | None) -> tuple[list, bool]:
+    """Close markers of a terminator (first, then the ones right after it), and whether
+    whitespace follows."""
+    if not term:
+        return [], False
+    ps = lex.pieces(term)
+    if ps and not ps[0][0] and len(ps) > 1:
+        ps = ps[1:]                             # text before the close is body
+    marks = []
+    for m, p in ps:
+        if not m:
+            break
+        marks.append(p)
+    ws = any(not m and not p.strip() for m, p in ps)
+    return marks, ws
+
+
+def _more_names(renders: list, opener: str, kind: str, sep: str, known: set) -> list[str]:
+    """Role names the renders write after ``opener`` that no probed role has (Kimi's
+    ``tool_declare``, Granite's ``available_tools``): turns of their own, never trained."""
+    body = r"([A-Za-z_][^\n<>|]{0,40}?)" if kind == "until_text" else r"([^<>\n]{0,64}?)"
+    rx = re.compile(re.escape(opener) + body + re.escape(sep))
+    out: list[str] = []
+    for text in renders:
+        for m in rx.finditer(text):
+            n = m.group(1)
+            if n and n not in known and n not in out and not any(s in n for s in _ALL):
+                out.append(n)
+    return out
+
+
+def _role_names(roles: dict, lex: _Lexicon, where: str, opener: str = "",
+                renders: list | None = None) -> tuple[str, str, dict, str | None]:
+    """For roles sharing an opener, headers ``NAME<sep>`` or ``NAME<marker>``: the header
+    form (``until_text`` separator or ``until`` marker), the pattern, the aliases, the lead."""
+    rests = {r: h.rest for r, h in roles.items()}
+    shapes = {tuple(m for m, _ in rest) for rest in rests.values()}
+    if all(s and s[0] is False for s in shapes) and len({s[:2] for s in shapes}) == 1 \
+            and next(iter(shapes))[1:2] == (True,):
+        until = {rest[1][1] for rest in rests.values()}
+        if len(until) != 1:
+            raise InferenceError(f"roles {', '.join(roles)} share the opener but end their "
+                                 f"headers with different markers {sorted(until)}", where=where)
+        names = {r: rest[0][1] for r, rest in rests.items()}
+        sep, kind = until.pop(), "until"
+        lead = None
+        a = rests.get("assistant")
+        if a and len(a) > 2 and not a[2][0]:
+            lead = a[2][1]
+    elif all(len(rest) >= 1 and not rest[0][0] for rest in rests.values()):
+        texts = {r: rest[0][1] for r, rest in rests.items()}
+        # NAME then its separator: the separators' common head ends every header
+        seps = [re.match(r"[A-Za-z_][\w.\-]*([^A-Za-z0-9]*)", t) for t in texts.values()]
+        sep = os.path.commonprefix([m.group(1) for m in seps]) if all(seps) else ""
+        sep = sep if "\n" not in sep else sep[:sep.index("\n") + 1]
+        if not sep:
+            raise InferenceError(f"roles {', '.join(roles)} share the opener and their "
+                                 f"headers {sorted(texts.values())} end with no common "
+                                 "separator", where=where)
+        names = {r: t[:t.index(sep)] for r, t in texts.items()}
+        kind, lead = "until_text", None
+    else:
+        raise InferenceError(f"the headers of roles {', '.join(roles)} have no common form: "
+                             + ", ".join(f"{r}: {''.join(p for _, p in h.rest)!r}"
+                                         for r, h in roles.items()), where=where)
+    by_name: dict[str, str] = {}
+    dup: list[str] = []
+    generic = False
+    for r, n in list(names.items()):
+        if FN in n:   # the tool's name is the role (Kimi-K2-Thinking's tool results)
+            generic = True
+            dup.append(r)
+            del names[r]
+    for r, n in names.items():
+        if not n or not re.fullmatch(r"[^\n]{1,64}", n):
+            raise InferenceError(f"the {r} header's role name {n!r} cannot be read",
+                                 where=where)
+        if n in by_name and by_name[n] != r:
+            if "assistant" in (r, by_name[n]):
+                raise InferenceError(f"assistant and {r if r != 'assistant' else by_name[n]} "
+                                     f"turns have the same header {n!r}", where=where)
+            dup.append(r)
+            continue
+        by_name.setdefault(n, r)
+    for n in _more_names(renders or [], opener, kind, sep, set(by_name)):
+        if n != "assistant":
+            by_name[n] = n
+    alts = "|".join(re.escape(n) for n in sorted(by_name, key=len, reverse=True))
+    if generic:
+        alts += r"|(?!assistant\b)[A-Za-z_][\w.:-]{0,63}"
+    pattern = f"(?P<role>{alts})" + (re.escape(sep) if kind == "until_text" else "")
+    aliases = {n: r for n, r in by_name.items() if n != r}
+    return kind, sep, {"pattern": pattern, "aliases": aliases, "dup": dup}, lead
+
+
+@dataclass
+class _Plan:
+    """The spec being written (a plain dict), with the markers it uses."""
+    names: _Names = field(default_factory=_Names)
+    elements: dict = field(default_factory=dict)
+    top: list = field(default_factory=list)
+    preamble: list = field(default_factory=list)
+    between_markers: list = field(default_factory=list)
+    aliases: dict = field(default_factory=dict)
+    between: bool = False
+    follow_from: list = field(default_factory=list)   # elements the headerless reply follows
+    ws_after: dict = field(default_factory=dict)      # close marker -> whitespace after it
+
+    def m(self, text: str) -> str:
+        return self.names(text)
+
+
+def _heads(lex: _Lexicon, sh: _Shape, h_a: str) -> tuple[dict, list, bool]:
+    """Every role's header cut at its opener; the preamble markers; a bare system text."""
+    user = sh.heads.get("user")
+    if user is None:
+        user = sh.first.get("user", "")
+    cut = {"assistant": _cut_head(lex, h_a), "user": _cut_head(lex, user)}
+    openers = {c.opener for c in cut.values() if c.opener}
+    bare = False
+    preamble: list = []
+    first_u = sh.first.get("user")
+    if first_u is not None and user and first_u.endswith(user.lstrip()):
+        pre = first_u[:len(first_u) - len(user.lstrip())]
+        ps = lex.pieces(pre)
+        if ps and all(m for m, _ in ps) and not (set(p for _, p in ps) & openers):
+            preamble = [p for _, p in ps]
+        elif ps and not any(m for m, _ in ps) and pre.strip():
+            bare = True   # a default system text, bare before the first turn
+    if "system" in sh.first:
+        head = sh.first["system"]
+        for p in preamble:   # the BOS the first turn always has
+            if head.startswith(p):
+                head = head[len(p):]
+        c = _cut_head(lex, head, openers)
+        no_close = not _term_parts(lex, sh.terms.get("system"))[0]
+        if c.opener is not None and c.opener not in openers and not c.rest and no_close \
+                and c.opener not in lex.extra:
+            c = _Head(c.glue + [c.opener], None, [])
+        if c.opener is None or (c.opener not in openers and c.opener in lex.extra
+                                and not c.rest):
+            bare = True
+        else:
+            cut["system"] = c
+        preamble = list(dict.fromkeys(preamble + list(c.glue)))
+    if sh.tool_head is not None and sh.tool_head.strip():
+        c = _cut_head(lex, sh.tool_head, openers | {cut.get("system", cut["user"]).opener})
+        if c.opener:
+            cut["tool"] = c
+    return cut, preamble, bare
+
+
+def _close(plan: _Plan, lex: _Lexicon, sh: _Shape, roles: list[str]) -> dict | None:
+    """The close of an element: the terminators' first markers (a role whose terminator
+    holds the others' close further on — a tool result's ``</tool_response><|im_end|>`` —
+    closes with that one), the markers right after them, and the roles that have one."""
+    parts = {r: _term_parts(lex, sh.terms.get(r)) for r in roles}
+    firsts = [parts[r][0][0] for r in ("assistant", "user", "system") if r in parts
+              and parts[r][0]]
+    primary = max(firsts, key=firsts.count) if firsts else None
+    closes: list[str] = []
+    after: list[str] = []
+    with_close: list[str] = []
+    for r in roles:
+        marks, ws = parts[r]
+        plan.between = plan.between or ws
+        term = sh.terms.get(r) or ""
+        if marks and term.endswith(marks[-1] + term[term.rfind(marks[-1]) + len(marks[-1]):]):
+            tail = term[term.rfind(marks[-1]) + len(marks[-1]):]
+            if tail and not tail.strip():
+                plan.ws_after.setdefault(marks[-1], set()).add(tail)
+        if primary in marks:
+            marks = marks[marks.index(primary):]
+        if marks:
+            closes.append(marks[0])
+            after.extend(marks[1:])
+            with_close.append(r)
+    if not closes:
+        return None
+    out: dict = {"markers": [plan.m(c) for c in dict.fromkeys(closes)]}
+    extra = [a for a in dict.fromkeys(after) if a not in closes]
+    if extra:
+        out["after"] = [plan.m(a) for a in extra]
+    known = [r for r in roles if r in sh.terms]
+    if len(with_close) < len(known):
+        out["roles"] = sorted(set(with_close))
+    return out
+
+
+def _turn_element(plan: _Plan, lex: _Lexicon, sh: _Shape, opener: str,
+                  roles: dict) -> tuple[str, dict]:
+    where = "role header" + ("s " if len(roles) > 1 else " ") + ", ".join(roles)
+    el: dict = {"open": plan.m(opener)}
+    if len(roles) == 1:
+        r, c = next(iter(roles.items()))
+        name = f"{r}_turn"
+        el["role"] = r
+        rest = list(c.rest)
+        if len(rest) >= 2 and not rest[0][0] and rest[1][0]:
+            el["header"] = {"until": plan.m(rest[1][1]), "max_tokens": 32}
+            if r == "assistant":   # other roles never train: their header may say anything
+                el["header"]["pattern"] = re.escape(rest[0][1])
+            rest = rest[2:]
+        elif rest and rest[0][0]:
+            el["header"] = {"until": plan.m(rest[0][1]), "max_tokens": 32}
+            rest = rest[1:]
+        if r == "assistant" and rest:
+            if len(rest) > 1 or rest[0][0]:
+                raise InferenceError("the assistant header "
+                                     f"{opener + ''.join(p for _, p in c.rest)!r} is not "
+                                     "an opener, a header and a literal", where=where)
+            el["lead"] = rest[0][1]
+    else:
+        name = "turn"
+        kind, sep, pat, lead = _role_names(roles, lex, where, opener, sh.renders)
+        el["header"] = {kind: plan.m(sep) if kind == "until" else sep,
+                        "pattern": pat["pattern"], "max_tokens": 32}
+        plan.aliases.update(pat["aliases"])
+        if lead:
+            el["lead"] = lead
+        roles = {r: c for r, c in roles.items() if r not in pat["dup"]}
+    close = _close(plan, lex, sh, list(roles))
+    if close:
+        el["close"] = close
+    return name, el
+
+
+def _blocks(plan: _Plan, sh: _Shape) -> list[str]:
+    """The think and tool-call elements; returns the children a turn may hold."""
+    children = []
+    if sh.think:
+        plan.elements["think"] = {"open": plan.m(sh.think[0]),
+                                  "close": {"markers": [plan.m(sh.think[1])]}, "kind": "think"}
+        children.append("think")
+    if sh.call:
+        open_, close, inner = sh.call
+        el: dict = {"open": plan.m(open_), "kind": "tool_call"}
+        if close:
+            el["close"] = {"markers": [plan.m(close)]}
+        else:
+            el["ends_with_parent"] = True
+            inner = (open_,) + tuple(inner)   # one block per reply: calls repeat the opener
+        inner = [plan.m(x) for x in dict.fromkeys(inner) if x != close]
+        if inner:
+            el["inner_markers"] = inner
+        plan.elements["tool_call"] = el
+        children.append("tool_call")
+    return children
+
+
+def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> dict:
+    """The spec (a plain dict) the shape describes."""
+    plan = _Plan()
+    cut, preamble, bare = _heads(lex, sh, h_a)
+    glue: list[str] = []
+    groups: dict = {}
+    for r, c in cut.items():
+        glue.extend(g for g in c.glue if g not in preamble or r != "system")
+        groups.setdefault(c.opener, {})[r] = c
+    for opener, roles in groups.items():
+        same = "tool" in roles and "assistant" in roles and (
+            "".join(p for _, p in roles["tool"].rest).strip()
+            == "".join(p for _, p in roles["assistant"].rest).strip())
+        if same or ("tool" in roles and "assistant" in roles and opener is None):
+            # tool results rendered like assistant turns: no spec can tell them apart (the
+            # tool cases of the matrix then fail verification, with that reason)
+            sh.notes.append("tool results are rendered with the assistant's header")
+            roles = {r: c for r, c in roles.items() if r != "tool"}
+        if opener is not None:
+            ename, el = _turn_element(plan, lex, sh, opener, roles)
+            plan.elements[ename] = el
+            plan.top.append(ename)
+            continue
+        if set(roles) - {"assistant"}:
+            raise InferenceError(f"{', '.join(sorted(set(roles) - {'assistant'}))} turns have "
+                                 "no header to tell them by", where="role headers")
+        close = _close(plan, lex, sh, ["assistant"])
+        if close is None:
+            raise InferenceError("assistant turns have neither a header nor a terminator",
+                                 where="role headers")
+        plan.elements["reply"] = {"role": "assistant", "close": close}
+    if sh.decl:
+        plan.elements["tool_declarations"] = {"open": plan.m(sh.decl[0]), "role": "system",
+                                              "close": {"markers": [plan.m(sh.decl[1])]}}
+        plan.top.append("tool_declarations")
+    children = _blocks(plan, sh)
+    for ename, el in plan.elements.items():
+        if ename in plan.top or ename == "reply":
+            if children:
+                el["children"] = list(children)
+            if "reply" in plan.elements and ename in plan.top:
+                if "close" not in el:
+                    raise InferenceError("a turn before a headerless assistant reply has no "
+                                         "terminator to end at", where=f"element {ename}")
+                el["follow"] = "reply"
+    structural = set()
+    for el in plan.elements.values():
+        o = el.get("open")
+        structural.update([o] if isinstance(o, str) else o or [])
+        for h in (el.get("header") or {}, (el.get("close") or {}).get("header") or {}):
+            if h.get("until"):
+                structural.add(h["until"])
+        structural.update((el.get("close") or {}).get("markers", []))
+        structural.update((el.get("close") or {}).get("after", []))
+    loose = [n for n in plan.names.by_text.values() if n not in structural]
+    for ename, el in plan.elements.items():
+        if (ename in plan.top or ename == "reply") and loose:
+            el["inner_markers"] = list(loose)
+    glue = [g for g in dict.fromkeys(glue + sh.glue)]
+    closing = [c for c in sh.closing if lex.pieces(c) and all(m for m, _ in lex.pieces(c))]
+    betweens = list(dict.fromkeys(glue + [p for c in closing for _, p in lex.pieces(c)]))
+    preamble = [p for p in preamble if p not in betweens]
+    if bare:
+        plan.elements["system_text"] = {"role": "system"}
+        if children:
+            plan.elements["system_text"]["children"] = list(children)
+    used = set(plan.names.by_text)
+    spec: dict = {
+        "name": name,
+        "description": "Inferred from a chat template by chatgrammar.infer_format and verified "
+                       "against it over the validate --template matrix.",
+        "markers": {},
+        "elements": plan.elements,
+        "top": plan.top,
+    }
+    pre = [plan.m(p) for p in preamble] + (["system_text"] if bare else [])
+    if pre:
+        spec["preamble"] = pre
+    if plan.between or "reply" not in plan.elements:
+        spec["between"] = "\\s*"
+    if betweens:
+        spec["between_markers"] = [plan.m(b) for b in betweens]
+    if plan.aliases:
+        spec["role_aliases"] = dict(plan.aliases)
+    gens = [g for g in dict.fromkeys([h_a.lstrip()] + sh.gens) if g]
+    if gens:
+        spec["generation_prompt"] = gens
+    spec["policy"] = {"roles": ["assistant"]}
+    spec["_ws_after"] = {plan.m(t): next(iter(w)) for t, w in plan.ws_after.items()
+                         if len(w) == 1}
+    del used
+    spec["markers"] = {n: {"text": t, "special": lex.special(t, tokenizer)}
+                       for t, n in plan.names.by_text.items()}
+    return spec
+
+
+# ------------------------------------------------------------------------- verification
+@dataclass(frozen=True)
+class Verification:
+    """How an inferred format was checked against its template.
+
+    Attributes:
+        checked: matrix cases rendered and checked (all passed).
+        rejected: matrix case -> why the template rejects it (skipped, not failed).
+        probes_rejected: probe -> why the template rejects it (recorded, not fatal).
+        notes: what inference noticed (a folded system prompt, a header printed by the
+            previous turn, reasoning dropped from history …).
+    """
+
+    checked: tuple = ()
+    rejected: tuple = ()
+    probes_rejected: tuple = ()
+    notes: tuple = ()
+
+    def summary(self) -> str:
+        """One line: ``verified on 18 matrix cases; the template rejects 2: tool-call, …``."""
+        s = f"verified on {len(self.checked)} matrix case{'s' if len(self.checked) != 1 else ''}"
+        if self.rejected:
+            s += (f"; the template rejects {len(self.rejected)}: "
+                  + ", ".join(name for name, _ in self.rejected))
+        return s
+
+
+class InferredFormat(Format):
+    """A :class:`~chatgrammar.Format` written by :func:`infer_format`.
+
+    Attributes:
+        spec_yaml: the spec, as YAML text (save it and ``cg.load_format(path)`` it, or name it
+            in ``extends:``).
+        verification: the :class:`Verification` it passed.
+    """
+
+    spec_yaml: str
+    verification: Verification
+
+    def __reduce__(self):
+        # picklable for worker processes: rebuilt from its YAML (never from a path)
+        return (_from_yaml, (self.spec_yaml, self.verification))
+
+
+def _from_yaml(text: str, verification: Verification | None = None) -> InferredFormat:
+    spec, src = parse_spec(text, "<inferred>")
+    fmt = InferredFormat(spec, src)
+    fmt.spec_yaml = text
+    fmt.verification = verification or Verification()
+    return fmt
+
+
+class _Dumper(yaml.SafeDumper):
+    """Readable YAML: strings with control characters double-quoted on one line, markers as
+    flow mappings."""
+
+
+def _str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    if any(c in data for c in "\n\t\r") or data != data.strip():
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style='"')
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def _emit(spec: dict, header: str) -> str:
+    markers = spec.pop("markers")
+    body = yaml.dump(spec, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
+    lines = ["markers:"]
+    for name, m in markers.items():
+        flow = yaml.dump(m, Dumper=_Dumper, default_flow_style=True, allow_unicode=True,
+                         sort_keys=False, width=10 ** 6).strip()
+        lines.append(f"  {name}: {flow}")
+    spec["markers"] = markers
+    head, rest = body.split("elements:", 1)
+    text = header + head + "\n".join(lines) + "\nelements:" + rest
+    return text if text.endswith("\n") else text + "\n"
+
+
+def _tags(case: str) -> frozenset:
+    from .matrix import get_case
+
+    try:
+        return get_case(case).tags
+    except KeyError:
+        return frozenset()
+
+
+def _verify(fmt: Format, template: str, variables: dict, tokenizer: Any,
+            timeout: float) -> tuple[Any, list]:
+    from .conformance import check_template
+
+    res = check_template(fmt, template, name="template", variables=variables,
+                         tokenizer=tokenizer, timeout=timeout)
+    if res.error:
+        raise InferenceError(res.error, where="verification")
+    fails = [c for c in res.cases if c.status == "fail"]
+    return res, fails
+
+
+# ------------------------------------------------------------------------------ the entry
+#: Per-render time limit (seconds) of the probes and of verification.
+TIMEOUT = 10.0
+_CACHE: "OrderedDict[str, tuple[str, Verification]]" = OrderedDict()
+_CACHE_SIZE = 64
+_cache_lock = threading.Lock()
+
+
+def _key(template: str, variables: dict, tokenizer: Any) -> str:
+    h = hashlib.sha256(template.encode("utf-8", "surrogatepass"))
+    h.update(json.dumps(variables, sort_keys=True, default=repr).encode())
+    if tokenizer is not None:
+        h.update(type(tokenizer).__name__.encode())
+        h.update(json.dumps(sorted(_tokenizer_specials(tokenizer))).encode())
+    return h.hexdigest()
+
+
+def _shape(probe: _Probe, lex: _Lexicon) -> tuple[_Shape, str]:
+    """Probe the template; returns the shape and the assistant header."""
+    msgs = _BASIC["u-a-u-a"]
+    R = probe.render(msgs, shape="u-a-u-a") or probe.render(_BASIC["s-u-a-u-a"],
+                                                             shape="s-u-a-u-a")
+    if R is not None and U1 not in R:
+        probe.parts = True
+        R = probe.render(msgs, shape="u-a-u-a (content parts)")
+        if R is not None and U1 not in R:
+            raise InferenceError("the template does not print message content, neither as a "
+                                 "string nor as a list of text parts", where="probe u-a-u-a")
+        if R is not None:
+            raise InferenceError("the template prints message content only when it is a list "
+                                 "of text parts (a string content is dropped): the matrix's "
+                                 "string messages cannot be parsed", where="probe u-a-u-a")
+    sh = _Shape()
+    _basic(probe, lex, sh)
+    g = _generation(probe, lex, sh)
+    h_a = _assistant_header(lex, sh, g)
+    _reasoning(probe, lex, sh, h_a)
+    _tools(probe, lex, sh, h_a)
+    sh.renders = [t for t in probe.cache.values() if t]
+    if sh.after_tool_head is not None and sh.after_tool_head.strip() != h_a.strip() \
+            and sh.heads.get("assistant", "").strip() != sh.after_tool_head.strip():
+        sh.notes.append(f"assistant turns render differently after a tool turn: "
+                        f"{sh.after_tool_head!r} vs {h_a!r}")
+    return sh, h_a
+
+
+def _variants(spec: dict) -> list[dict]:
+    """The designed spec, then the cheap alternatives: between-turn text or not; whitespace
+    before a turn's opener absorbed by it (``lstrip``) instead."""
+    ws_after = spec.pop("_ws_after", {})
+    out = [spec]
+    alt = json.loads(json.dumps(spec))
+    if "between" in alt:
+        del alt["between"]
+    else:
+        alt["between"] = "\\s*"
+    out.append(alt)
+    alt = json.loads(json.dumps(spec))
+    alt.pop("between", None)
+    for name in alt["top"]:
+        o = alt["elements"][name].get("open")
+        for m in [o] if isinstance(o, str) else o or []:
+            alt["markers"][m]["lstrip"] = True
+    out.append(alt)
+    if ws_after and any("close" not in alt["elements"][n] for n in alt["top"]):
+        # turns without a terminator cannot share text with between-turn whitespace: the
+        # whitespace a terminator is always followed by becomes part of it (soft)
+        alt = json.loads(json.dumps(alt))
+        for name, ws in ws_after.items():
+            alt["markers"][name]["text"] += ws
+            alt["markers"][name]["special"] = False
+        out.append(alt)
+    return out
+
+
+def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> InferredFormat:
+    probe = _Probe(template, variables, TIMEOUT)
+    lex = _Lexicon(specials=_tokenizer_specials(tokenizer))
+    sh, h_a = _shape(probe, lex)
+    spec = _design(lex, sh, h_a, tokenizer, name)
+    header = (f"# {name}: inferred by chatgrammar.infer_format from a chat template "
+              f"(sha256 {name[9:]}…).\n# Review it, then rename it and add detect: / examples: "
+              "to bundle it (docs/inference.md).\n")
+    first_problem: InferenceError | None = None
+    for cand in _variants(spec):
+        text = _emit(cand, header)
+        try:
+            fmt = _from_yaml(text)
+        except ChatGrammarError as exc:
+            first_problem = first_problem or InferenceError(
+                f"the inferred spec does not compile: {str(exc).splitlines()[0]}",
+                where="compile", details=text)
+            continue
+        res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT)
+        if fails and "tool results are rendered with the assistant's header" in sh.notes and \
+                all("tool-results" in _tags(f.case) for f in fails):
+            first_problem = InferenceError(
+                "the template renders tool results as assistant turns (with the assistant's "
+                "header): no spec can tell them apart, a tool result would train as assistant "
+                "text; refused (conversations without tool messages are captured: "
+                + ", ".join(c.case for c in res.cases if c.status == "pass") + ")",
+                where="case " + fails[0].case, details=fails[0].details + "\n\n" + text)
+            break
+        if fails:
+            c = fails[0]
+            first_problem = (first_problem if first_problem and first_problem.where != "compile"
+                             else None) or InferenceError(
+                f"the inferred spec fails matrix case {c.case!r}: {c.reason}"
+                + (f" [{len(fails) - 1} more case(s) fail]" if len(fails) > 1 else ""),
+                where=f"case {c.case}", details=c.details + "\n\n" + text)
+            continue
+        fmt.verification = Verification(
+            checked=tuple(c.case for c in res.cases if c.status == "pass"),
+            rejected=tuple((c.case, c.reason) for c in res.cases if c.status == "skip"),
+            probes_rejected=tuple(probe.rejected.items()), notes=tuple(sh.notes))
+        return fmt
+    assert first_problem is not None
+    raise first_problem
+
+
+def infer_format(chat_template: str, *, tokenizer: Any = None, **template_kwargs: Any
+                 ) -> InferredFormat:
+    """Infer a format from a chat template, verified against it before it is returned.
+
+    The template is rendered in the sandbox (as transformers renders it) on sentinel
+    conversations; the spec written from the renders is compiled strictly and must pass every
+    case of the ``validate --template`` matrix the template accepts. See docs/inference.md.
+
+    Args:
+        chat_template: the Jinja source of the chat template.
+        tokenizer: optional; its special tokens map (``bos_token``, ``eos_token`` …) is passed
+            to the template, and a marker is ``special`` exactly when it is one special/added
+            id of it (verification then also runs in id mode with it).
+        **template_kwargs: template variables (``bos_token="<s>"``, ``eos_token=…``, switches
+            such as ``enable_thinking``); they win over the tokenizer's.
+
+    Returns:
+        An :class:`InferredFormat` named ``inferred-<8 hex>`` (the template's hash with the
+        variables), with ``spec_yaml`` and ``verification``. Cached by that hash, in memory.
+
+    Raises:
+        InferenceError: the template does not compile, runs out of time or leaves the sandbox,
+            never renders an assistant turn, needs a variable that was not passed, or shows a
+            structure the spec language cannot say, or the inferred spec fails a matrix case
+            (the message says which and why).
+
+    Example:
+        >>> tpl = ("{% for m in messages %}<|im_start|>{{ m.role }}\\n{{ m.content }}"
+        ...        "<|im_end|>\\n{% endfor %}{% if add_generation_prompt %}"
+        ...        "<|im_start|>assistant\\n{% endif %}")
+        >>> fmt = infer_format(tpl)
+        >>> fmt.parse("<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello"
+        ...           "<|im_end|>\\n").trained_text()
+        ['Hello']
+    """
+    if not isinstance(chat_template, str) or not chat_template.strip():
+        raise InferenceError("the chat template is empty", where="input")
+    variables = {**_tokenizer_vars(tokenizer), **template_kwargs}
+    key = _key(chat_template, variables, tokenizer)
+    with _cache_lock:
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+    if hit is not None:
+        return _from_yaml(*hit)
+    try:
+        compile_template(chat_template)
+    except TemplateError as exc:
+        raise InferenceError(f"the template does not compile: {exc.message}",
+                             where="template") from None
+    fmt = _infer(chat_template, variables, tokenizer, f"inferred-{key[:8]}")
+    with _cache_lock:
+        _CACHE[key] = (fmt.spec_yaml, fmt.verification)
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return fmt
+
+
+def template_of(tokenizer: Any) -> str | None:
+    """A tokenizer's own chat template (the ``default`` one of a named set), or None."""
+    t = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    t = t.get("default") if isinstance(t, dict) else t
+    return t if isinstance(t, str) and t.strip() else None
+
+
+def resolve_format(tokenizer: Any = None, *, chat_template: str | None = None,
+                   **template_kwargs: Any) -> tuple[Format, str]:
+    """The bundled format detected for a tokenizer / template, else one inferred.
+
+    What ``chatgrammar mask -f auto``, ``chatgrammar detect`` and ``chatgrammar.hf.map_fn``
+    (``fmt="auto"``) use.
+
+    Args:
+        tokenizer: the tokenizer (its special tokens and its own chat template), or None.
+        chat_template: the chat template (default: the tokenizer's).
+        **template_kwargs: template variables for inference.
+
+    Returns:
+        ``(format, how)``: ``how`` is ``"detected"`` (a bundled or plugin format) or
+        ``"inferred"`` (:func:`infer_format`; the format's ``verification`` says how it was
+        checked).
+
+    Raises:
+        DetectionError: nothing is detected and there is no template to infer from.
+        InferenceError: nothing is detected and the template cannot be captured (the message
+            says both).
+
+    Example:
+        >>> fmt, how = resolve_format(chat_template=open("vicuna.jinja").read())  # doctest: +SKIP
+        >>> how                                                                   # doctest: +SKIP
+        'inferred'
+    """
+    from .detect import detect_format
+    from .errors import DetectionError
+
+    try:
+        return detect_format(tokenizer, chat_template=chat_template), "detected"
+    except DetectionError as exc:
+        template = chat_template or template_of(tokenizer)
+        if template is None:
+            raise
+        why = str(exc).splitlines()[0]
+    try:
+        return infer_format(template, tokenizer=tokenizer, **template_kwargs), "inferred"
+    except InferenceError as exc:
+        raise InferenceError(f"no bundled format ({why}); and inference fails: {exc.message}",
+                             where=exc.where, details=exc.details) from None

@@ -1,0 +1,326 @@
+"""cg.infer_format: a verified spec inferred from a chat template (docs/inference.md).
+
+(a) cross-check: on the bundled families' real templates, the inferred format trains exactly
+    what the bundled format trains, over the whole conversation matrix;
+(b) families without a bundled format (tests/data/templates/infer, from llama.cpp's template
+    tests): a verified format with the right masks;
+(c) bad input: templates that reject shapes (recorded), that only print content parts, that
+    never emit an assistant turn, hostile ones: a clear InferenceError; the CLI prints one line.
+Every template is rendered exactly as transformers renders it, through chatgrammar.render.
+"""
+from __future__ import annotations
+
+import pickle
+import re
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+import chatgrammar as cg
+from chatgrammar import infer as inf
+from chatgrammar.cli import main
+from chatgrammar.conformance import OUTPUT_POLICY, MarkerTokenizer
+from chatgrammar.matrix import default_matrix, render_case
+from chatgrammar.render import TemplateError, render_chat
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATES = ROOT / "tests" / "data" / "templates"
+sys.path.insert(0, str(ROOT / "tools"))
+from conformance import VARIABLES  # noqa: E402
+
+WITH_END = OUTPUT_POLICY.replace(end_marker=True)
+
+#: Bundled family -> its real templates that inference captures (docs/inference.md lists the
+#: ones it refuses, and why). The inferred masks must equal the bundled ones on the matrix.
+CROSS = {
+    "kimi-k2": ["moonshotai-Kimi-K2.jinja", "moonshotai-Kimi-K2-Thinking.jinja"],
+    "chatml": ["Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-Qwen3.jinja",
+               "Qwen-Qwen3-Coder-30B-A3B-Instruct.jinja", "Qwen-Qwen3.5-2B.jinja",
+               "HuggingFaceTB-SmolLM3-3B.jinja", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja",
+               "LiquidAI-LFM2.jinja", "stepfun-ai-Step-3.5-Flash.jinja"],
+    "cohere": ["CohereForAI-c4ai-command-r-v01.jinja"],
+    "gemma": ["google-gemma-2-2b-it.jinja", "google-gemma-3-it.jinja"],
+    "granite": ["ibm-granite-granite-3.3-2B-Instruct.jinja", "ibm-granite-granite-4.0.jinja"],
+    "llama3": ["meta-llama-Llama-3.1-8B-Instruct.jinja", "meta-llama-Llama-3.2-3B-Instruct.jinja"],
+    "llama4": ["meta-llama-Llama-4-Scout-17B-16E-Instruct.jinja"],
+    "mistral": ["mistralai-Mistral-7B-Instruct-v0.3.jinja",
+                "mistralai-Mistral-Small-24B-Instruct-2501.jinja"],
+    "phi3": ["microsoft-Phi-3-mini-4k-instruct.jinja", "microsoft-Phi-4-mini-instruct.jinja"],
+    "phi4": ["microsoft-phi-4.jinja", "microsoft-Phi-4-reasoning.jinja"],
+}
+
+#: Templates inference refuses, with the reason it must give (a precise InferenceError, never
+#: a half-right format).
+REFUSED = {
+    "openai-gpt-oss-120b.jinja": ("harmony", "no common separator"),
+    "moonshotai-Kimi-K3.jinja": ("kimi-k3", "render their header differently"),
+    "google-functiongemma.jinja": ("functiongemma", "same header 'model'"),
+}
+
+#: Families without a bundled format (llama.cpp's template tests; SOURCES.md there):
+#: template -> (variables, a conversation's rendering must train exactly these texts).
+NEW = {
+    "openchat-3.5.jinja": ({"bos_token": "<s>", "eos_token": "<|end_of_turn|>"},
+                           [" Hello there", " Later"]),
+    "alphamonarch.jinja": ({"bos_token": "<s>", "eos_token": "</s>"}, ["Hello there", "Later"]),
+    "deepseek-v2.jinja": ({"bos_token": "<｜begin▁of▁sentence｜>",
+                           "eos_token": "<｜end▁of▁sentence｜>"}, [" Hello there", " Later"]),
+    "llama2-inst-mistral-v0.2-old.jinja": ({"bos_token": "<s>", "eos_token": "</s>"},
+                                           ["Hello there", "Later"]),
+    "phi3-small.jinja": ({"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
+                         ["Hello there", "Later"]),
+}
+TWO_EXCHANGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
+                 {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Later"}]
+
+
+def _read(name: str) -> str:
+    return (TEMPLATES / name).read_text(encoding="utf-8")
+
+
+@lru_cache(maxsize=None)
+def _renders(name: str, family: str) -> tuple:
+    """The matrix rendered with a template (cached: several tests use it)."""
+    tpl, kw = _read(name), VARIABLES.get(family, {})
+    out = []
+    for case in default_matrix():
+        try:
+            out.append((case.name, render_case(tpl, case, **kw).text))
+        except TemplateError:
+            pass
+    return tuple(out)
+
+
+def _infer(name: str, family: str | None = None, **kw) -> inf.InferredFormat:
+    return cg.infer_format(_read(name), **{**VARIABLES.get(family, {}), **kw})
+
+
+# ------------------------------------------------------------------------- (a) cross-check
+@pytest.mark.parametrize("family,name", [(f, t) for f, ts in CROSS.items() for t in ts])
+def test_inferred_masks_equal_bundled(family, name):
+    fmt = _infer(name, family)
+    assert re.fullmatch(r"inferred-[0-9a-f]{8}", fmt.name)
+    assert fmt.verification.checked, "verified on no case"
+    bundled = cg.load_format(family)
+    renders = _renders(name, family)
+    assert len(renders) >= 6
+    for case, text in renders:
+        for pol in (OUTPUT_POLICY, WITH_END):
+            assert fmt.parse(text).mask(pol) == bundled.parse(text).mask(pol), (case, pol)
+
+
+def test_cohere_r7b_differs_on_purpose():
+    # Command R7B prompts with <|START_RESPONSE|>: the inferred spec keeps it in the header
+    # and makes <|END_RESPONSE|> the terminator (untrained by default, as every terminator);
+    # the bundled cohere spec trains the whole reply block the model chooses (response /
+    # thinking / action), markers included. Both pass the template's matrix; the bundled one
+    # is the better training target (docs/inference.md, "where they differ").
+    name = "CohereLabs-c4ai-command-r7b-12-2024.jinja"
+    fmt, bundled = _infer(name, "cohere"), cg.load_format("cohere")
+    case, text = _renders(name, "cohere")[0]
+    a = fmt.parse(text).trained_text(OUTPUT_POLICY)
+    b = bundled.parse(text).trained_text(OUTPUT_POLICY)
+    strip = [x.replace("<|START_RESPONSE|>", "").replace("<|END_RESPONSE|>", "") for x in b]
+    assert strip == a and a != b
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_with_a_reason(name):
+    family, why = REFUSED[name]
+    with pytest.raises(cg.InferenceError, match=re.escape(why)):
+        _infer(name, family)
+
+
+# ------------------------------------------------------------------- (b) new families
+@pytest.mark.parametrize("name", sorted(NEW))
+def test_new_family_verified_with_correct_masks(name):
+    kw, trained = NEW[name]
+    tpl = _read("infer/" + name)
+    fmt = cg.infer_format(tpl, **kw)
+    assert len(fmt.verification.checked) >= 6
+    text = render_chat(tpl, TWO_EXCHANGES, **kw)
+    assert fmt.parse(text).trained_text() == trained
+    # id mode with one id per marker trains the same
+    tok = MarkerTokenizer([m.text for m in fmt.spec.markers.values()])
+    ids, starts = tok.encode_with_offsets(text)
+    bounds = starts + [len(text)]
+    spans = fmt.parse_ids(ids, tok).spans()
+    assert [text[bounds[s.start]:bounds[s.end]] for s in spans] == trained
+
+
+def test_llama2_without_system_support_records_the_rejected_shapes():
+    kw, _ = NEW["llama2-inst-mistral-v0.2-old.jinja"]
+    fmt = cg.infer_format(_read("infer/llama2-inst-mistral-v0.2-old.jinja"), **kw)
+    rejected = dict(fmt.verification.rejected)
+    assert "basic" in rejected and "alternate" in rejected["basic"]
+    assert fmt.verification.probes_rejected          # probes it rejected: recorded, not fatal
+    assert "rejects" in fmt.verification.summary()
+
+
+# --------------------------------------------------------------------- the result itself
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_deterministic_cached_and_named_by_hash():
+    a = cg.infer_format(CHATML)
+    b = cg.infer_format(CHATML)
+    assert a.spec_yaml == b.spec_yaml and a.name == b.name
+    assert a is not b                      # the cache keeps text, never a live object
+    inf._CACHE.clear()
+    assert cg.infer_format(CHATML).spec_yaml == a.spec_yaml
+    assert cg.infer_format(CHATML, bos_token="<s>").name != a.name   # kwargs are in the key
+
+
+def test_spec_yaml_loads_extends_and_pickles(tmp_path):
+    fmt = cg.infer_format(CHATML)
+    p = tmp_path / "mine.yaml"
+    p.write_text(fmt.spec_yaml, encoding="utf-8")
+    text = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
+    assert cg.load_format(p).parse(text).trained_text() == ["Hello"]
+    child = tmp_path / "child.yaml"
+    child.write_text("name: mine-derived\nextends: mine.yaml\npolicy: {end_marker: true}\n",
+                     encoding="utf-8")
+    assert "".join(cg.load_format(child).parse(text).trained_text()) == "Hello<|im_end|>"
+    again = pickle.loads(pickle.dumps(fmt))
+    assert again.spec_yaml == fmt.spec_yaml and again.parse(text).trained_text() == ["Hello"]
+
+
+def test_never_trains_a_role_it_did_not_see_as_assistant():
+    fmt = cg.infer_format(CHATML)
+    # a role name the template was never seen to write as the assistant's is not assistant
+    with pytest.raises(cg.ParseError):
+        fmt.parse("<|im_start|>bot\nforged<|im_end|>\n")
+    conv = fmt.parse("<|im_start|>tool\nresult<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n")
+    assert conv.trained_text() == []
+
+
+def test_gemma_model_role_is_the_assistant_and_assistant_is_not_a_name():
+    fmt = _infer("google-gemma-3-it.jinja", "gemma")
+    assert fmt.spec.role_aliases.get("model") == "assistant"
+    with pytest.raises(cg.ParseError):
+        fmt.parse("<start_of_turn>assistant\nforged<end_of_turn>\n")
+
+
+def test_tokenizer_decides_special_and_passes_its_tokens():
+    class Tok(MarkerTokenizer):
+        special_tokens_map = {"eos_token": "<|im_end|>"}
+
+    tpl = CHATML.replace("<|im_end|>", "{{ eos_token }}")
+    fmt = cg.infer_format(tpl, tokenizer=Tok(["<|im_start|>", "<|im_end|>"]))
+    specials = {m.text: m.special for m in fmt.spec.markers.values()}
+    assert specials == {"<|im_start|>": True, "<|im_end|>": True}
+    # a marker that is no single id of the tokenizer is soft; verification also runs in id
+    # mode with the tokenizer, and refuses the spec where that mode cannot parse it
+    try:
+        fmt2 = cg.infer_format(CHATML, tokenizer=Tok(["<|im_end|>"]))
+    except cg.InferenceError as exc:
+        assert "id mode" in str(exc)
+    else:
+        assert {m.text: m.special for m in fmt2.spec.markers.values()}["<|im_start|>"] is False
+
+
+def test_resolve_format_prefers_a_bundled_one():
+    fmt, how = inf.resolve_format(chat_template=_read("meta-llama-Llama-3.1-8B-Instruct.jinja"))
+    assert (fmt.name, how) == ("llama3", "detected")
+    fmt, how = inf.resolve_format(chat_template=_read("infer/deepseek-v2.jinja"),
+                                  bos_token="", eos_token="<｜end▁of▁sentence｜>")
+    assert how == "inferred" and fmt.name.startswith("inferred-")
+
+
+class _CallableTok(MarkerTokenizer):
+    """A picklable one-id-per-marker tokenizer with the transformers call protocol."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": self.encode(text)}
+
+
+def test_map_fn_auto_says_inferred():
+    from chatgrammar.hf import map_fn
+
+    tpl = _read("infer/openchat-3.5.jinja")
+    kw = {"bos_token": "<s>", "eos_token": "<|end_of_turn|>"}
+    probe = cg.infer_format(tpl, **kw)
+
+    tok = _CallableTok([m.text for m in probe.spec.markers.values()])
+    tok.chat_template = tpl
+    fn = map_fn("auto", tok, template_kwargs=kw)
+    assert fn.format_source == "inferred" and "(inferred)" in repr(fn)
+    out = pickle.loads(pickle.dumps(fn))({"messages": [TWO_EXCHANGES]})
+    assert out["num_trained"][0] == len(" Hello there") + len(" Later")
+
+
+# ------------------------------------------------------------------------ (c) bad input
+PARTS_ONLY = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% for p in m.content %}"
+              "{{ p.text }}{% endfor %}<|im_end|>\n{% endfor %}")
+NO_ASSISTANT = ("{% for m in messages %}{% if m.role == 'user' %}<|user|>{{ m.content }}"
+                "<|end|>{% endif %}{% endfor %}")
+SOME_SHAPES = ("{% for m in messages %}{% if m.role == 'system' %}"
+               "{{ raise_exception('System role not supported') }}{% endif %}"
+               "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_template_rejecting_some_shapes_is_recorded():
+    fmt = cg.infer_format(SOME_SHAPES)
+    assert "basic" in dict(fmt.verification.rejected)
+    assert any("System role" in why for _, why in fmt.verification.probes_rejected)
+
+
+@pytest.mark.parametrize("template,message", [
+    (PARTS_ONLY, "list of text parts"),
+    (NO_ASSISTANT, "never emits an assistant turn"),
+    ("{% for m in messages %}{{ m.content }}", "does not compile"),
+    ("   ", "empty"),
+    ("{{ bos_token + messages[0].content }}", "bos_token"),
+    ("{{ ''.__class__.__mro__ }}", "sandbox"),
+])
+def test_bad_templates_raise_inference_error(template, message):
+    with pytest.raises(cg.InferenceError, match=re.escape(message)):
+        cg.infer_format(template, **({} if "bos_token" in template else {}))
+
+
+def test_hostile_template_hits_the_time_limit(monkeypatch):
+    monkeypatch.setattr(inf, "TIMEOUT", 0.3)
+    with pytest.raises(cg.InferenceError, match="time limit"):
+        cg.infer_format("{% for i in range(99999) %}{% for j in range(99999) %}x{% endfor %}"
+                        "{% endfor %}")
+
+
+def test_inference_error_is_a_chatgrammar_error():
+    assert issubclass(cg.InferenceError, cg.ChatGrammarError)
+
+
+# -------------------------------------------------------------------------------- CLI
+def test_cli_prints_spec_and_summary(tmp_path, capsys):
+    p = tmp_path / "t.jinja"
+    p.write_text(CHATML, encoding="utf-8")
+    assert main(["infer", str(p)]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("# inferred-") and "elements:" in out
+    assert "verified on" in err
+    spec = tmp_path / "s.yaml"
+    assert main(["infer", str(p), "-o", str(spec)]) == 0
+    out, _ = capsys.readouterr()
+    assert "written to" in out and "verified on" in out
+    assert cg.load_format(spec).name.startswith("inferred-")
+
+
+@pytest.mark.parametrize("template,code", [(NO_ASSISTANT, 1), ("{% if %}", 1), (None, 2)])
+def test_cli_errors_are_one_line(tmp_path, capsys, template, code):
+    p = tmp_path / "t.jinja"
+    if template is not None:
+        p.write_text(template, encoding="utf-8")
+    assert main(["infer", str(p)]) == code
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_cli_detect_says_inferred(tmp_path, capsys):
+    p = tmp_path / "t.jinja"
+    p.write_text(_read("infer/openchat-3.5.jinja"), encoding="utf-8")
+    assert main(["detect", "--template", str(p)]) == 0
+    out, _ = capsys.readouterr()
+    assert "no bundled format; inferred inferred-" in out
