@@ -5,7 +5,11 @@ by this package:
 
 - :mod:`chatgrammar.integrations.modelopt` — NVIDIA Model-Optimizer's loss-mask recoveries and
   final-norm selection (``pip install 'chatgrammar[modelopt]'``);
-- :mod:`chatgrammar.integrations.trl` — TRL's ``SFTTrainer`` datasets (``[trl]``).
+- :mod:`chatgrammar.integrations.trl` — ``prepare`` a dataset for TRL's ``SFTTrainer``
+  (``pip install 'chatgrammar[trl]'``).
+
+Ray Data needs no module of its own: :func:`chatgrammar.hf.map_fn` inside
+``Dataset.map_batches`` (docs/scale.md; ``[ray]``).
 
 Importing this package imports nothing heavy (no torch, no client).
 """

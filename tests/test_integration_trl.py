@@ -1,0 +1,211 @@
+"""chatgrammar.integrations.trl.prepare with the real TRL SFTTrainer (CPU, a tiny random model).
+
+The chat templates here have no ``{% generation %}`` tags (Qwen2.5's and Kimi-K2's upstream
+templates, tests/data/templates/SOURCES.md), and one tokenizer is Kimi's slow tiktoken-backed
+``TikTokenTokenizer``: the two cases where transformers' / TRL's own assistant mask cannot work.
+The reference masks are independent of chatgrammar's grammar: each assistant body is found in the
+rendered text with ``str.find`` and mapped to tokens by the fast tokenizer's offsets (Qwen), or
+the trained runs must decode exactly to those bodies (Kimi); a sample cut by ``max_length`` must
+have its full sample's reference mask, cut.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from pathlib import Path
+
+import pytest
+
+import chatgrammar as cg
+from tests.tokenizers import qwen_fast_tokenizer
+
+datasets = pytest.importorskip("datasets")
+torch = pytest.importorskip("torch")
+trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
+
+from chatgrammar.hf import apply_chat_template  # noqa: E402
+from chatgrammar.integrations.trl import prepare  # noqa: E402
+from tests.kimi_tokenizers import template as kimi_template  # noqa: E402
+from tests.test_detect import kimi_files, kimi_slow  # noqa: E402,F401  (session fixtures)
+
+TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
+MAX_LEN = 64
+
+
+def conversations(n: int = 10) -> list[list[dict]]:
+    out = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": f"Question number {i}: how much is {i}+{i}?"},
+                {"role": "assistant", "content": f"It is {2 * i}. " + "Really, " * (i % 4)}]
+        if i % 3 == 0:
+            msgs += [{"role": "user", "content": "Explain it at length, please."},
+                     {"role": "assistant", "content": "Adding a number to itself doubles it. "
+                      * (2 + i)}]  # long: cut by MAX_LEN in the middle of this reply
+        out.append(msgs)
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    tok = copy.deepcopy(qwen_fast_tokenizer())
+    tok.chat_template = (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(encoding="utf-8")
+    return tok
+
+
+def qwen_reference(tok, messages) -> tuple[list[int], list[int]]:
+    """ids and mask from str.find + offsets: the tokens of each assistant content."""
+    text = tok.apply_chat_template(messages, tokenize=False)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    spans, at = [], 0
+    for m in messages:
+        if m["role"] == "assistant":
+            a = text.index("<|im_start|>assistant\n" + m["content"], at) + len(
+                "<|im_start|>assistant\n")
+            spans.append((a, a + len(m["content"])))
+            at = a
+    mask = [int(any(s < b and e > a for a, b in spans)) for s, e in enc["offset_mapping"]]
+    return enc["input_ids"], mask
+
+
+def tiny_model(vocab_size: int):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def train_two_steps(tmp_path, tok, train, *, data_collator=None):
+    """Two optimizer steps with the real SFTTrainer; returns (trainer, batches it saw)."""
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
+                         learning_rate=1e-3, logging_steps=1, save_strategy="no",
+                         report_to="none", use_cpu=True, max_length=MAX_LEN,
+                         dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    trainer = trl.SFTTrainer(model=tiny_model(len(tok)), args=args, train_dataset=train,
+                             processing_class=tok, data_collator=data_collator)
+    seen = []
+    collate = trainer.data_collator
+
+    def hooked(examples):  # the batch exactly as the trainer feeds it to the model
+        batch = collate(examples)
+        seen.append({k: v.clone() for k, v in batch.items() if hasattr(v, "clone")})
+        return batch
+
+    trainer.data_collator = hooked
+    trainer.train()
+    assert trainer.state.global_step == 2
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses and all(math.isfinite(x) for x in losses)
+    return trainer, seen
+
+
+def check_batches(seen, masks_by_ids: dict) -> int:
+    """labels are -100 exactly where the mask is 0 (and on padding), the id elsewhere."""
+    rows = 0
+    for batch in seen:
+        for ids, att, lab in zip(batch["input_ids"].tolist(), batch["attention_mask"].tolist(),
+                                 batch["labels"].tolist()):
+            n = sum(att)
+            mask = masks_by_ids[tuple(ids[:n])]
+            assert lab[:n] == [i if m else -100 for i, m in zip(ids[:n], mask)]
+            assert lab[n:] == [-100] * (len(ids) - n)
+            rows += 1
+    return rows
+
+
+def test_prepare_masks_equal_the_reference_truncated_included(qwen):
+    convs = conversations()
+    st: dict = {}
+    ds = prepare(datasets.Dataset.from_list([{"messages": c} for c in convs]), qwen,
+                 max_length=MAX_LEN, stats=st)
+    assert ds.column_names == ["input_ids", "assistant_masks"]
+    assert st["format"] == "chatml" and st["samples"] == st["kept"] == len(convs)
+    assert st["malformed"] == st["dropped"] == st["empty"] == 0
+    assert st["truncated"] > 0
+    for row, c in zip(ds, convs):
+        ids, mask = qwen_reference(qwen, c)
+        assert row["input_ids"] == ids[:MAX_LEN]
+        assert row["assistant_masks"] == mask[:MAX_LEN]
+    # the same with two worker processes, and from pre-tokenised rows
+    again = prepare([{"messages": c} for c in convs], qwen, max_length=MAX_LEN, num_proc=2)
+    assert again["assistant_masks"] == ds["assistant_masks"]
+    pre = prepare([{"input_ids": qwen_reference(qwen, c)[0]} for c in convs], qwen,
+                  format="chatml", max_length=MAX_LEN)
+    assert pre["input_ids"] == ds["input_ids"] and pre["assistant_masks"] == ds["assistant_masks"]
+
+
+def test_sft_trainer_labels_are_minus_100_exactly_where_the_mask_is_0(qwen, tmp_path):
+    convs = conversations(8)
+    train = prepare([{"messages": c} for c in convs], qwen, max_length=MAX_LEN)
+    masks = {tuple(r["input_ids"]): r["assistant_masks"] for r in train}
+    trainer, seen = train_two_steps(tmp_path, qwen, train)
+    # TRL built its labels from our column at preparation...
+    prepared = trainer.train_dataset
+    assert "assistant_masks" not in prepared.column_names
+    for r in prepared:
+        m = masks[tuple(r["input_ids"])]
+        assert r["labels"] == [i if b else -100 for i, b in zip(r["input_ids"], m)]
+    # ...and the batches the model saw carry them
+    assert check_batches(seen, masks) >= 4  # 2 steps x 2 (the loader may fetch ahead)
+
+
+def test_lenient_by_default_counts_and_never_raises(qwen, caplog):
+    rows = [{"messages": c} for c in conversations(4)]
+    rows.append({"messages": [{"role": "user", "content": "forged <|im_end|> marker"},
+                              {"role": "assistant", "content": "still trained"}]})
+    rows.append({"messages": [{"role": "user", "content": "no reply"}]})
+    rows.append({"messages": []})  # transformers refuses an empty conversation
+    st: dict = {}
+    with caplog.at_level(logging.WARNING, logger="chatgrammar.integrations.trl"):
+        ds = prepare(rows, qwen, stats=st)
+    assert st["samples"] == 7 and st["kept"] == 5
+    assert st["malformed"] == 1 and st["dropped"] == 1 and st["empty"] == 1
+    assert [e[0] for e in st["errors"]] == [4, 6]
+    assert any("1 malformed" in r.message for r in caplog.records)
+    forged = ds[4]
+    trained = qwen.decode([i for i, m in zip(forged["input_ids"], forged["assistant_masks"]) if m])
+    assert trained == "still trained"  # the malformed user turn trains nothing, the rest does
+    with pytest.raises(cg.ParseError):
+        prepare(rows[:5], qwen, strict=True)
+    with pytest.raises(KeyError):
+        prepare([{"text": "x"}], qwen)
+
+
+def test_slow_kimi_tokenizer_trains_with_sft_trainer(kimi_slow, tmp_path):
+    tok = copy.deepcopy(kimi_slow("k2"))
+    tok.chat_template = kimi_template("moonshotai-Kimi-K2.jinja")
+    convs = conversations(8)
+    st: dict = {}
+    train = prepare([{"messages": c} for c in convs], tok, max_length=MAX_LEN, stats=st)
+    assert st["format"] == "kimi-k2" and st["kept"] == 8 and st["truncated"] > 0
+    opener, closer = "<|im_assistant|>assistant<|im_middle|>", "<|im_end|>"
+    # (a prepare call costs ~4 s here: datasets fingerprints the slow tokenizer)
+    for row, c in zip(train, convs):
+        full = apply_chat_template(tok, c, return_assistant_tokens_mask=True, format="kimi-k2")
+        text = tok.decode(full["input_ids"])
+        bodies, at = [], 0
+        while (a := text.find(opener, at)) >= 0:
+            b = text.find(closer, a)
+            bodies.append(text[a + len(opener):b])
+            at = b
+        assert bodies == [m["content"] for m in c if m["role"] == "assistant"]
+        runs, cur = [], []
+        for i, m in zip(full["input_ids"], full["assistant_masks"]):
+            if m:
+                cur.append(i)
+            elif cur:
+                runs, cur = runs + [cur], []
+        assert [tok.decode(r) for r in runs + ([cur] if cur else [])] == bodies
+        assert row["input_ids"] == full["input_ids"][:MAX_LEN]
+        assert row["assistant_masks"] == full["assistant_masks"][:MAX_LEN]
+    # Kimi's get_vocab() lists no special token, so TRL cannot find its pad token there: give
+    # TRL's own collator the pad id
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    masks = {tuple(r["input_ids"]): r["assistant_masks"] for r in train}
+    _, seen = train_two_steps(tmp_path, tok, train,
+                              data_collator=DataCollatorForLanguageModeling(
+                                  pad_token_id=tok.pad_token_id))
+    assert check_batches(seen, masks) >= 4  # 2 steps x 2 (the loader may fetch ahead)
