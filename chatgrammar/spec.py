@@ -10,10 +10,12 @@ import dataclasses
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, get_args, get_origin, get_type_hints
+from typing import (Annotated, Any, Callable, Literal, Optional, get_args, get_origin,
+                    get_type_hints)
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
+                      create_model, field_validator)
 
 from .errors import SpecError
 from .policy import MaskPolicy
@@ -121,11 +123,21 @@ class Close(_Model):
         "its close is cut. Empty (default): all roles."))
 
 
+def _one_or_many(v: Any) -> Any:
+    return [v] if isinstance(v, str) else v
+
+
+#: A list of names that may also be written as one name (``open: im_user``); the JSON Schema
+#: says both.
+_OneOrMany = Annotated[list[str], BeforeValidator(_one_or_many), WithJsonSchema(
+    {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]})]
+
+
 class Element(_Model):
     """A turn (listed in `top`) or a block nested in a body (think, tool call, channel, XTML
     element)."""
 
-    open: list[str] = Field(default_factory=list, description=(
+    open: _OneOrMany = Field(default_factory=list, description=(
         "The opener marker(s): one name or a list of alternatives. Empty: the element starts "
         "with text (it then needs a close, or is a `follow` or preamble element); with a "
         "`header` ending at a marker, that text is its header (GigaChat 3's role before "
@@ -169,11 +181,6 @@ class Element(_Model):
         "`<|eom_id|>`). The parent needs a close marker, or is itself `ends_with_parent` (a "
         "chain ending at the first closed ancestor: Functionary's `>>>` segments)."))
     description: Optional[str] = Field(None, description="For humans.")
-
-    @field_validator("open", mode="before")
-    @classmethod
-    def _one_or_many(cls, v: Any) -> Any:
-        return [v] if isinstance(v, str) else v
 
 
 def _policy_model() -> type[BaseModel]:
