@@ -21,6 +21,8 @@ from .errors import SpecError
 from .policy import MaskPolicy
 
 ROLE_NAMES = ("system", "user", "assistant", "tool", "developer")
+#: A format name: kebab-case (dots allowed between parts: ``deepseek-v3.2``).
+NAME_PATTERN = r"[a-z0-9]+(?:[-.][a-z0-9]+)*"
 
 
 class _Model(BaseModel):
@@ -242,7 +244,7 @@ class FormatSpec(_Model):
     """A chat format as data: markers, elements (turns and nested blocks), the default mask
     policy, the detector and embedded examples."""
 
-    name: str = Field(description=(
+    name: str = Field(json_schema_extra={"pattern": f"^{NAME_PATTERN}$"}, description=(
         "Format id, kebab-case (`kimi-k3`), unique among all formats (bundled and plugins)."))
     description: Optional[str] = Field(None, description=(
         "What the format is, for humans."))
@@ -287,7 +289,7 @@ class FormatSpec(_Model):
     @field_validator("name")
     @classmethod
     def _kebab(cls, v: str) -> str:
-        if not re.fullmatch(r"[a-z0-9]+(?:[-.][a-z0-9]+)*", v):
+        if not re.fullmatch(NAME_PATTERN, v):
             raise ValueError(f"format names are kebab-case ([a-z0-9-]), got {v!r}")
         return v
 

@@ -53,8 +53,6 @@ def build_schema() -> dict:
         for prop in node.get("properties", {}).values():
             prop.pop("title", None)
         node.pop("title", None)
-    # the kebab-case rule of FormatSpec.name is a pydantic validator; say it in the schema too
-    schema["properties"]["name"]["pattern"] = r"^[a-z0-9]+(?:[-.][a-z0-9]+)*$"
     out = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID,
            "title": "chatgrammar format spec",
            "description": " ".join((FormatSpec.__doc__ or "").split())
