@@ -29,7 +29,7 @@ tables are small dictionaries of names and numbers.) And against a *wrong* entry
 
 Entries are written atomically (temporary file + ``os.replace``). The directory is bounded:
 after a write, the oldest entries are removed until it holds at most :func:`max_bytes`
-(``$CHATGRAMMAR_CACHE_MAX_MB``, default 64 MB; all bundled formats take about 1 MB). A
+(``$CHATGRAMMAR_CACHE_MAX_MB``, default 64 MB; all bundled formats take about 0.4 MB). A
 read-only, missing or refused directory just means no cache: nothing is ever required from it.
 
 Location: ``$CHATGRAMMAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/chatgrammar``, else
@@ -214,7 +214,9 @@ def store(kind: str, key: str, obj: Any) -> bool:
                           ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     except (TypeError, ValueError):
         return False
-    tmp = d / f".{kind}-{key}.{os.getpid()}.tmp"
+    # (a unique name: concurrent writers of one key each replace the entry atomically; a
+    # temporary file left by a crash counts toward the size bound and is evicted with the rest)
+    tmp = d / f".{kind}-{key}.{os.getpid()}-{os.urandom(4).hex()}.tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
         try:
