@@ -103,13 +103,10 @@ class DetectionError(ChatGrammarError):
         super().__init__(message)
 
 
-class NormError(ChatGrammarError):
-    """``norms.yaml`` is invalid, or a config cannot be read."""
-
-
 # Errors of later stages, defined here so that every error of the package has one home; their
 # modules re-export them (``chatgrammar.detect.PrecedenceError``, ``chatgrammar.render.
-# TemplateError`` / ``RenderTimeout``, ``chatgrammar.tokenizers.TokenizerLoadError``).
+# TemplateError`` / ``RenderTimeout``, ``chatgrammar.tokenizers.TokenizerLoadError``). Not in
+# ``__all__``, which lists what ``chatgrammar`` itself exports.
 
 class PrecedenceError(SpecError, DetectionError):
     """The precedence declared across a set of formats is not a total order where detectors
@@ -179,6 +176,10 @@ class RenderTimeout(TemplateError):
 
 class TokenizerLoadError(ChatGrammarError):
     """A tokenizer could not be loaded (missing, needs remote code, broken, no transformers)."""
+
+
+class NormError(ChatGrammarError):
+    """``norms.yaml`` is invalid, or a config cannot be read."""
 
 
 class InferenceError(ChatGrammarError):
