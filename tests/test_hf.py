@@ -300,3 +300,20 @@ def test_slow_kimi_tokenizer_and_tiktoken(variant, kimi_slow):
     assert cut["input_ids"].shape == (1, n - 3) and cut["assistant_masks"].dtype == np.int64
     assert cut["assistant_masks"][0].tolist() == \
         cg.load_format(fmt_name).loss_mask(got["input_ids"][:n - 3], enc)
+
+
+def test_import_chatgrammar_imports_no_client():
+    """``import chatgrammar`` (and its hf / integrations modules) never imports torch, trl,
+    ray, modelopt, transformers or datasets: every client is imported lazily, when used."""
+    import subprocess
+    import sys
+
+    code = ("import sys, chatgrammar, chatgrammar.hf, chatgrammar.integrations, "
+            "chatgrammar.integrations.trl\n"
+            "bad = sorted(m for m in ('torch', 'trl', 'ray', 'modelopt', 'transformers', "
+            "'datasets', 'accelerate') if m in sys.modules)\n"
+            "print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=str(Path(__file__).resolve().parent.parent))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""
