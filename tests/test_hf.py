@@ -235,6 +235,12 @@ def test_strict_raises_lenient_trains_nothing_where_malformed(tagged_tok):
     out = apply_chat_template(tok, bad, return_assistant_tokens_mask=True, strict=False)
     assert len(out["assistant_masks"]) == len(out["input_ids"])
     assert _trained(tok, out["input_ids"], out["assistant_masks"]) == "fine"
+    # transformers' sanitize_control_tokens keeps the typed marker ordinary text: it parses
+    safe = apply_chat_template(tok, bad, return_assistant_tokens_mask=True,
+                               sanitize_control_tokens=True)
+    assert safe["input_ids"] == tok.apply_chat_template(bad, sanitize_control_tokens=True,
+                                                        return_dict=True)["input_ids"]
+    assert _trained(tok, safe["input_ids"], safe["assistant_masks"]) == "fine"
 
 
 def _runs(ids, mask):

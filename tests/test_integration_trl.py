@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 
 from chatgrammar.hf import apply_chat_template  # noqa: E402
 from chatgrammar.integrations.trl import prepare  # noqa: E402
+from tests.kimi_tokenizers import kimi_k2_encoding, kimi_k3_encoding  # noqa: E402
 from tests.kimi_tokenizers import template as kimi_template  # noqa: E402
 from tests.test_detect import kimi_files, kimi_slow  # noqa: E402,F401  (session fixtures)
 
@@ -217,6 +218,12 @@ def test_slow_kimi_tokenizer_trains_with_sft_trainer(variant, kimi_slow, tmp_pat
         assert [tok.decode(r) for r in runs + ([cur] if cur else [])] == bodies
         assert row["input_ids"] == full["input_ids"][:max_len]
         assert row["assistant_masks"] == full["assistant_masks"][:max_len]
+    # a bare tiktoken.Encoding with the same specials gives the same dataset
+    enc = kimi_k2_encoding() if variant == "k2" else kimi_k3_encoding(with_k2_strings=True)
+    bare = prepare([{"messages": c} for c in convs], enc, chat_template=kimi_template(tpl),
+                   max_length=max_len)
+    assert bare["input_ids"] == train["input_ids"]
+    assert bare["assistant_masks"] == train["assistant_masks"]
     if variant != "k2":
         return  # one training run with a slow tokenizer is enough
     masks = {tuple(r["input_ids"]): r["assistant_masks"] for r in train}
