@@ -247,6 +247,13 @@ def mask_batch(fmt: Format, tokenizer: Any, batch: list, *, policy: MaskPolicy |
     Returns:
         ``(masks, problems)``: one ``list[int]`` per sample, and per sample ``None`` (clean)
         or a short text saying what was skipped (lenient mode only).
+
+    Raises:
+        ChatGrammarError: (strict only) the first sample that does not fit the format.
+
+    Example:
+        >>> masks, problems = mask_batch(cg.load_format("chatml"), tok, [ids_a, ids_b],
+        ...                              strict=False)                  # doctest: +SKIP
     """
     pol = policy or fmt.default_policy
     batch = [list(x) for x in batch]
