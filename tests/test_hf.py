@@ -103,7 +103,10 @@ import numpy as np
 from chatgrammar.hf import apply_chat_template
 from tests.kimi_tokenizers import kimi_k2_encoding, kimi_k3_encoding
 from tests.kimi_tokenizers import template as kimi_template
-from tests.test_detect import kimi_files, kimi_slow  # noqa: F401  (session fixtures)
+import tests.test_detect as _test_detect
+
+kimi_files = _test_detect.kimi_files  # session fixtures: Kimi's slow TikTokenTokenizer
+kimi_slow = _test_detect.kimi_slow
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 CONV = [{"role": "system", "content": "Be brief."},

@@ -29,7 +29,10 @@ from chatgrammar.hf import apply_chat_template  # noqa: E402
 from chatgrammar.integrations.trl import prepare  # noqa: E402
 from tests.kimi_tokenizers import kimi_k2_encoding, kimi_k3_encoding  # noqa: E402
 from tests.kimi_tokenizers import template as kimi_template  # noqa: E402
-from tests.test_detect import kimi_files, kimi_slow  # noqa: E402,F401  (session fixtures)
+import tests.test_detect as _test_detect  # noqa: E402
+
+kimi_files = _test_detect.kimi_files  # session fixtures: Kimi's slow TikTokenTokenizer
+kimi_slow = _test_detect.kimi_slow
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 MAX_LEN = 64
