@@ -1,11 +1,11 @@
-"""Integrations of chatgrammar with training clients, each an optional extra.
+"""Integrations with the trainers and data engines chatgrammar is used in.
 
-Every submodule imports its client lazily (inside the functions that need it), so
-``import chatgrammar`` and ``import chatgrammar.integrations`` never import torch, trl,
-modelopt or ray.
+Each client is optional and imported only by its own module, never by ``import chatgrammar`` or
+by this package:
 
-- :mod:`chatgrammar.integrations.trl` — ``prepare`` a dataset for TRL's ``SFTTrainer``
-  (``pip install 'chatgrammar[trl]'``).
-- :mod:`chatgrammar.integrations.modelopt` — a Model-Optimizer ``LossMaskRecovery``
-  (``pip install 'chatgrammar[modelopt]'``).
+- :mod:`chatgrammar.integrations.modelopt` — NVIDIA Model-Optimizer's loss-mask recoveries and
+  final-norm selection (``pip install 'chatgrammar[modelopt]'``);
+- :mod:`chatgrammar.integrations.trl` — TRL's ``SFTTrainer`` datasets (``[trl]``).
+
+Importing this package imports nothing heavy (no torch, no client).
 """
