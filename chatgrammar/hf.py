@@ -194,7 +194,8 @@ def _resolve_format(fmt: Any, tokenizer: Any, chat_template: str | None) -> Form
     per (tokenizer, template) so a data loader does not re-run detection per sample."""
     if fmt is not None:
         return load_format(fmt)
-    key = (id(tokenizer), chat_template)
+    own = getattr(tokenizer, "chat_template", None)
+    key = (id(tokenizer), chat_template, own if isinstance(own, str) else repr(own))
     hit = _DETECTED.get(key)
     if hit is not None and hit[0] is tokenizer:
         return hit[1]
