@@ -253,3 +253,32 @@ def test_cache_fingerprint_follows_what_changes_the_output(qwen):
     prints = [_fingerprint(ds, f) for f in changed]
     prints.append(_fingerprint(ds.select([0]), PrepareFn(fmt, qwen, max_length=8)))
     assert base is not None and len({base, *prints}) == len(prints) + 1
+
+
+def test_same_labels_as_trl_own_assistant_only_loss_on_a_tagged_template(tmp_path):
+    """Where TRL's own assistant_only_loss works (a fast tokenizer and a template whose
+    {% generation %} tags hold the reply and its end marker: TRL's Llama-3 training template),
+    prepare + MaskPolicy(end_marker=True) gives TRL exactly the labels its own path builds,
+    truncated samples included."""
+    tok = copy.deepcopy(qwen_fast_tokenizer())
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>",
+                                                          "<|end_header_id|>", "<|eot_id|>"],
+                            "bos_token": "<|begin_of_text|>"})
+    tok.chat_template = (TEMPLATES / "generation" / "trl-llama3_training.jinja").read_text(
+        encoding="utf-8")
+    convs = conversations(6)
+    args = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_length=MAX_LEN)
+    theirs = trl.SFTTrainer(model=tiny_model(len(tok)), processing_class=tok,
+                            train_dataset=datasets.Dataset.from_list(
+                                [{"messages": c} for c in convs]),
+                            args=trl.SFTConfig(assistant_only_loss=True, **args)).train_dataset
+    ours = trl.SFTTrainer(model=tiny_model(len(tok)), processing_class=tok,
+                          train_dataset=prepare([{"messages": c} for c in convs], tok,
+                                                max_length=MAX_LEN,
+                                                policy=cg.MaskPolicy(end_marker=True)),
+                          args=trl.SFTConfig(**args)).train_dataset
+    key = {tuple(r["input_ids"]): r["labels"] for r in theirs}
+    assert len(ours) == len(theirs) == len(convs)
+    assert any(len(r["input_ids"]) == MAX_LEN for r in ours)  # some are cut
+    for r in ours:
+        assert key[tuple(r["input_ids"])] == r["labels"]
