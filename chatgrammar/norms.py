@@ -706,7 +706,7 @@ def _cross_checks(data: dict, at: _Locator, use_transformers: bool) -> None:
     """What one model cannot see: kinds referenced elsewhere, outer types used as keys."""
     section = {k: data.get(k) if isinstance(data.get(k), dict) else {}
                for k in ("kinds", "backbones", "overrides", "outer_types")}
-    known = set(section["kinds"])
+    known = {k for k in section["kinds"] if isinstance(k, str)}
 
     def check_kind(value: Any, loc: tuple) -> None:
         if isinstance(value, str) and value.strip() and value not in known:
