@@ -239,6 +239,11 @@ def test_detect_follows_declared_precedence_and_never_raises(slow):
     for junk in (None, object(), 42, "kimi", _Raises()):
         assert rec.detect(junk) is False
         assert cg_modelopt.recovery("kimi-k2").detect(junk) is False
+    # compute on what detect refuses: zeros (counted) when lenient, DetectionError when strict
+    assert rec.compute(_Raises(), [1, 2, 3]).tolist() == [0, 0, 0]
+    assert cg_modelopt.stats(rec)["undetected"] == 1
+    with pytest.raises(cg.DetectionError):
+        cg_modelopt.recovery(strict=True).compute(_Raises(), [1, 2, 3])
 
 
 def test_a_forced_format_does_not_demand_every_marker():
