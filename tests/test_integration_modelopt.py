@@ -14,13 +14,16 @@ import logging
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-loss_mask = pytest.importorskip("modelopt.torch.utils.loss_mask")
+with warnings.catch_warnings():  # "transformers X is not tested with this modelopt": we test it
+    warnings.simplefilter("ignore", UserWarning)
+    loss_mask = pytest.importorskip("modelopt.torch.utils.loss_mask")
 
 import chatgrammar as cg  # noqa: E402
 from chatgrammar.integrations import modelopt as cg_modelopt  # noqa: E402

@@ -89,11 +89,7 @@ class _IdsOnly:
         return dict(self._added)
 
     def decode(self, ids: Any, **kwargs: Any) -> str:
-        raise _NoDecode(f"{type(self.tokenizer).__name__} has no decode()")
-
-
-class _NoDecode(RuntimeError):
-    pass
+        raise NotImplementedError(f"{type(self.tokenizer).__name__} has no decode()")
 
 
 def needs_decoding(fmt: cg.Format, tokenizer: Any = None) -> bool:
