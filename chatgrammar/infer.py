@@ -111,9 +111,6 @@ class _Probe:
                 raise InferenceError(f"the template needs the variable {m.group(1)!r} (a "
                                      f"tokenizer special token): pass {m.group(1)}=... or a "
                                      "tokenizer", where=shape or "a probe") from None
-            if exc.kind == "security":
-                raise InferenceError(f"the template breaks the sandbox: {exc.message}",
-                                     where=shape or "a probe") from None
             self.rejected.setdefault(shape or "probe", f"[{exc.kind}] {exc.message}")
             text = None
         except (ValueError, TypeError) as exc:
@@ -459,6 +456,21 @@ def _generation(probe: _Probe, lex: _Lexicon, sh: _Shape) -> str | None:
 
 
 def _assistant_header(lex: _Lexicon, sh: _Shape, g: str | None) -> str:
+    """The assistant's header, without a trailing opened block (``<think>\n``: a prefill of
+    the body's own structure, which trains as the body's)."""
+    head = _assistant_head(lex, sh, g)
+    ps = lex.pieces(head)
+    k = len(ps)
+    if k and not ps[k - 1][0] and not ps[k - 1][1].strip():
+        k -= 1
+    if k > 1 and ps[k - 1][0] and re.fullmatch(r"<\w+>", ps[k - 1][1]):
+        cut = sum(len(p) for _, p in ps[:k - 1])
+        sh.notes.append(f"the generation prompt prefills {head[cut:]!r}: it opens the body")
+        return head[:cut]
+    return head
+
+
+def _assistant_head(lex: _Lexicon, sh: _Shape, g: str | None) -> str:
     head = sh.heads.get("assistant")
     if head is None:
         raise InferenceError("the assistant turn's header cannot be told: no probe renders an "

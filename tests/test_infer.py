@@ -275,7 +275,7 @@ def test_template_rejecting_some_shapes_is_recorded():
     ("{% for m in messages %}{{ m.content }}", "does not compile"),
     ("   ", "empty"),
     ("{{ bos_token + messages[0].content }}", "bos_token"),
-    ("{{ ''.__class__.__mro__ }}", "sandbox"),
+    ("{{ ''.__class__.__mro__ }}", "[security]"),
 ])
 def test_bad_templates_raise_inference_error(template, message):
     with pytest.raises(cg.InferenceError, match=re.escape(message)):
