@@ -787,8 +787,11 @@ def _heads(lex: _Lexicon, sh: _Shape, h_a: str) -> tuple[dict, list, bool]:
     bare = False
     preamble: list = []
     first_u = sh.first.get("user")
-    if first_u is not None and user and first_u.endswith(user.lstrip()):
-        pre = first_u[:len(first_u) - len(user.lstrip())]
+    at = first_u.find(user.lstrip()) if first_u is not None and user.strip() else -1
+    if at >= 0:
+        # before the header: BOS or a default system turn; after it: a folded system text
+        pre = first_u[:at] if not first_u.endswith(user.lstrip()) else \
+            first_u[:len(first_u) - len(user.lstrip())]
         ps = lex.pieces(pre)
         if ps and all(m for m, _ in ps) and not (set(p for _, p in ps) & openers):
             preamble = [p for _, p in ps]

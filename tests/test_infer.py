@@ -36,7 +36,7 @@ WITH_END = OUTPUT_POLICY.replace(end_marker=True)
 #: ones it refuses, and why). The inferred masks must equal the bundled ones on the matrix.
 CROSS = {
     "kimi-k2": ["moonshotai-Kimi-K2.jinja", "moonshotai-Kimi-K2-Thinking.jinja"],
-    "chatml": ["Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-Qwen3.jinja",
+    "chatml": ["Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-Qwen3.jinja", "Qwen-QwQ-32B.jinja",
                "Qwen-Qwen3-Coder-30B-A3B-Instruct.jinja", "Qwen-Qwen3.5-2B.jinja",
                "HuggingFaceTB-SmolLM3-3B.jinja", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja",
                "LiquidAI-LFM2.jinja", "stepfun-ai-Step-3.5-Flash.jinja"],
@@ -46,7 +46,9 @@ CROSS = {
     "llama3": ["meta-llama-Llama-3.1-8B-Instruct.jinja", "meta-llama-Llama-3.2-3B-Instruct.jinja"],
     "llama4": ["meta-llama-Llama-4-Scout-17B-16E-Instruct.jinja"],
     "mistral": ["mistralai-Mistral-7B-Instruct-v0.3.jinja",
-                "mistralai-Mistral-Small-24B-Instruct-2501.jinja"],
+                "mistralai-Mistral-Small-24B-Instruct-2501.jinja",
+                "Mistral-Small-3.2-24B-Instruct-2506.jinja",
+                "mistralai-Ministral-3-14B-Reasoning-2512.jinja"],
     "phi3": ["microsoft-Phi-3-mini-4k-instruct.jinja", "microsoft-Phi-4-mini-instruct.jinja"],
     "phi4": ["microsoft-phi-4.jinja", "microsoft-Phi-4-reasoning.jinja"],
 }
@@ -71,6 +73,9 @@ NEW = {
                                            ["Hello there", "Later"]),
     "phi3-small.jinja": ({"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
                          ["Hello there", "Later"]),
+    # Llama-2 [INST] <<SYS>>: a default system prompt folded into the first user turn
+    "llama2-sys-vigogne.jinja": ({"bos_token": "<s>", "eos_token": "</s>"},
+                                 [" Hello there ", " Later "]),
 }
 TWO_EXCHANGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
                  {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Later"}]
