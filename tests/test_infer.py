@@ -329,3 +329,16 @@ def test_cli_detect_says_inferred(tmp_path, capsys):
     assert main(["detect", "--template", str(p)]) == 0
     out, _ = capsys.readouterr()
     assert "no bundled format; inferred inferred-" in out
+
+
+def test_real_tokenizer_markers_and_id_mode():
+    from tests.tokenizers import qwen_fast_tokenizer
+
+    tok = qwen_fast_tokenizer()
+    fmt = _infer("Qwen-Qwen2.5-7B-Instruct.jinja", tokenizer=tok)   # eos_token from the tokenizer
+    specials = {m.text: m.special for m in fmt.spec.markers.values()}
+    assert specials["<|im_start|>"] and specials["<|im_end|>"] and specials["<tool_call>"]
+    text = render_chat(_read("Qwen-Qwen2.5-7B-Instruct.jinja"), TWO_EXCHANGES)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    mask = fmt.loss_mask(ids, tok)
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "Hello thereLater"
