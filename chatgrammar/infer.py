@@ -175,12 +175,6 @@ def _locate(probe: _Probe, msgs: list[dict], R: str, shape: str, **kw: Any) -> l
     return kept
 
 
-def _split_guess(gap: str) -> int:
-    """Without a prefix rendering: the terminator runs to the end of the first whitespace."""
-    m = re.match(r"(?:.*?)(?:\s+)", gap, re.S)
-    return m.end() if m else 0
-
-
 # ------------------------------------------------------------------------------- markers
 @dataclass
 class _Lexicon:
@@ -984,7 +978,6 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
         plan.elements["system_text"] = {"role": "system"}
         if children:
             plan.elements["system_text"]["children"] = list(children)
-    used = set(plan.names.by_text)
     spec: dict = {
         "name": name,
         "description": "Inferred from a chat template by chatgrammar.infer_format and verified "
@@ -1008,7 +1001,6 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
     spec["policy"] = {"roles": ["assistant"]}
     spec["_ws_after"] = {plan.m(t): next(iter(w)) for t, w in plan.ws_after.items()
                          if len(w) == 1}
-    del used
     spec["markers"] = {n: {"text": t, "special": lex.special(t, tokenizer)}
                        for t, n in plan.names.by_text.items()}
     return spec
@@ -1179,7 +1171,9 @@ def _variants(spec: dict) -> list[dict]:
         for m in [o] if isinstance(o, str) else o or []:
             alt["markers"][m]["lstrip"] = True
     out.append(alt)
-    if ws_after and any("close" not in alt["elements"][n] for n in alt["top"]):
+    closeless = [n for n in alt["top"] + alt.get("preamble", [])
+                 if n in alt["elements"] and "close" not in alt["elements"][n]]
+    if ws_after and closeless:
         # turns without a terminator cannot share text with between-turn whitespace: the
         # whitespace a terminator is always followed by becomes part of it (soft)
         alt = json.loads(json.dumps(alt))
