@@ -394,6 +394,7 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
         t, _ = _one(lex, terms, role, "their terminator", suffix=False)
         if t is not None:
             sh.terms[role] = t
+    _header_in_terminator(lex, sh)
     for role, vals in first.items():
         sh.first[role] = vals[0][0]
     # what the last message's terminator adds to the ordinary one (an EOS at the very end)
@@ -406,6 +407,31 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
                     sh.closing.append(rest.strip())
             elif base is None and t.strip():
                 sh.terms.setdefault(role, _split_term(lex, t)[0])
+
+
+def _header_in_terminator(lex: _Lexicon, sh: _Shape) -> None:
+    """A user turn whose only "terminator" is a marker no other turn ends with, before an
+    assistant turn whose header has no marker: that marker is the assistant's header, printed
+    by the user turn (GLM-Edge's ``<|user|>\nU<|assistant|>\nA``)."""
+    head = sh.heads.get("assistant")
+    term = sh.terms.get("user")
+    if head is None or not term or any(m for m, _ in lex.pieces(head)):
+        return
+    ps = [q for q in lex.pieces(term) if q[1].strip()]
+    if len(ps) != 1 or not ps[0][0]:
+        return
+    marker = ps[0][1]
+    if re.match(r"</|\[/|<\|/", marker) or re.search(r"end|close|eot|eos|stop", marker, re.I):
+        return  # shaped like a terminator (Mistral's [/INST]): the reply has no header
+    others = [sh.terms.get(r) or "" for r in ("system", "assistant")]
+    if any(marker in t for t in others):
+        return
+    sh.terms["user"] = term[:term.index(marker)]
+    # where the user's rendering stops, the assistant's output starts: what follows the
+    # marker ("\n") is the assistant's (it trains, as the template's prompt says)
+    sh.heads["assistant"] = term[term.index(marker):]
+    sh.opening.add(marker)
+    sh.notes.append(f"the user turn prints the assistant's header {marker!r}")
 
 
 def _snap(lex: _Lexicon, text: str, at: int, lo: int = 0) -> int:
@@ -973,6 +999,9 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
     glue = [g for g in dict.fromkeys(glue + sh.glue)]
     closing = [c for c in sh.closing if lex.pieces(c) and all(m for m, _ in lex.pieces(c))]
     betweens = list(dict.fromkeys(glue + [p for c in closing for _, p in lex.pieces(c)]))
+    opener_texts = {t for t, n in plan.names.by_text.items()
+                    for e in plan.top if plan.elements[e].get("open") == n}
+    betweens = [b for b in betweens if b not in opener_texts]   # the next turn's header
     preamble = [p for p in preamble if p not in betweens]
     if bare:
         plan.elements["system_text"] = {"role": "system"}

@@ -73,6 +73,8 @@ NEW = {
                                            ["Hello there", "Later"]),
     "phi3-small.jinja": ({"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
                          ["Hello there", "Later"]),
+    # GLM-Edge: no terminators; the user turn prints the assistant's header <|assistant|>
+    "glmedge.jinja": ({}, ["\nHello there", "\nLater"]),
     # Llama-2 [INST] <<SYS>>: a default system prompt folded into the first user turn
     "llama2-sys-vigogne.jinja": ({"bos_token": "<s>", "eos_token": "</s>"},
                                  [" Hello there ", " Later "]),
