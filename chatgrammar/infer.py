@@ -1241,6 +1241,13 @@ def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> Inferre
                 + ", ".join(c.case for c in res.cases if c.status == "pass") + ")",
                 where="case " + fails[0].case, details=fails[0].details + "\n\n" + text)
             break
+        after_tool = [n for n in sh.notes if n.startswith("assistant turns render differently")]
+        if fails and after_tool and all("tool-results" in _tags(f.case) for f in fails):
+            first_problem = InferenceError(
+                after_tool[0] + f"; the spec cannot follow it (case {fails[0].case!r}: "
+                f"{fails[0].reason})", where="case " + fails[0].case,
+                details=fails[0].details + "\n\n" + text)
+            continue
         if fails:
             c = fails[0]
             first_problem = (first_problem if first_problem and first_problem.where != "compile"
