@@ -1315,7 +1315,15 @@ def infer_format(chat_template: str, *, tokenizer: Any = None, **template_kwargs
     except TemplateError as exc:
         raise InferenceError(f"the template does not compile: {exc.message}",
                              where="template") from None
-    fmt = _infer(chat_template, variables, tokenizer, f"inferred-{key[:8]}")
+    try:
+        fmt = _infer(chat_template, variables, tokenizer, f"inferred-{key[:8]}")
+    except ChatGrammarError:
+        raise
+    except RecursionError:
+        raise InferenceError("the template nests too deeply to probe", where="template") from None
+    except Exception as exc:  # a shape the derivation did not foresee: refuse, never crash
+        raise InferenceError(f"inference cannot read this template ({type(exc).__name__}: "
+                             f"{exc})", where="derivation") from exc
     with _cache_lock:
         _CACHE[key] = (fmt.spec_yaml, fmt.verification)
         while len(_CACHE) > _CACHE_SIZE:
@@ -1360,15 +1368,22 @@ def resolve_format(tokenizer: Any = None, *, chat_template: str | None = None,
     from .detect import detect_format
     from .errors import DetectionError
 
+    template = chat_template or template_of(tokenizer)
     try:
-        return detect_format(tokenizer, chat_template=chat_template), "detected"
+        # the tokenizer's own template counts: Qwen's vocabulary with a non-ChatML template
+        # is not ChatML
+        return detect_format(tokenizer, chat_template=template), "detected"
     except DetectionError as exc:
-        template = chat_template or template_of(tokenizer)
         if template is None:
             raise
         why = str(exc).splitlines()[0]
     try:
         return infer_format(template, tokenizer=tokenizer, **template_kwargs), "inferred"
     except InferenceError as exc:
+        if tokenizer is not None and chat_template is None:
+            try:  # what detection said before templates counted: the tokenizer alone
+                return detect_format(tokenizer), "detected"
+            except DetectionError:
+                pass
         raise InferenceError(f"no bundled format ({why}); and inference fails: {exc.message}",
                              where=exc.where, details=exc.details) from None

@@ -344,3 +344,27 @@ def test_real_tokenizer_markers_and_id_mode():
     ids = tok(text, add_special_tokens=False)["input_ids"]
     mask = fmt.loss_mask(ids, tok)
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "Hello thereLater"
+
+
+def test_mask_auto_falls_back_to_inference(tmp_path, capsys):
+    import copy
+    import json
+
+    from tests.tokenizers import mistral_tokenizer
+
+    # Mistral's vocabulary (its <s> / </s> are special ids) with a template no bundled format
+    # speaks (`<s>ROLE\n…</s>`): detection says the two disagree, inference captures it
+    tpl = _read("infer/alphamonarch.jinja")
+    tok = copy.deepcopy(mistral_tokenizer("v3"))
+    tok.chat_template = tpl
+    d = tmp_path / "tok"
+    tok.save_pretrained(str(d))
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"messages": TWO_EXCHANGES}) + "\n", encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    assert main(["mask", "--tokenizer", str(d), str(src), str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "no bundled format; inferred" in err
+    row = json.loads(out.read_text().splitlines()[0])
+    trained = [i for i, m in zip(row["input_ids"], row["loss_mask"]) if m]
+    assert tok.decode(trained).replace(" ", "") == "HellothereLater"
