@@ -368,3 +368,17 @@ def test_mask_auto_falls_back_to_inference(tmp_path, capsys):
     row = json.loads(out.read_text().splitlines()[0])
     trained = [i for i, m in zip(row["input_ids"], row["loss_mask"]) if m]
     assert tok.decode(trained).replace(" ", "") == "HellothereLater"
+
+
+def test_cache_keeps_nothing_alive():
+    import gc
+    import weakref
+
+    # (the tokenizer itself is the adapter cache's business, chatgrammar.tokenizers)
+    fmt = cg.infer_format(CHATML, tokenizer=MarkerTokenizer(["<|im_start|>", "<|im_end|>"]))
+    fref = weakref.ref(fmt)
+    del fmt
+    gc.collect()
+    assert fref() is None
+    assert all(isinstance(y, str) and isinstance(v, inf.Verification)
+               for y, v in inf._CACHE.values())
