@@ -36,7 +36,7 @@ WITH_END = OUTPUT_POLICY.replace(end_marker=True)
 #: ones it refuses, and why). The inferred masks must equal the bundled ones on the matrix.
 CROSS = {
     "kimi-k2": ["moonshotai-Kimi-K2.jinja", "moonshotai-Kimi-K2-Thinking.jinja"],
-    "chatml": ["Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-Qwen3.jinja",
+    "chatml": ["Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-Qwen3.jinja", "Qwen-QwQ-32B.jinja",
                "Qwen-Qwen3-Coder-30B-A3B-Instruct.jinja", "Qwen-Qwen3.5-2B.jinja",
                "HuggingFaceTB-SmolLM3-3B.jinja", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja",
                "LiquidAI-LFM2.jinja", "stepfun-ai-Step-3.5-Flash.jinja"],
@@ -46,7 +46,9 @@ CROSS = {
     "llama3": ["meta-llama-Llama-3.1-8B-Instruct.jinja", "meta-llama-Llama-3.2-3B-Instruct.jinja"],
     "llama4": ["meta-llama-Llama-4-Scout-17B-16E-Instruct.jinja"],
     "mistral": ["mistralai-Mistral-7B-Instruct-v0.3.jinja",
-                "mistralai-Mistral-Small-24B-Instruct-2501.jinja"],
+                "mistralai-Mistral-Small-24B-Instruct-2501.jinja",
+                "Mistral-Small-3.2-24B-Instruct-2506.jinja",
+                "mistralai-Ministral-3-14B-Reasoning-2512.jinja"],
     "phi3": ["microsoft-Phi-3-mini-4k-instruct.jinja", "microsoft-Phi-4-mini-instruct.jinja"],
     "phi4": ["microsoft-phi-4.jinja", "microsoft-Phi-4-reasoning.jinja"],
 }
@@ -71,6 +73,11 @@ NEW = {
                                            ["Hello there", "Later"]),
     "phi3-small.jinja": ({"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
                          ["Hello there", "Later"]),
+    # GLM-Edge: no terminators; the user turn prints the assistant's header <|assistant|>
+    "glmedge.jinja": ({}, ["\nHello there", "\nLater"]),
+    # Llama-2 [INST] <<SYS>>: a default system prompt folded into the first user turn
+    "llama2-sys-vigogne.jinja": ({"bos_token": "<s>", "eos_token": "</s>"},
+                                 [" Hello there ", " Later "]),
 }
 TWO_EXCHANGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
                  {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Later"}]
@@ -275,7 +282,7 @@ def test_template_rejecting_some_shapes_is_recorded():
     ("{% for m in messages %}{{ m.content }}", "does not compile"),
     ("   ", "empty"),
     ("{{ bos_token + messages[0].content }}", "bos_token"),
-    ("{{ ''.__class__.__mro__ }}", "sandbox"),
+    ("{{ ''.__class__.__mro__ }}", "[security]"),
 ])
 def test_bad_templates_raise_inference_error(template, message):
     with pytest.raises(cg.InferenceError, match=re.escape(message)):
@@ -324,3 +331,54 @@ def test_cli_detect_says_inferred(tmp_path, capsys):
     assert main(["detect", "--template", str(p)]) == 0
     out, _ = capsys.readouterr()
     assert "no bundled format; inferred inferred-" in out
+
+
+def test_real_tokenizer_markers_and_id_mode():
+    from tests.tokenizers import qwen_fast_tokenizer
+
+    tok = qwen_fast_tokenizer()
+    fmt = _infer("Qwen-Qwen2.5-7B-Instruct.jinja", tokenizer=tok)   # eos_token from the tokenizer
+    specials = {m.text: m.special for m in fmt.spec.markers.values()}
+    assert specials["<|im_start|>"] and specials["<|im_end|>"] and specials["<tool_call>"]
+    text = render_chat(_read("Qwen-Qwen2.5-7B-Instruct.jinja"), TWO_EXCHANGES)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    mask = fmt.loss_mask(ids, tok)
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "Hello thereLater"
+
+
+def test_mask_auto_falls_back_to_inference(tmp_path, capsys):
+    import copy
+    import json
+
+    from tests.tokenizers import mistral_tokenizer
+
+    # Mistral's vocabulary (its <s> / </s> are special ids) with a template no bundled format
+    # speaks (`<s>ROLE\n…</s>`): detection says the two disagree, inference captures it
+    tpl = _read("infer/alphamonarch.jinja")
+    tok = copy.deepcopy(mistral_tokenizer("v3"))
+    tok.chat_template = tpl
+    d = tmp_path / "tok"
+    tok.save_pretrained(str(d))
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"messages": TWO_EXCHANGES}) + "\n", encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    assert main(["mask", "--tokenizer", str(d), str(src), str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "no bundled format; inferred" in err
+    row = json.loads(out.read_text().splitlines()[0])
+    trained = [i for i, m in zip(row["input_ids"], row["loss_mask"]) if m]
+    assert tok.decode(trained).replace(" ", "") == "HellothereLater"
+
+
+def test_cache_keeps_nothing_alive():
+    import gc
+    import weakref
+
+    # (the tokenizer itself is the adapter cache's business, chatgrammar.tokenizers)
+    fmt = cg.infer_format(CHATML, tokenizer=MarkerTokenizer(["<|im_start|>", "<|im_end|>"]))
+    fref = weakref.ref(fmt)
+    del fmt
+    gc.collect()
+    assert fref() is None
+    assert all(isinstance(y, str) and isinstance(v, inf.Verification)
+               for y, v in inf._CACHE.values())
