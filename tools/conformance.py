@@ -112,6 +112,7 @@ TEMPLATES: dict[str, list[str]] = {
     "openchat": ["openchat-openchat-3.5-0106.jinja"],
     "chatglm3": ["THUDM-chatglm3-6b.jinja"],
     "glm-edge": ["THUDM-glm-edge-1.5b-chat.jinja"],
+    "idefics3": ["HuggingFaceM4-Idefics3-8B-Llama3.jinja"],
 }
 
 #: Template variables transformers would pass from each family's tokenizer
