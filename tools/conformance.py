@@ -114,6 +114,7 @@ TEMPLATES: dict[str, list[str]] = {
     "glm-edge": ["THUDM-glm-edge-1.5b-chat.jinja"],
     "idefics3": ["HuggingFaceM4-Idefics3-8B-Llama3.jinja"],
     "hunyuan": ["vllm-tool_chat_template_hunyuan_a13b.jinja"],
+    "baichuan2": ["vllm-template_baichuan.jinja"],
 }
 
 #: Template variables transformers would pass from each family's tokenizer
