@@ -31,7 +31,7 @@ TEMPLATES = ROOT / "tests" / "data" / "templates"
 #: The families added by issue 11 §2 (each has formats/<name>.yaml and <name>.tests.yaml).
 FAMILIES = ("llama2", "zephyr", "tulu", "deepseek-llm", "deepseek-coder", "exaone",
             "openchat", "chatglm3", "glm-edge", "idefics3",
-            "hunyuan", "baichuan2")
+            "hunyuan", "baichuan2", "starcoder2-instruct")
 
 
 def _facts(name: str) -> dict:
@@ -125,6 +125,24 @@ def _as_parts(messages):
             m["content"] = [{"type": "text", "text": m["content"]}]
         out.append(m)
     return out
+
+
+@pytest.mark.parametrize("name,template,variables", _template_params())
+def test_template_conformance_without_system(name, template, variables):
+    """For templates that reject system messages (``no_system: true`` in the .tests.yaml), the
+    whole matrix again with its system messages removed."""
+    if not _facts(name).get("no_system"):
+        pytest.skip("the template takes system messages")
+    import dataclasses
+
+    from chatgrammar.matrix import default_matrix
+
+    cases = [dataclasses.replace(c, messages=[m for m in c.messages if m.get("role") != "system"])
+             for c in default_matrix()]
+    res = check_template(cg.load_format(name), (TEMPLATES / template).read_text(encoding="utf-8"),
+                         name=template, variables=variables, cases=cases)
+    assert not _failures(res, _facts(name).get("accepted") or {})
+    assert res.counts()["pass"] >= len(cases) // 2
 
 
 @pytest.mark.parametrize("name,template,variables", _template_params())

@@ -115,6 +115,7 @@ TEMPLATES: dict[str, list[str]] = {
     "idefics3": ["HuggingFaceM4-Idefics3-8B-Llama3.jinja"],
     "hunyuan": ["vllm-tool_chat_template_hunyuan_a13b.jinja"],
     "baichuan2": ["vllm-template_baichuan.jinja"],
+    "starcoder2-instruct": ["bigcode-starcoder2-15b-instruct-v0.1.jinja"],
 }
 
 #: Template variables transformers would pass from each family's tokenizer
@@ -145,6 +146,7 @@ VARIABLES: dict[str, dict[str, str]] = {
     "deepseek-coder": {"bos_token": "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
                        "eos_token": "<|EOT|>"},
     "openchat": {"bos_token": "<s>", "eos_token": "<|end_of_turn|>"},
+    "starcoder2-instruct": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
 }
 
 MARK = {"pass": "✓", "fail": "✗", "skip": "–", "deviation": "✓†"}
