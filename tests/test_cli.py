@@ -169,7 +169,8 @@ def test_validate_everything_bundled():
     """No PATH: every bundled format and norms.yaml, precedence proven over the whole set."""
     p = run("validate")
     summary = p.stdout.strip().splitlines()[-1]
-    n = len([f for f in FORMATS.glob("*.yaml") if f.stem != "norms"])
+    n = len([f for f in FORMATS.glob("*.yaml")
+             if f.stem != "norms" and not f.name.endswith(".tests.yaml")])
     assert f"({n} format specs, 1 norms table checked)" in summary
     assert p.returncode == 0, p.stdout[-4000:]
     assert summary.startswith("validate: ok")
@@ -274,7 +275,8 @@ def test_schema_is_the_committed_copy_and_validates_specs(tmp_path):
     assert (tmp_path / "s.json").read_text(encoding="utf-8") == committed
     schema = json.loads(committed)
     v = jsonschema.Draft202012Validator(schema)
-    for f in [*FORMATS.glob("kimi-*.yaml"), *(SPECS / "good").glob("*.yaml")]:
+    kimi = [f for f in FORMATS.glob("kimi-*.yaml") if not f.name.endswith(".tests.yaml")]
+    for f in [*kimi, *(SPECS / "good").glob("*.yaml")]:
         errs = list(v.iter_errors(yaml.safe_load(f.read_text(encoding="utf-8"))))
         assert not errs, (f.name, [e.message for e in errs])
     bad = yaml.safe_load((SPECS / "bad" / "wrong-types.yaml").read_text(encoding="utf-8"))
@@ -391,7 +393,9 @@ def test_conformance_runner():
     assert p.returncode == 0, p.stdout + p.stderr
     assert "| kimi-k2 | moonshotai-Kimi-K2-Thinking.jinja | 20 | 0 | 0 |" in p.stdout
     assert "| kimi-k3 | moonshotai-Kimi-K3.jinja | 20 | 0 | 0 |" in p.stdout
-    assert "3 pairs, 60 cases: 60 pass, 0 fail, 0 skipped." in p.stdout
+    # + derived/Kimi-K2-Instruct.jinja, derived/Kimi-K2-Thinking.jinja (their tool shapes call
+    # list.append, which the sandbox forbids: skipped)
+    assert "5 pairs, 100 cases: 90 pass, 0 fail, 10 skipped." in p.stdout
     p = run("tools/conformance.py", "-f", "kimi-k4", cmd=[sys.executable])
     assert p.returncode == 2 and "unknown format(s): kimi-k4" in p.stderr
 
