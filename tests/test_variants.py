@@ -35,7 +35,7 @@ FORMATS = ROOT / "formats"
 TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 
 #: Variants of a family that sit at the top of tests/data/templates (not under derived/).
-VARIANTS_AT_TOP = {"LFM2-8B-A1B.jinja"}
+VARIANTS_AT_TOP = {"LFM2-8B-A1B.jinja", "fireworks-ai-llama-3-firefunction-v2.jinja"}
 
 #: How many matrix cases each variant template must pass (the others it rejects: tool shapes
 #: of the llama.cpp-edited Kimi templates call ``list.append`` in a sandbox that forbids it,
@@ -56,6 +56,7 @@ MIN_PASS = {
     "derived/unsloth-Apriel-1.5.jinja": 20,
     "derived/THUDM-glm-4-9b-chat.jinja": 20,
     "derived/Apriel-1.6-15b-Thinker-fixed.jinja": 17,
+    "fireworks-ai-llama-3-firefunction-v2.jinja": 16,   # reads `functions`, `datetime`
 }
 
 #: Cases a variant template is known to fail, with the reason (docs/formats.md says the same).
@@ -374,3 +375,15 @@ def test_apriel_16_turns():
         fmt.parse("<|user|>\nQ\n<|assistant|>\nA\n<|end|>\n")
     lenient = fmt.parse("<|user|>\nQ\n<|assistant|>\nA\n<|end|>\n", strict=False)
     assert lenient.warnings and lenient.trained_text(OUTPUT_POLICY) == ["A\n"]
+
+
+@pytest.mark.parametrize("tfile", ["derived/Kimi-K2-Instruct.jinja",
+                                   "derived/Kimi-K2-Thinking.jinja"])
+def test_kimi_k2_variants_with_the_real_special_ids(tfile):
+    """The seed family's current templates, in id mode on a tiktoken Encoding carrying Kimi's
+    real special ids (tests/kimi_tokenizers.py) as well as with one id per marker."""
+    from tests.kimi_tokenizers import kimi_k2_encoding
+    res = check_template(cg.load_format("kimi-k2"), (TEMPLATES / tfile).read_text(),
+                         name=tfile, tokenizer=kimi_k2_encoding(), tokenizer_name="kimi-k2")
+    assert res.counts() == {"pass": 15, "fail": 0, "skip": 5}, \
+        [c.reason for c in res.cases if c.status == "fail"]

@@ -83,7 +83,7 @@ TEMPLATES: dict[str, list[str]] = {
     "llama3": [
         "meta-llama-Meta-Llama-3-8B-Instruct.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja",
         "meta-llama-Llama-3.2-3B-Instruct.jinja", "meta-llama-Llama-3.3-70B-Instruct.jinja",
-        "meetkai-functionary-medium-v3.1.jinja",
+        "meetkai-functionary-medium-v3.1.jinja", "fireworks-ai-llama-3-firefunction-v2.jinja",
     ],
     "llama4": ["meta-llama-Llama-4-Scout-17B-16E-Instruct.jinja"],
     "minimax-m1": ["MiniMaxAI-MiniMax-M1.jinja"],
@@ -131,6 +131,17 @@ VARIABLES: dict[str, dict[str, str]] = {
     "seed-oss": {"bos_token": "<seed:bos>", "eos_token": "<seed:eos>"},
 }
 
+#: Variables one template needs beyond its family's (firefunction-v2 reads `functions`, a
+#: JSON string of the function specs, and `datetime` instead of `tools`).
+TEMPLATE_VARIABLES: dict[str, dict[str, str]] = {
+    "fireworks-ai-llama-3-firefunction-v2.jinja": {
+        "functions": '[{"name": "get_weather", "description": "Get the current weather in a '
+                     'city.", "parameters": {"type": "object", "properties": {"city": {"type": '
+                     '"string"}}, "required": ["city"]}}]',
+        "datetime": "2024-06-01 12:00",
+    },
+}
+
 MARK = {"pass": "✓", "fail": "✗", "skip": "–", "deviation": "✓†"}
 
 
@@ -145,7 +156,8 @@ def run(formats: list[str], template_dir: Path) -> tuple[list, list[str]]:
                 missing.append(f"{name}: {tname}")
                 continue
             results.append(check_template(fmt, path.read_text(encoding="utf-8"), name=tname,
-                                          variables=VARIABLES.get(name)))
+                                          variables={**VARIABLES.get(name, {}),
+                                                     **TEMPLATE_VARIABLES.get(tname, {})}))
     return results, missing
 
 
