@@ -649,6 +649,12 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
                 gr = _Renderer(template, probe, variables, timeout)
                 generic_g = _generation_prompt(gr, 1) or ""
             g = generic_g
+        if not g and e > s:
+            # the template renders the same with and without a generation prompt (Apriel
+            # 1.6 forces one): the message's leading markers are its header
+            g = R[s:s + openers.leading_glue(R[s:e], marker_rx)].rstrip()
+            if R.startswith("\n", s + len(g)):
+                g += "\n"  # the header's own line end, not the body's leading whitespace
         if g and not g[0].isspace():
             # whitespace before the message's header is between-turn text, not the message
             # (Unsloth's one-line templates write "  " before a turn, one " " of which ends

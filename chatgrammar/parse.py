@@ -170,6 +170,8 @@ class Driver:
         # format's special markers (``unknown_marker_shape``) inside a turn of a trained role
         # are a problem of that turn (``_Ctx._unknown_markers``)
         self.unknown_rx = unknown_marker_shape(spec)
+        # id mode counts only special/added ids, never typed text: brackets and tags too
+        self.unknown_rx_ids = unknown_marker_shape(spec, ids=True)
         self.known_texts = frozenset(m.text for m in spec.markers.values())
         self.checked_roles = frozenset(spec.policy.roles) if spec.policy is not None \
             else frozenset(("assistant",))
@@ -271,6 +273,7 @@ class Driver:
                          None)
                 if c is not None:
                     implicit_at = i
+                    ctx.implicit_next = ttype  # what came instead of the close
                     self._feed(ctx, state_stack, value_stack, (c, tok[1], tok[1], IMPLICIT))
                     continue
             # ---- structure error
@@ -421,6 +424,7 @@ class _Ctx:
         self.drv, self.src, self.strict, self.warnings, self.turns = drv, src, strict, \
             warnings, turns
         self.pending_preamble: list[Turn] = []
+        self.implicit_next: str | None = None  # the token an implicit close was added before
 
     def problem(self, offset: int, message: str, block: Block | None = None, *,
                 expected: list[str] | tuple = (), found: str | None = None) -> None:
@@ -505,10 +509,12 @@ class _Ctx:
         that is none of them; id mode: one special/added id of such a text."""
         drv, src = self.drv, self.src
         s, e = b.body_start, b.body_end if b.body_end is not None else b.end
-        if drv.unknown_rx is None or e <= s:
+        if e <= s:
             return
         at = found = None
         if src.mode == "text":
+            if drv.unknown_rx is None:
+                return
             for m in drv.unknown_rx.finditer(src.text, s, e):
                 if m.group() not in drv.known_texts:
                     at, found = m.start(), m.group()
@@ -699,7 +705,12 @@ class _Ctx:
         """A turn that needs its close ends at the next opener without it: an error, or with
         ``close.required: false`` a warning (the turn stays incomplete)."""
         what = self.drv.describe(ct[0])
-        if el.close.required:
+        if el.close.required and not el.close.roles:
+            # this element's close is never optional; the driver offered one because another
+            # element with the same close marker may miss it: what came is unexpected here
+            nxt = self.drv.describe(self.implicit_next) if self.implicit_next else "input"
+            self.problem(ct[1], f"unexpected {nxt}: missing {what} before the next turn", b)
+        elif el.close.required:
             self.problem(ct[1], f"missing {what} before the next turn", b)
         else:
             self.warnings.append(Issue(ct[1], f"missing {what}: the element ends where the "
@@ -797,7 +808,7 @@ class _Ctx:
             self.problem(offset, f"close tag {tag!r} does not match open tag {parsed[0]!r}", b)
 
 
-def unknown_marker_shape(spec: FormatSpec) -> re.Pattern | None:
+def unknown_marker_shape(spec: FormatSpec, *, ids: bool = False) -> re.Pattern | None:
     """The shape of this format's special markers, as a regex: for each special marker
     ``PREFIX inner SUFFIX`` (``<|`` ``im_end`` ``|>``, ``<｜`` ``User`` ``｜>``), where prefix and
     suffix are the runs of punctuation around a word-like inner part and together hold at
@@ -805,7 +816,9 @@ def unknown_marker_shape(spec: FormatSpec) -> re.Pattern | None:
     around any word-like inner part. None when no marker has such a shape (``[INST]``,
     ``</s>``, ``<start_of_turn>`` and ``<bos>`` give none: brackets and tags are ordinary text
     too often). A string of that shape that is none
-    of the spec's markers is an *unknown marker* (see ``_Ctx._unknown_markers``)."""
+    of the spec's markers is an *unknown marker* (see ``_Ctx._unknown_markers``). With
+    ``ids=True`` (id mode, where only a special/added id can be one), 2 characters of brackets
+    or tags suffice: Mistral's ``[TOOL_CONTENT]``, Gemma's ``<start_of_image>``."""
     pairs: dict[tuple[str, str], None] = {}
     for m in spec.markers.values():
         if not m.special:
@@ -816,7 +829,7 @@ def unknown_marker_shape(spec: FormatSpec) -> re.Pattern | None:
         pre, suf = mt.group(1), mt.group(3)
         # at least 3 characters, not only brackets and slashes (`</s>`, `[/INST]` would make
         # every closing HTML tag or `[/b]` in content a marker)
-        if len(pre) + len(suf) >= 3 and set(pre + suf) - set("<>/[]"):
+        if ids or (len(pre) + len(suf) >= 3 and set(pre + suf) - set("<>/[]")):
             pairs[(pre, suf)] = None
     if not pairs:
         return None
@@ -831,19 +844,20 @@ def unknown_marker_ids(drv: "Driver", adapter: Any) -> tuple:
     markers (:func:`unknown_marker_shape`) but is none of them: (sorted id array, id → text).
     Cached on the adapter, per format."""
     cache = adapter.__dict__.setdefault("_cg_unknown_markers", {})
-    key = (drv.spec.name, drv.unknown_rx.pattern if drv.unknown_rx is not None else None)
+    rx = drv.unknown_rx_ids
+    key = (drv.spec.name, rx.pattern if rx is not None else None)
     got = cache.get(key)
     if got is None:
         import numpy as np
         texts: dict[int, str] = {}
-        if drv.unknown_rx is not None:
+        if rx is not None:
             try:
                 vocab = adapter.added_vocab()
             except Exception:  # a tokenizer that cannot list its added tokens: nothing known
                 vocab = {}
             for text, tid in vocab.items():
                 if (isinstance(text, str) and text not in drv.known_texts
-                        and drv.unknown_rx.fullmatch(text)):
+                        and rx.fullmatch(text)):
                     texts[int(tid)] = text
         got = cache[key] = (np.array(sorted(texts), dtype=np.int64), texts)
     return got
