@@ -17,6 +17,7 @@ Schema (every key optional)::
     special_ids: {"<|im_start|>": 151644}   # the family's special tokens at their real ids
     tokenizers:                    # more id-mode fixtures by name: special ids, or a real one
       added: {special_ids: {"<think>": 200000}}
+      other: {special_ids: {...}, use: detection}   # only for the detection checks
       qwen: {real: qwen}
     accepted:                      # matrix case shape -> why a conformance deviation is accepted
       repeated-prompt: "docs/formats.md, harmony: what is not trained"
@@ -90,6 +91,10 @@ def check_tests(data: Any, file: str = "<tests.yaml>") -> list[str]:
             out.append(f"{file}: tokenizers.{name} needs `special_ids:` or `real:`")
             continue
         ids.append((f"tokenizers.{name}.special_ids", tk.get("special_ids") or {}))
+        out += [f"{file}: tokenizers.{name}: unknown key {k!r}" for k in tk
+                if k not in ("special_ids", "real", "use")]
+        if tk.get("use", "all") not in ("all", "detection"):
+            out.append(f"{file}: tokenizers.{name}.use is `all` or `detection`")
     for where, table in ids:
         if not isinstance(table, dict) or not all(
                 isinstance(k, str) and isinstance(v, int) for k, v in table.items()):
