@@ -516,7 +516,9 @@ class _Ctx:
             if drv.unknown_rx is None:
                 return
             for m in drv.unknown_rx.finditer(src.text, s, e):
-                if m.group() not in drv.known_texts:
+                # a known marker's own text (or its head: Tulu's tag is "<|user|>\n") is not
+                # unknown: where it stands in a body it is that body's text by the grammar
+                if not any(t.startswith(m.group()) for t in drv.known_texts):
                     at, found = m.start(), m.group()
                     break
         elif src.adapter is not None and src.arr is not None:

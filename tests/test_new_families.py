@@ -101,7 +101,7 @@ def test_template_conformance(name, template, variables):
     """Text mode and id mode (one id per marker) train exactly the assistant output."""
     res = check_template(cg.load_format(name), (TEMPLATES / template).read_text(encoding="utf-8"),
                          name=template, variables=variables)
-    assert not _failures(res, _facts(name).get("accepted") or {})
+    assert not _failures(res, _facts(name).get("refused") or {})
     assert res.counts()["pass"] > 0
 
 
@@ -113,7 +113,7 @@ def test_template_conformance_real_ids(name, template, variables):
     res = check_template(cg.load_format(name), (TEMPLATES / template).read_text(encoding="utf-8"),
                          name=template, variables=variables, tokenizer=_encoding(name),
                          tokenizer_name=f"{name} special ids")
-    assert not _failures(res, _facts(name).get("accepted") or {})
+    assert not _failures(res, _facts(name).get("refused") or {})
 
 
 def _as_parts(messages):
@@ -141,7 +141,7 @@ def test_template_conformance_without_system(name, template, variables):
              for c in default_matrix()]
     res = check_template(cg.load_format(name), (TEMPLATES / template).read_text(encoding="utf-8"),
                          name=template, variables=variables, cases=cases)
-    assert not _failures(res, _facts(name).get("accepted") or {})
+    assert not _failures(res, _facts(name).get("refused") or {})
     assert res.counts()["pass"] >= len(cases) // 2
 
 
@@ -158,7 +158,7 @@ def test_template_conformance_content_parts(name, template, variables):
     cases = [dataclasses.replace(c, messages=_as_parts(c.messages)) for c in default_matrix()]
     res = check_template(cg.load_format(name), (TEMPLATES / template).read_text(encoding="utf-8"),
                          name=template, variables=variables, cases=cases)
-    assert not _failures(res, _facts(name).get("accepted") or {})
+    assert not _failures(res, _facts(name).get("refused") or {})
     assert res.counts()["pass"] >= len(cases) // 2
 
 
