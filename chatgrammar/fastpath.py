@@ -332,14 +332,24 @@ class FastMasker:
         self.space_memo: dict = {}
         self.split_delim = {i: cfg.split_after[t] for i, t in enumerate(lx.terms, start=1)
                             if t in cfg.split_after}
-        ids = [int(t) for t in np.flatnonzero(lx.lut)] if len(lx.lut) else []
+        # Special/added ids of markers the format does not know (parse.unknown_marker_ids) are
+        # found with the markers, under a code of their own (`unk_code`): a sample holding one
+        # takes the full pipeline, which reports it where it would train.
+        unk = unknown_marker_ids(self.drv, lx.adapter)[0]
+        self.unk_code = k + 1 if len(unk) else 0
+        mlut = lx.lut
+        if len(unk):
+            mlut = np.zeros(max(len(lx.lut), int(unk.max()) + 3), dtype=lx.lut.dtype)
+            mlut[:len(lx.lut)] = lx.lut
+            mlut[unk + 1] = self.unk_code
+        ids = [int(t) for t in np.flatnonzero(mlut)] if len(mlut) else []
         # lut is indexed by id + 1; marker ids are [lo, hi]
         self.lo = (min(ids) - 1) if ids else 0
         self.hi = (max(ids) - 1) if ids else -1
         self.lut = lx.lut
         self.auto = _Automaton(self.drv, lx.terms, self.nsym)
         # lut restricted to [lo, hi] (+ a 0 slot for ids above hi): code per id
-        self.lutr = (np.concatenate([lx.lut[self.lo + 1:self.hi + 2], [0]]).astype(np.int64)
+        self.lutr = (np.concatenate([mlut[self.lo + 1:self.hi + 2], [0]]).astype(np.int64)
                      if self.hi >= 0 else np.zeros(1, dtype=np.int64))
         self.budget1 = np.where(self.gclass == DECODE, self.budget + 1, 0)
         self.budget = np.where(self.gclass == DECODE, self.budget, 0)
@@ -356,16 +366,6 @@ class FastMasker:
             self.soft_lut = _soft_lut(lx)
             if self.soft_lut is None:
                 self.enabled = False
-        # special/added ids of markers the format does not know (parse.unknown_marker_ids): a
-        # sample holding one takes the full pipeline, which reports it where it would train
-        unk = unknown_marker_ids(self.drv, lx.adapter)[0]
-        if len(unk) and self.enabled:
-            top = int(unk.max()) + 1
-            lut = self.soft_lut if self.soft_lut is not None else np.zeros(top, dtype=bool)
-            if len(lut) < top:
-                lut = np.concatenate([lut, np.zeros(top - len(lut), dtype=bool)])
-            lut[unk] = True
-            self.soft_lut = lut
         self.stats = {"fast": 0, "slow": 0, "harvest": 0}
 
     # ------------------------------------------------------------------ public
@@ -502,6 +502,14 @@ class FastMasker:
         else:
             cand = codes = np.empty(0, dtype=np.int64)
         slow = [False] * S
+        if self.unk_code and len(codes):
+            unk = codes == self.unk_code
+            if unk.any():  # a marker the format does not know: that sample is not modelled
+                for j in set(np.searchsorted(starts, cand[unk], side="right").tolist()):
+                    if 1 <= j <= S:
+                        slow[j - 1] = True
+                keep = ~unk
+                cand, codes = cand[keep], codes[keep]
         if self.soft_lut is not None:
             body = arr[(arr >= 0) & (arr < len(self.soft_lut))]
             if self.soft_lut[body].any():  # a soft marker may be spelled by ordinary ids
