@@ -107,5 +107,10 @@ class NormError(ChatGrammarError):
     """``norms.yaml`` is invalid, or a config cannot be read."""
 
 
+class VerifyError(ChatGrammarError):
+    """Verify mode (``CHATGRAMMAR_VERIFY=1``): a fast answer (memoised mask or text parse)
+    differs from the reference pipeline's. Always a bug of chatgrammar, never of the input."""
+
+
 __all__ = ["ChatGrammarError", "SpecError", "CompileError", "ParseError", "DetectionError",
-           "NormError"]
+           "NormError", "VerifyError"]

@@ -278,8 +278,8 @@ def _mark(text: str, spans: Iterable[tuple[int, int]]) -> str:
 
 
 def _partial_marker_tail(text: str, fmt: Any) -> bool:
-    return any(text.endswith(m.text[:k]) for m in fmt.spec.markers.values()
-               for k in range(1, len(m.text)))
+    # the engine's own rule (chatgrammar.lexers.partial_marker_tail), not a second one
+    return fmt._partial_marker_tail(text) is not None
 
 
 def check_examples(fmt: Any, tokenizer: Any = None) -> list[Problem]:
