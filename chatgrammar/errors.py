@@ -202,6 +202,11 @@ class InferenceError(ChatGrammarError):
         super().__init__(f"{message} ({where})" if where else message)
 
 
+class VerifyError(ChatGrammarError):
+    """Verify mode (``CHATGRAMMAR_VERIFY=1``): a fast answer (memoised mask or text parse)
+    differs from the reference pipeline's. Always a bug of chatgrammar, never of the input."""
+
+
 __all__ = ["ChatGrammarError", "SpecError", "CompileError", "ParseError", "DetectionError",
            "NormError", "InferenceError", "PrecedenceError", "TemplateError", "RenderTimeout",
-           "TokenizerLoadError"]
+           "TokenizerLoadError", "VerifyError"]

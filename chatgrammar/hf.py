@@ -110,17 +110,9 @@ class MaskFn:
                     raise
                 errors[i] = f"{type(exc).__name__}: {exc}"
                 all_ids.append([])
-        fm = self.fmt._fast_masker(self.tokenizer)
-        from .fastpath import _pack_many
-
-        lens = [len(x) for x in all_ids]
-        arr = _pack_many(all_ids, lens)
-        starts = [0]
-        for k in lens:
-            starts.append(starts[-1] + k)
         perr: list = []
-        masks = fm.masks_flat(arr, starts, self.policy or self.fmt.default_policy, self.strict,
-                              errors=perr if self.on_error == "record" else None, as_list=True)
+        masks = self.fmt.loss_masks(all_ids, self.tokenizer, policy=self.policy,
+                                    strict=self.strict, on_error=self.on_error, errors=perr)
         out_mask: list = []
         trained: list = []
         for i, m in enumerate(masks):
