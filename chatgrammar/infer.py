@@ -1213,11 +1213,52 @@ def _variants(spec: dict) -> list[dict]:
     return out
 
 
+_UNKNOWN = re.compile(r"unknown marker '([^']+)'")
+
+
 def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> InferredFormat:
     probe = _Probe(template, variables, TIMEOUT)
     lex = _Lexicon(specials=_tokenizer_specials(tokenizer))
     sh, h_a = _shape(probe, lex)
     spec = _design(lex, sh, h_a, tokenizer, name)
+    # Markers only some matrix shapes render (Kimi-K2's tool-call section markers): the parse
+    # names them as unknown; they become loose markers of every turn's body (text of it that
+    # is never structure) and the spec is tried again — a few rounds at most.
+    for _ in range(8):
+        try:
+            return _try_variants(template, variables, tokenizer, name, probe, sh, spec)
+        except InferenceError as exc:
+            found = sorted(set(_UNKNOWN.findall(str(exc) + exc.details)))
+            if not found or not _add_loose(spec, found, lex, tokenizer):
+                raise
+    return _try_variants(template, variables, tokenizer, name, probe, sh, spec)
+
+
+def _add_loose(spec: dict, texts: list, lex: _Lexicon, tokenizer: Any) -> bool:
+    """Declare ``texts`` as markers allowed inside every top-level body; False when nothing
+    new was added."""
+    known = {m["text"] for m in spec["markers"].values()}
+    added = False
+    for t in texts:
+        if t in known:
+            continue
+        base = re.sub(r"[^a-z0-9]+", "_", t.lower()).strip("_") or "m"
+        base = ("m_" + base if not base[0].isalpha() else base)[:32]
+        mname, n = base, 2
+        while mname in spec["markers"]:
+            mname, n = f"{base}_{n}", n + 1
+        spec["markers"][mname] = {"text": t, "special": lex.special(t, tokenizer)}
+        for ename in list(spec["top"]) + (["reply"] if "reply" in spec["elements"] else []):
+            el = spec["elements"].get(ename)
+            if el is not None:
+                el["inner_markers"] = list(dict.fromkeys(el.get("inner_markers", []) + [mname]))
+        added = True
+    return added
+
+
+def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, probe: "_Probe",
+                  sh: "_Shape", spec: dict) -> InferredFormat:
+    spec = json.loads(json.dumps(spec))  # _variants pops keys of its argument
     header = (f"# {name}: inferred by chatgrammar.infer_format from a chat template "
               f"(sha256 {name[9:]}…).\n# Review it, then rename it and add detect: / examples: "
               "to bundle it (docs/inference.md).\n")

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import chatgrammar as cg
+from chatgrammar.format_tests import tests_for as _facts_of
 from chatgrammar import infer as inf
 from chatgrammar.cli import main
 from chatgrammar.conformance import OUTPUT_POLICY, MarkerTokenizer
@@ -27,8 +28,17 @@ from chatgrammar.render import TemplateError, render_chat
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "tests" / "data" / "templates"
-sys.path.insert(0, str(ROOT / "tools"))
-from conformance import VARIABLES  # noqa: E402
+
+
+def _variables(family: str | None, name: str) -> dict:
+    """The template variables a family's tokenizer passes (its formats/<name>.tests.yaml)."""
+    if family is None:
+        return {}
+    ts = _facts_of(cg.load_format(family)).get("templates") or []
+    for t in ts:
+        if t["file"] == name:
+            return dict(t.get("vars") or {})
+    return dict(ts[0].get("vars") or {}) if ts else {}
 
 WITH_END = OUTPUT_POLICY.replace(end_marker=True)
 
@@ -90,7 +100,7 @@ def _read(name: str) -> str:
 @lru_cache(maxsize=None)
 def _renders(name: str, family: str) -> tuple:
     """The matrix rendered with a template (cached: several tests use it)."""
-    tpl, kw = _read(name), VARIABLES.get(family, {})
+    tpl, kw = _read(name), _variables(family, name)
     out = []
     for case in default_matrix():
         try:
@@ -101,7 +111,7 @@ def _renders(name: str, family: str) -> tuple:
 
 
 def _infer(name: str, family: str | None = None, **kw) -> inf.InferredFormat:
-    return cg.infer_format(_read(name), **{**VARIABLES.get(family, {}), **kw})
+    return cg.infer_format(_read(name), **{**_variables(family, name), **kw})
 
 
 # ------------------------------------------------------------------------- (a) cross-check
@@ -232,8 +242,13 @@ def test_tokenizer_decides_special_and_passes_its_tokens():
 def test_resolve_format_prefers_a_bundled_one():
     fmt, how = inf.resolve_format(chat_template=_read("meta-llama-Llama-3.1-8B-Instruct.jinja"))
     assert (fmt.name, how) == ("llama3", "detected")
+    # DeepSeek-V2's template now detects as the bundled deepseek-llm; AlphaMonarch's
+    # `<s>user\n…</s>` family has no bundled format
     fmt, how = inf.resolve_format(chat_template=_read("infer/deepseek-v2.jinja"),
                                   bos_token="", eos_token="<｜end▁of▁sentence｜>")
+    assert (fmt.name, how) == ("deepseek-llm", "detected")
+    fmt, how = inf.resolve_format(chat_template=_read("infer/alphamonarch.jinja"),
+                                  bos_token="<s>", eos_token="</s>")
     assert how == "inferred" and fmt.name.startswith("inferred-")
 
 
@@ -247,8 +262,8 @@ class _CallableTok(MarkerTokenizer):
 def test_map_fn_auto_says_inferred():
     from chatgrammar.hf import map_fn
 
-    tpl = _read("infer/openchat-3.5.jinja")
-    kw = {"bos_token": "<s>", "eos_token": "<|end_of_turn|>"}
+    tpl = _read("infer/alphamonarch.jinja")   # (no bundled format: OpenChat's is bundled now)
+    kw = {"bos_token": "<s>", "eos_token": "</s>"}
     probe = cg.infer_format(tpl, **kw)
 
     tok = _CallableTok([m.text for m in probe.spec.markers.values()])
@@ -256,7 +271,7 @@ def test_map_fn_auto_says_inferred():
     fn = map_fn("auto", tok, template_kwargs=kw)
     assert fn.format_source == "inferred" and "(inferred)" in repr(fn)
     out = pickle.loads(pickle.dumps(fn))({"messages": [TWO_EXCHANGES]})
-    assert out["num_trained"][0] == len(" Hello there") + len(" Later")
+    assert out["num_trained"][0] == len("Hello there") + len("Later")
 
 
 # ------------------------------------------------------------------------ (c) bad input
@@ -327,7 +342,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys, template, code):
 
 def test_cli_detect_says_inferred(tmp_path, capsys):
     p = tmp_path / "t.jinja"
-    p.write_text(_read("infer/openchat-3.5.jinja"), encoding="utf-8")
+    # a family no bundled format has, that needs no tokenizer variable
+    p.write_text("{% for m in messages %}<|begin_turn|>{{ m.role }}\n{{ m.content }}"
+                 "<|end_turn|>\n{% endfor %}{% if add_generation_prompt %}<|begin_turn|>"
+                 "assistant\n{% endif %}", encoding="utf-8")
     assert main(["detect", "--template", str(p)]) == 0
     out, _ = capsys.readouterr()
     assert "no bundled format; inferred inferred-" in out
