@@ -31,7 +31,8 @@ TEMPLATES = ROOT / "tests" / "data" / "templates"
 #: The families added by issue 11 §2 (each has formats/<name>.yaml and <name>.tests.yaml).
 FAMILIES = ("llama2", "zephyr", "tulu", "deepseek-llm", "deepseek-coder", "exaone",
             "openchat", "chatglm3", "glm-edge", "idefics3",
-            "hunyuan", "baichuan2", "starcoder2-instruct")
+            "hunyuan", "baichuan2", "starcoder2-instruct",
+            "jamba")
 
 
 def _facts(name: str) -> dict:

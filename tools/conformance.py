@@ -116,6 +116,7 @@ TEMPLATES: dict[str, list[str]] = {
     "hunyuan": ["vllm-tool_chat_template_hunyuan_a13b.jinja"],
     "baichuan2": ["vllm-template_baichuan.jinja"],
     "starcoder2-instruct": ["bigcode-starcoder2-15b-instruct-v0.1.jinja"],
+    "jamba": ["ai21labs-AI21-Jamba-Mini-1.7.jinja"],
 }
 
 #: Template variables transformers would pass from each family's tokenizer
@@ -147,6 +148,7 @@ VARIABLES: dict[str, dict[str, str]] = {
                        "eos_token": "<|EOT|>"},
     "openchat": {"bos_token": "<s>", "eos_token": "<|end_of_turn|>"},
     "starcoder2-instruct": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
+    "jamba": {"bos_token": "<|startoftext|>"},
 }
 
 MARK = {"pass": "✓", "fail": "✗", "skip": "–", "deviation": "✓†"}
