@@ -104,7 +104,8 @@ TEMPLATES: dict[str, list[str]] = {
     "llama2": ["meta-llama-Llama-2-7b-chat-hf.jinja", "codellama-CodeLlama-7b-Instruct-hf.jinja",
                "bofenghuang-vigogne-2-70b-chat.jinja"],
     "zephyr": ["HuggingFaceH4-zephyr-7b-beta.jinja", "TinyLlama-TinyLlama-1.1B-Chat-v1.0.jinja"],
-    "tulu": ["allenai-OLMo-2-1124-13B-Instruct.jinja"],
+    "tulu": ["allenai-OLMo-2-1124-13B-Instruct.jinja", "allenai-tulu-2-7b.jinja",
+             "allenai-OLMo-7B-Instruct.jinja"],
     # their tool cases are accepted deviations (formats/deepseek-*.tests.yaml `accepted:`)
     "deepseek-llm": ["deepseek-ai-DeepSeek-V2-Chat.jinja"],
     "deepseek-coder": ["deepseek-ai-deepseek-coder-33b-instruct.jinja"],
