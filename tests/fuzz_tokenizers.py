@@ -184,6 +184,9 @@ FORMAT_TEMPLATES: dict[str, list[tuple[str, dict]]] = {
     "glm4": [("zai-org-GLM-4.5.jinja", {})],
     "minimax-m2": [("MiniMax-M2.jinja", {})],
     "minimax-m1": [("MiniMaxAI-MiniMax-M1.jinja", {})],
+    # its BOS and EOS are one marker (`endoftext`), which the guess does not read as the BOS
+    "starcoder2-instruct": [("bigcode-starcoder2-15b-instruct-v0.1.jinja",
+                             {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"})],
 }
 
 # Templates that read every message's content as a list of parts (MiniMax-M1:
@@ -191,7 +194,7 @@ FORMAT_TEMPLATES: dict[str, list[tuple[str, dict]]] = {
 # so these templates get a Jinja prelude that turns each string content into one text part (a
 # tool result's part also names the tool) before the template's own code runs: the template
 # then renders exactly what it renders for the same conversation given as parts.
-CONTENT_AS_PARTS = {"MiniMaxAI-MiniMax-M1.jinja"}
+CONTENT_AS_PARTS = {"MiniMaxAI-MiniMax-M1.jinja", "HuggingFaceM4-Idefics3-8B-Llama3.jinja"}
 _PARTS_PRELUDE = (
     "{%- set _cg = namespace(items=[]) -%}"
     "{%- for _m in messages -%}"
