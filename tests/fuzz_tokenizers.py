@@ -179,6 +179,41 @@ _PARTS_PRELUDE = (
     "{%- endfor -%}"
     "{%- set messages = _cg.items -%}")
 
+def format_test_facts(fmt: Any) -> dict:
+    """The format's ``formats/<name>.tests.yaml`` (its test facts), or ``{}``."""
+    import yaml
+
+    p = Path(fmt.path).with_name(f"{fmt.name}.tests.yaml")
+    if not p.is_file():
+        return {}
+    return yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+
+
+def rejected_by_design(fmt: Any, messages: list) -> str | None:
+    """Why the format rejects (a located ParseError) every rendering of this conversation by
+    design, or None. ``rejects_tool_messages: REASON`` in the format's .tests.yaml: its templates
+    drop tool messages or print them like answers, so a tool conversation cannot be read
+    safely (docs/formats.md names these formats)."""
+    facts = format_test_facts(fmt)
+    reason = facts.get("rejects_tool_messages")
+    if reason and any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+        return reason
+    # ``rejects_consecutive_tool_messages``: two tool results in a row (hunyuan)
+    reason = facts.get("rejects_consecutive_tool_messages")
+    roles = [m.get("role") for m in messages]
+    if reason and any(a == b == "tool" for a, b in zip(roles, roles[1:])):
+        return reason
+    return None
+
+
+def messages_for(fmt: Any, messages: list) -> list:
+    """The conversation as the format's templates take it: without system messages where its
+    .tests.yaml says ``no_system: true`` (the template raises on them)."""
+    if format_test_facts(fmt).get("no_system"):
+        return [m for m in messages if m.get("role") != "system"]
+    return messages
+
+
 def format_templates(fmt: Any) -> list[tuple[str, str, dict]]:
     """``(file name, template source, special-token kwargs)`` for each main template of a
     format: the ``templates:`` of its test facts (``formats/<name>.tests.yaml``) marked
@@ -187,10 +222,12 @@ def format_templates(fmt: Any) -> list[tuple[str, str, dict]]:
     from chatgrammar.format_tests import tests_for
 
     out = []
-    for t in tests_for(fmt).get("templates") or []:
-        if not t.get("main"):
-            continue
-        prelude = _PARTS_PRELUDE if t.get("content_as_parts") else ""
+    facts = tests_for(fmt)
+    ts = facts.get("templates") or []
+    # a format that marks none: its first template (formats added as data need not say)
+    for t in [t for t in ts if t.get("main")] or ts[:1]:
+        parts = t.get("content_as_parts") or facts.get("content_parts")
+        prelude = _PARTS_PRELUDE if parts else ""
         src = (TEMPLATES_DIR / t["file"]).read_text(encoding="utf-8")
         out.append((t["file"], prelude + src, dict(t.get("vars") or {})))
     return out
