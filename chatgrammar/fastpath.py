@@ -477,7 +477,6 @@ class FastMasker:
     def _lex(self, arr: np.ndarray, starts: list[int]):
         """Vectorised lexing of all samples at once. Per marker (each sample's begin-of-input
         included): its symbol, its header ids (the key), its slot positions."""
-        N = len(arr)
         S = len(starts) - 1
         if self.hi >= 0 and _speedups is not None and arr.flags.c_contiguous:
             pos_b, code_b = _speedups.find_markers(arr, self.lo, self.lutr)
@@ -510,6 +509,14 @@ class FastMasker:
             # the same tables in one C pass (this method's code below is the reference)
             return (*_speedups.symbols(arr, starts, cand, codes, self.budget, self.budget1,
                                        self.has_values), slow)
+        return self._symbols(arr, starts, cand, codes, slow)
+
+    def _symbols(self, arr, starts, cand, codes, slow):
+        """The symbol tables of :meth:`_lex` from the marker positions and codes, in numpy
+        (the reference of ``_speedups.symbols``, plus the ``lstrip`` and literal-ended header
+        rules the C pass does not take)."""
+        N = len(arr)
+        S = len(starts) - 1
         M = len(cand)
         if S == 1:
             bidx = None
