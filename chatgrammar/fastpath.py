@@ -413,7 +413,7 @@ class FastMasker:
             roles[:] = [None] * S
         if errors is not None:
             errors[:] = [None] * S
-        why: list = [self.disabled] * S if lexed is None else list(lexed[-1])
+        why: list = [self.disabled] * S if lexed is None else lexed[-1]
         if lexed is not None:
             pid = self._pid(policy)
             for j in range(S):
@@ -488,7 +488,6 @@ class FastMasker:
     def _lex(self, arr: np.ndarray, starts: list[int]):
         """Vectorised lexing of all samples at once. Per marker (each sample's begin-of-input
         included): its symbol, its header ids (the key), its slot positions."""
-        N = len(arr)
         S = len(starts) - 1
         if self.hi >= 0 and _speedups is not None and arr.flags.c_contiguous:
             pos_b, code_b = _speedups.find_markers(arr, self.lo, self.lutr)
@@ -529,6 +528,14 @@ class FastMasker:
             # the same tables in one C pass (this method's code below is the reference)
             return (*_speedups.symbols(arr, starts, cand, codes, self.budget, self.budget1,
                                        self.has_values), slow)
+        return self._symbols(arr, starts, cand, codes, slow)
+
+    def _symbols(self, arr, starts, cand, codes, slow):
+        """The symbol tables of :meth:`_lex` from the marker positions and codes, in numpy
+        (the reference of ``_speedups.symbols``, plus the ``lstrip`` and literal-ended header
+        rules the C pass does not take)."""
+        N = len(arr)
+        S = len(starts) - 1
         M = len(cand)
         if S == 1:
             bidx = None
@@ -749,7 +756,8 @@ class FastMasker:
                     roles.extend(t.role for t in prog.turns)
             for ra, da, rb, db, t in sp[0]:  # sample-local positions
                 spans.append((B[a + ra] + da - s0, B[a + rb] + db - s0, nturn + t))
-            chosen.extend(nturn + t for t in sp[1])
+            if last_only:
+                chosen.extend([nturn + t for t in sp[1]])
             nturn += len(prog.turns)
             a = b
         if last is not None and self.drv.gen_prompts:
@@ -948,8 +956,17 @@ def _mask_of(n: int, spans, as_list: bool):
     return m
 
 
+# os.environ.get costs microseconds (it encodes the key): read the mapping behind it
+_ENV = getattr(os.environ, "_data", None)
+_VERIFY_KEY = (os.environ.encodekey("CHATGRAMMAR_VERIFY")
+               if _ENV is not None and hasattr(os.environ, "encodekey") else None)
+
+
 def verify_enabled() -> bool:
     """``CHATGRAMMAR_VERIFY=1``: every fast answer is checked against the full pipeline."""
+    if _VERIFY_KEY is not None:
+        v = _ENV.get(_VERIFY_KEY)
+        return v is not None and v not in (b"", b"0", "", "0")
     return os.environ.get("CHATGRAMMAR_VERIFY", "") not in ("", "0")
 
 

@@ -5,7 +5,7 @@ import functools
 
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -321,16 +321,6 @@ class Format:
                 raise ValueError("offsets must rise from 0 to len(batch)")
             return fm.masks_flat(arr, starts, pol, strict, roles=roles, errors=rec)
         return fm.masks(batch, pol, strict, tokenizer, roles=roles, errors=rec)
-
-
-def _like(ids: Any, m: np.ndarray):
-    mod = type(ids).__module__
-    if mod.startswith("torch"):
-        import torch
-        return torch.from_numpy(m.astype(np.int64)).to(ids.device)
-    if isinstance(ids, np.ndarray):
-        return m.astype(np.int64)
-    return m.tolist()
 
 
 def _facts(conv: Conversation) -> tuple:
