@@ -28,7 +28,7 @@ from .format import Format
 from .render import RenderTimeout, TemplateError, compile_template, render_chat
 from .spec import parse_spec
 
-__all__ = ["infer_format", "InferredFormat", "Verification"]
+__all__ = ["infer_format", "InferredFormat", "Verification", "CrossCheck", "cross_check"]
 
 # ------------------------------------------------------------------------------- sentinels
 # Short alphanumeric values that survive strip/trim/split and that no template inspects.
@@ -1428,3 +1428,84 @@ def resolve_format(tokenizer: Any = None, *, chat_template: str | None = None,
                 pass
         raise InferenceError(f"no bundled format ({why}); and inference fails: {exc.message}",
                              where=exc.where, details=exc.details) from None
+
+
+@dataclass(frozen=True)
+class CrossCheck:
+    """How an inferred format's masks compare with a bundled format's over the matrix.
+
+    Attributes:
+        equal: matrix cases where both formats give the same mask (with and without the
+            terminator trained).
+        differ: ``(case, why)`` for each case where they do not (a different mask, or one of
+            them does not parse the rendering).
+        rejected: matrix cases the template rejects (not compared).
+    """
+
+    equal: tuple = ()
+    differ: tuple = ()
+    rejected: tuple = ()
+
+    @property
+    def agree(self) -> bool:
+        """True when the masks are equal on every case the template renders."""
+        return bool(self.equal) and not self.differ
+
+
+def cross_check(inferred: Format, bundled: Format, chat_template: str, *,
+                cases: Any = None, timeout: float | None = 10.0,
+                **template_kwargs: Any) -> CrossCheck:
+    """Compare two formats' masks over the conversation matrix rendered with a template.
+
+    Every matrix case the template renders is parsed (text mode) with both formats; their
+    masks must be equal under the output policy, with and without the terminator trained.
+    Where they differ, one of the two is wrong for that template (docs/inference.md).
+
+    Args:
+        inferred: usually :func:`infer_format`'s result for the template.
+        bundled: the bundled format the template is assigned to.
+        chat_template: the Jinja source of the chat template.
+        cases: matrix cases (default: :func:`chatgrammar.matrix.default_matrix`).
+        timeout: per-render time limit in seconds.
+        **template_kwargs: template variables (``bos_token="<s>"`` …).
+
+    Returns:
+        A :class:`CrossCheck`; ``.agree`` is True when no rendered case differs.
+
+    Example:
+        >>> tpl = open("Qwen-Qwen3.jinja").read()                        # doctest: +SKIP
+        >>> cross_check(infer_format(tpl), load_format("chatml"), tpl).agree  # doctest: +SKIP
+        True
+    """
+    from .conformance import OUTPUT_POLICY
+    from .errors import ParseError
+    from .matrix import default_matrix, render_case
+
+    policies = (OUTPUT_POLICY, OUTPUT_POLICY.replace(end_marker=True))
+    equal, differ, rejected = [], [], []
+    for case in (default_matrix() if cases is None else cases):
+        try:
+            text = render_case(chat_template, case, timeout=timeout, **template_kwargs).text
+        except (TemplateError, RenderTimeout):
+            rejected.append(case.name)
+            continue
+        masks = []
+        for fmt in (inferred, bundled):
+            try:
+                conv = fmt.parse(text)
+                masks.append([conv.mask(p) for p in policies])
+            except ParseError as exc:
+                masks.append(f"{fmt.name} does not parse it: {exc.message}")
+        a, b = masks
+        if a == b:
+            equal.append(case.name)
+        elif isinstance(a, str) or isinstance(b, str):
+            differ.append((case.name, a if isinstance(a, str) else b))
+        else:
+            which = "with the terminator" if a[0] == b[0] else "output"
+            k = 0 if which == "output" else 1
+            pos = next(i for i, (x, y) in enumerate(zip(a[k], b[k])) if x != y) \
+                if len(a[k]) == len(b[k]) else min(len(a[k]), len(b[k]))
+            differ.append((case.name, f"masks differ ({which}) from char {pos}: "
+                                      f"{text[max(0, pos - 20):pos + 40]!r}"))
+    return CrossCheck(tuple(equal), tuple(differ), tuple(rejected))
