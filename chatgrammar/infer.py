@@ -86,6 +86,8 @@ class _Probe:
         self.rejected: dict[str, str] = {}
         self.parts = False  # content given as a list of text parts
         self.tools: list | None = None  # tools always declared (a template that needs them)
+        self.unsplit: dict[str, tuple[str, str]] = {}  # role -> text only the shorter render has
+        self.folded: set = set()  # roles whose message renders only once a later one exists
 
     def content(self, m: dict) -> dict:
         if self.parts and isinstance(m.get("content"), str) and m["content"]:
@@ -106,7 +108,7 @@ class _Probe:
             raise InferenceError(f"the template does not render within the time limit "
                                  f"({exc.message})", where=shape or "a probe") from None
         except TemplateError as exc:
-            m = re.search(r"'(\w*_token)' is undefined", exc.message)
+            m = re.search(r"'(\w*_tokens?)' is undefined", exc.message)
             if exc.kind == "undefined" and m:
                 raise InferenceError(f"the template needs the variable {m.group(1)!r} (a "
                                      f"tokenizer special token): pass {m.group(1)}=... or a "
@@ -118,6 +120,11 @@ class _Probe:
             text = None
         self.cache[key] = text
         return text
+
+
+def _show(text: str, n: int = 60) -> str:
+    """``text`` quoted for a message, clipped to ``n`` characters."""
+    return repr(text if len(text) <= n else text[:n - 1] + "…")
 
 
 def _sentinel(m: dict) -> str | None:
@@ -152,6 +159,7 @@ def _locate(probe: _Probe, msgs: list[dict], R: str, shape: str, **kw: Any) -> l
             continue  # dropped, or moved before an earlier message
         own = probe.render(msgs[:i + 1], shape=shape, **kw)
         if own is not None and s not in own:
+            probe.folded.add(m["role"])
             continue  # folded: rendered only once a later message exists
         kept.append(_Msg(i, m["role"], pos, pos + len(s)))
         last_end = pos + len(s)
@@ -169,6 +177,8 @@ def _locate(probe: _Probe, msgs: list[dict], R: str, shape: str, **kw: Any) -> l
             if not t[split:].strip() or _MARKERISH.fullmatch(t[split:].strip()) or \
                     _SPECIAL_SHAPE.fullmatch(t[split:].strip()):
                 prev.term, cur.head = gap[:split], gap[split:]
+            else:  # for the refusal's message: what only the shorter rendering has
+                probe.unsplit.setdefault(cur.role, (t[split:], gap[split:]))
         # else: the earlier messages render differently once this one exists (Qwen3's last
         # assistant turn): where the terminator ends cannot be told from this probe
     kept[-1].term = R[kept[-1].end:]
@@ -380,6 +390,20 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
     if not seen_any:
         why = "; ".join(f"{k}: {v}" for k, v in probe.rejected.items())
         raise InferenceError(f"the template rejects every basic conversation ({why})",
+                             where="probes " + ", ".join(_BASIC))
+    if "assistant" not in heads and "assistant" not in first and "assistant" in probe.unsplit:
+        extra, _ = probe.unsplit["assistant"]
+        raise InferenceError(
+            f"the conversation before an assistant message ends with {_show(extra)}, which the "
+            "assistant message's own rendering does not have: the template's generation prompt "
+            "(forced, or printed by the previous turn) prefills text that assistant messages in "
+            "the history lack, so where the model's output starts cannot be told",
+            where="probes " + ", ".join(_BASIC))
+    if "assistant" not in heads and "assistant" not in first and "assistant" in probe.folded \
+            and not any(m.role == "assistant" for _, located in runs for m in located):
+        raise InferenceError("an assistant message is rendered only once a later message "
+                             "follows it (the last one of a conversation is dropped): the "
+                             "reply to train is not in the rendering",
                              where="probes " + ", ".join(_BASIC))
     if "assistant" not in heads and "assistant" not in first:
         raise InferenceError("no assistant message is rendered with its content in place: "
