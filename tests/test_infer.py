@@ -49,7 +49,10 @@ CROSS = {
     "chatml": ["Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-Qwen3.jinja", "Qwen-QwQ-32B.jinja",
                "Qwen-Qwen3-Coder-30B-A3B-Instruct.jinja", "Qwen-Qwen3.5-2B.jinja",
                "HuggingFaceTB-SmolLM3-3B.jinja", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja",
-               "LiquidAI-LFM2.jinja", "stepfun-ai-Step-3.5-Flash.jinja"],
+               "LiquidAI-LFM2.jinja", "stepfun-ai-Step-3.5-Flash.jinja",
+               # the tool-declaring system turn has no <|im_end|>: a terminator may be missing
+               "tiiuae-Falcon-H1.jinja", "Bielik-11B-v3.0-Instruct.jinja"],
+    "seed-oss": ["ByteDance-Seed-OSS.jinja"],
     "cohere": ["CohereForAI-c4ai-command-r-v01.jinja"],
     "gemma": ["google-gemma-2-2b-it.jinja", "google-gemma-3-it.jinja"],
     "granite": ["ibm-granite-granite-3.3-2B-Instruct.jinja", "ibm-granite-granite-4.0.jinja"],
