@@ -394,11 +394,10 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
     if "assistant" not in heads and "assistant" not in first and "assistant" in probe.unsplit:
         extra, _ = probe.unsplit["assistant"]
         raise InferenceError(
-            f"the conversation before an assistant message ends with {_show(extra)}, which the "
-            "assistant message's own rendering does not have: the template's generation prompt "
-            "(forced, or printed by the previous turn) prefills text that assistant messages in "
-            "the history lack, so where the model's output starts cannot be told",
-            where="probes " + ", ".join(_BASIC))
+            f"the conversation before an assistant message ends with {_show(extra)}, which is "
+            "not there once the assistant message follows (a forced generation prompt that "
+            "prefills text, or a fixed suffix no message owns): where the model's output "
+            "starts cannot be told", where="probes " + ", ".join(_BASIC))
     if "assistant" not in heads and "assistant" not in first and "assistant" in probe.folded \
             and not any(m.role == "assistant" for _, located in runs for m in located):
         raise InferenceError("an assistant message is rendered only once a later message "

@@ -312,7 +312,7 @@ def test_bad_templates_raise_inference_error(template, message):
 #: "Families without a bundled format"): template -> (variables, the reason it must give).
 REFUSED_UNBUNDLED = {
     # the forced generation prompt prefills 'Here are my reasoning steps:' that history lacks
-    "derived/Apriel-1.6-15b-Thinker-fixed.jinja": ({}, "prefills text that assistant messages"),
+    "derived/Apriel-1.6-15b-Thinker-fixed.jinja": ({}, "which is not there once the assistant"),
     # the last assistant message of a conversation is never rendered
     "infer/yandexgpt5.jinja": ({}, "rendered only once a later message follows it"),
     # additional_special_tokens[i] is read: a tokenizer variable, named as bos_token is
