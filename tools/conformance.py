@@ -12,6 +12,11 @@ Usage::
     python tools/conformance.py                      # print the report
     python tools/conformance.py --write              # regenerate docs/conformance.md
     python tools/conformance.py -f kimi-k3 -v        # one format, with failure details
+    python tools/conformance.py --no-inference       # without the used / inferred-vs-bundled columns
+
+The summary's ``used`` column is what ``chatgrammar.infer.resolve_format`` picks for each
+template; ``inferred vs bundled`` compares the format inferred from the template with the
+bundled one over the matrix (``chatgrammar.infer.cross_check``), or says why inference refuses.
 
 Exit code: 0 when no case fails, 1 otherwise (2: usage error).
 """
