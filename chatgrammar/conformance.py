@@ -791,12 +791,26 @@ def _check_real_ids(fmt: Format, tokenizer: Any, R: str, conv, res: CaseResult) 
         return (f"text mode parses but id mode ({type(tokenizer).__name__}) does not: "
                 f"{exc.message} at token {exc.offset}")
     ad = adapt(tokenizer)
+    # a span's text is what the span adds to the decoding of the sample before it: decoding
+    # a span alone drops its leading space with a SentencePiece decoder (Mistral's " reply" is
+    # "▁reply", which decodes alone to "reply"), and byte-fallback pieces need their neighbours
+    prefix: dict[int, str] = {}
+
+    def upto(k: int) -> str:
+        if k not in prefix:
+            prefix[k] = ad.decode(ids[:k])
+        return prefix[k]
+
+    def span_text(a: int, b: int) -> str:
+        head, whole = upto(a), upto(b)
+        return whole[len(head):] if whole.startswith(head) else ad.decode(ids[a:b])
+
     by_turn_t: dict[int, str] = {}
     by_turn_i: dict[int, str] = {}
     for s in conv.spans(OUTPUT_POLICY):
         by_turn_t[s.turn] = by_turn_t.get(s.turn, "") + R[s.start:s.end]
     for s in conv_ids.spans(OUTPUT_POLICY):
-        by_turn_i[s.turn] = by_turn_i.get(s.turn, "") + ad.decode(ids[s.start:s.end])
+        by_turn_i[s.turn] = by_turn_i.get(s.turn, "") + span_text(s.start, s.end)
     if list(by_turn_t.values()) != list(by_turn_i.values()):
         ta, ia = list(by_turn_t.values()), list(by_turn_i.values())
         for k in range(max(len(ta), len(ia))):

@@ -28,7 +28,7 @@ from .format import Format
 from .render import RenderTimeout, TemplateError, compile_template, render_chat
 from .spec import parse_spec
 
-__all__ = ["infer_format", "InferredFormat", "Verification"]
+__all__ = ["infer_format", "InferredFormat", "Verification", "CrossCheck", "cross_check"]
 
 # ------------------------------------------------------------------------------- sentinels
 # Short alphanumeric values that survive strip/trim/split and that no template inspects.
@@ -86,6 +86,8 @@ class _Probe:
         self.rejected: dict[str, str] = {}
         self.parts = False  # content given as a list of text parts
         self.tools: list | None = None  # tools always declared (a template that needs them)
+        self.unsplit: dict[str, tuple[str, str]] = {}  # role -> text only the shorter render has
+        self.folded: set = set()  # roles whose message renders only once a later one exists
 
     def content(self, m: dict) -> dict:
         if self.parts and isinstance(m.get("content"), str) and m["content"]:
@@ -106,7 +108,7 @@ class _Probe:
             raise InferenceError(f"the template does not render within the time limit "
                                  f"({exc.message})", where=shape or "a probe") from None
         except TemplateError as exc:
-            m = re.search(r"'(\w*_token)' is undefined", exc.message)
+            m = re.search(r"'(\w*_tokens?)' is undefined", exc.message)
             if exc.kind == "undefined" and m:
                 raise InferenceError(f"the template needs the variable {m.group(1)!r} (a "
                                      f"tokenizer special token): pass {m.group(1)}=... or a "
@@ -118,6 +120,11 @@ class _Probe:
             text = None
         self.cache[key] = text
         return text
+
+
+def _show(text: str, n: int = 60) -> str:
+    """``text`` quoted for a message, clipped to ``n`` characters."""
+    return repr(text if len(text) <= n else text[:n - 1] + "…")
 
 
 def _sentinel(m: dict) -> str | None:
@@ -152,6 +159,7 @@ def _locate(probe: _Probe, msgs: list[dict], R: str, shape: str, **kw: Any) -> l
             continue  # dropped, or moved before an earlier message
         own = probe.render(msgs[:i + 1], shape=shape, **kw)
         if own is not None and s not in own:
+            probe.folded.add(m["role"])
             continue  # folded: rendered only once a later message exists
         kept.append(_Msg(i, m["role"], pos, pos + len(s)))
         last_end = pos + len(s)
@@ -169,6 +177,8 @@ def _locate(probe: _Probe, msgs: list[dict], R: str, shape: str, **kw: Any) -> l
             if not t[split:].strip() or _MARKERISH.fullmatch(t[split:].strip()) or \
                     _SPECIAL_SHAPE.fullmatch(t[split:].strip()):
                 prev.term, cur.head = gap[:split], gap[split:]
+            else:  # for the refusal's message: what only the shorter rendering has
+                probe.unsplit.setdefault(cur.role, (t[split:], gap[split:]))
         # else: the earlier messages render differently once this one exists (Qwen3's last
         # assistant turn): where the terminator ends cannot be told from this probe
     kept[-1].term = R[kept[-1].end:]
@@ -380,6 +390,19 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
     if not seen_any:
         why = "; ".join(f"{k}: {v}" for k, v in probe.rejected.items())
         raise InferenceError(f"the template rejects every basic conversation ({why})",
+                             where="probes " + ", ".join(_BASIC))
+    if "assistant" not in heads and "assistant" not in first and "assistant" in probe.unsplit:
+        extra, _ = probe.unsplit["assistant"]
+        raise InferenceError(
+            f"the conversation before an assistant message ends with {_show(extra)}, which is "
+            "not there once the assistant message follows (a forced generation prompt that "
+            "prefills text, or a fixed suffix no message owns): where the model's output "
+            "starts cannot be told", where="probes " + ", ".join(_BASIC))
+    if "assistant" not in heads and "assistant" not in first and "assistant" in probe.folded \
+            and not any(m.role == "assistant" for _, located in runs for m in located):
+        raise InferenceError("an assistant message is rendered only once a later message "
+                             "follows it (the last one of a conversation is dropped): the "
+                             "reply to train is not in the rendering",
                              where="probes " + ", ".join(_BASIC))
     if "assistant" not in heads and "assistant" not in first:
         raise InferenceError("no assistant message is rendered with its content in place: "
@@ -1210,6 +1233,20 @@ def _variants(spec: dict) -> list[dict]:
             alt["markers"][name]["text"] += ws
             alt["markers"][name]["special"] = False
         out.append(alt)
+    # last resort, after every strict candidate: a turn's terminator may be missing, the turn
+    # then ends at the next turn's opener (Falcon-H1 / Bielik leave the tool-declaring system
+    # turn without <|im_end|>; the bundled chatml says the same). Roles are still told by the
+    # header, so nothing is trained that a strict spec would not train.
+    for cand in list(out):
+        opt = json.loads(json.dumps(cand))
+        changed = False
+        for name in opt["top"]:
+            close = opt["elements"].get(name, {}).get("close")
+            if close and close.get("required", True):
+                close["required"] = False
+                changed = True
+        if changed:
+            out.append(opt)
     return out
 
 
@@ -1428,3 +1465,84 @@ def resolve_format(tokenizer: Any = None, *, chat_template: str | None = None,
                 pass
         raise InferenceError(f"no bundled format ({why}); and inference fails: {exc.message}",
                              where=exc.where, details=exc.details) from None
+
+
+@dataclass(frozen=True)
+class CrossCheck:
+    """How an inferred format's masks compare with a bundled format's over the matrix.
+
+    Attributes:
+        equal: matrix cases where both formats give the same mask (with and without the
+            terminator trained).
+        differ: ``(case, why)`` for each case where they do not (a different mask, or one of
+            them does not parse the rendering).
+        rejected: matrix cases the template rejects (not compared).
+    """
+
+    equal: tuple = ()
+    differ: tuple = ()
+    rejected: tuple = ()
+
+    @property
+    def agree(self) -> bool:
+        """True when the masks are equal on every case the template renders."""
+        return bool(self.equal) and not self.differ
+
+
+def cross_check(inferred: Format, bundled: Format, chat_template: str, *,
+                cases: Any = None, timeout: float | None = 10.0,
+                **template_kwargs: Any) -> CrossCheck:
+    """Compare two formats' masks over the conversation matrix rendered with a template.
+
+    Every matrix case the template renders is parsed (text mode) with both formats; their
+    masks must be equal under the output policy, with and without the terminator trained.
+    Where they differ, one of the two is wrong for that template (docs/inference.md).
+
+    Args:
+        inferred: usually :func:`infer_format`'s result for the template.
+        bundled: the bundled format the template is assigned to.
+        chat_template: the Jinja source of the chat template.
+        cases: matrix cases (default: :func:`chatgrammar.matrix.default_matrix`).
+        timeout: per-render time limit in seconds.
+        **template_kwargs: template variables (``bos_token="<s>"`` …).
+
+    Returns:
+        A :class:`CrossCheck`; ``.agree`` is True when no rendered case differs.
+
+    Example:
+        >>> tpl = open("Qwen-Qwen3.jinja").read()                        # doctest: +SKIP
+        >>> cross_check(infer_format(tpl), load_format("chatml"), tpl).agree  # doctest: +SKIP
+        True
+    """
+    from .conformance import OUTPUT_POLICY
+    from .errors import ParseError
+    from .matrix import default_matrix, render_case
+
+    policies = (OUTPUT_POLICY, OUTPUT_POLICY.replace(end_marker=True))
+    equal, differ, rejected = [], [], []
+    for case in (default_matrix() if cases is None else cases):
+        try:
+            text = render_case(chat_template, case, timeout=timeout, **template_kwargs).text
+        except (TemplateError, RenderTimeout):
+            rejected.append(case.name)
+            continue
+        masks = []
+        for fmt in (inferred, bundled):
+            try:
+                conv = fmt.parse(text)
+                masks.append([conv.mask(p) for p in policies])
+            except ParseError as exc:
+                masks.append(f"{fmt.name} does not parse it: {exc.message}")
+        a, b = masks
+        if a == b:
+            equal.append(case.name)
+        elif isinstance(a, str) or isinstance(b, str):
+            differ.append((case.name, a if isinstance(a, str) else b))
+        else:
+            which = "with the terminator" if a[0] == b[0] else "output"
+            k = 0 if which == "output" else 1
+            pos = next(i for i, (x, y) in enumerate(zip(a[k], b[k])) if x != y) \
+                if len(a[k]) == len(b[k]) else min(len(a[k]), len(b[k]))
+            differ.append((case.name, f"masks differ ({which}) from char {pos}: "
+                                      f"{text[max(0, pos - 20):pos + 40]!r}"))
+    return CrossCheck(tuple(equal), tuple(differ), tuple(rejected))

@@ -49,7 +49,10 @@ CROSS = {
     "chatml": ["Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-Qwen3.jinja", "Qwen-QwQ-32B.jinja",
                "Qwen-Qwen3-Coder-30B-A3B-Instruct.jinja", "Qwen-Qwen3.5-2B.jinja",
                "HuggingFaceTB-SmolLM3-3B.jinja", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja",
-               "LiquidAI-LFM2.jinja", "stepfun-ai-Step-3.5-Flash.jinja"],
+               "LiquidAI-LFM2.jinja", "stepfun-ai-Step-3.5-Flash.jinja",
+               # the tool-declaring system turn has no <|im_end|>: a terminator may be missing
+               "tiiuae-Falcon-H1.jinja", "Bielik-11B-v3.0-Instruct.jinja"],
+    "seed-oss": ["ByteDance-Seed-OSS.jinja"],
     "cohere": ["CohereForAI-c4ai-command-r-v01.jinja"],
     "gemma": ["google-gemma-2-2b-it.jinja", "google-gemma-3-it.jinja"],
     "granite": ["ibm-granite-granite-3.3-2B-Instruct.jinja", "ibm-granite-granite-4.0.jinja"],
@@ -302,6 +305,60 @@ def test_template_rejecting_some_shapes_is_recorded():
 def test_bad_templates_raise_inference_error(template, message):
     with pytest.raises(cg.InferenceError, match=re.escape(message)):
         cg.infer_format(template, **({} if "bos_token" in template else {}))
+
+
+
+#: Templates no bundled format takes, that inference refuses on purpose (docs/inference.md,
+#: "Families without a bundled format"): template -> (variables, the reason it must give).
+REFUSED_UNBUNDLED = {
+    # the forced generation prompt prefills 'Here are my reasoning steps:' that history lacks
+    "derived/Apriel-1.6-15b-Thinker-fixed.jinja": ({}, "which is not there once the assistant"),
+    # the last assistant message of a conversation is never rendered
+    "infer/yandexgpt5.jinja": ({}, "rendered only once a later message follows it"),
+    # additional_special_tokens[i] is read: a tokenizer variable, named as bos_token is
+    "infer/gigachat-20b.jinja": ({"bos_token": "", "eos_token": ""},
+                                 "needs the variable 'additional_special_tokens'"),
+    # no terminators, turns separated by '\n\n' that content holds too: where a reply ends
+    # cannot be told, the separator would train
+    "derived/llama-cpp-rwkv-world.jinja": ({}, "trains text outside the assistant messages"),
+    # tool results rendered with the assistant's header
+    "infer/vicuna-1.1.jinja": ({}, "tool results as assistant turns"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_UNBUNDLED))
+def test_unbundled_template_refused_with_a_reason(name):
+    kw, why = REFUSED_UNBUNDLED[name]
+    tpl = _read(name)
+    with pytest.raises(cg.DetectionError):
+        cg.detect_format(None, chat_template=tpl)
+    with pytest.raises(cg.InferenceError, match=re.escape(why)):
+        inf.resolve_format(chat_template=tpl, **kw)
+
+
+def test_cross_check_agrees_and_says_where_formats_differ():
+    name = "Qwen-Qwen2.5-7B-Instruct.jinja"
+    tpl = _read(name)
+    cc = inf.cross_check(_infer(name, "chatml"), cg.load_format("chatml"), tpl,
+                         **_variables("chatml", name))
+    assert cc.agree and len(cc.equal) >= 15 and not cc.differ
+    # GLM-Edge: an empty assistant message renders '<|assistant|>\n'; the bundled glm-edge
+    # trains that '\n' (the model's first output after the prompt, as in every other turn),
+    # the inferred spec lets the next marker's lstrip take it (docs/inference.md)
+    name = "THUDM-glm-edge-1.5b-chat.jinja"
+    tpl = _read(name)
+    cc = inf.cross_check(_infer(name, "glm-edge"), cg.load_format("glm-edge"), tpl)
+    assert not cc.agree
+    assert {c for c, _ in cc.differ} == {"tool-call", "tool-call-string-args",
+                                         "parallel-tool-calls", "reasoning-tool-call",
+                                         "empty-assistant"}
+    assert all("masks differ (output)" in why for _, why in cc.differ)
+    # a format that does not parse a rendering is a difference too, with its error
+    name = "deepseek-ai-DeepSeek-V2-Chat.jinja"
+    tpl = _read(name)
+    kw = _variables("deepseek-llm", name)
+    cc = inf.cross_check(_infer(name, "deepseek-llm"), cg.load_format("deepseek-llm"), tpl, **kw)
+    assert cc.differ and all("deepseek-llm does not parse it" in why for _, why in cc.differ)
 
 
 def test_hostile_template_hits_the_time_limit(monkeypatch):

@@ -12,6 +12,11 @@ Usage::
     python tools/conformance.py                      # print the report
     python tools/conformance.py --write              # regenerate docs/conformance.md
     python tools/conformance.py -f kimi-k3 -v        # one format, with failure details
+    python tools/conformance.py --no-inference       # without the used / inferred-vs-bundled columns
+
+The summary's ``used`` column is what ``chatgrammar.infer.resolve_format`` picks for each
+template; ``inferred vs bundled`` compares the format inferred from the template with the
+bundled one over the matrix (``chatgrammar.infer.cross_check``), or says why inference refuses.
 
 Exit code: 0 when no case fails, 1 otherwise (2: usage error).
 """
@@ -67,7 +72,80 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(results: list, missing: list[str], formats: list[str]) -> str:
+def _short(message: str, n: int = 90) -> str:
+    """The first clause of an error message, at most ``n`` characters."""
+    first = message.splitlines()[0] if message else ""
+    return first if len(first) <= n else first[:n - 1].rstrip() + "…"
+
+
+_RESOLVED: dict = {}
+
+
+def inference_of(name: str, tname: str, template: str, variables: dict) -> tuple[str, str]:
+    """``(used, agreement)`` cells for one (format, template) pair, cached per pair.
+
+    ``used``: what :func:`chatgrammar.infer.resolve_format` picks for the template with its
+    variables (``bundled <name>``, ``inferred``, or ``none: <reason>``). ``agreement``: how the
+    inferred format's masks compare with the bundled format's over the matrix
+    (:func:`chatgrammar.infer.cross_check`): ``agree (N)``, ``differ: <cases>``, or
+    ``refused: <short reason>`` where inference raises InferenceError.
+    """
+    from chatgrammar import infer as inf
+    from chatgrammar.errors import InferenceError
+
+    key = (name, tname, tuple(sorted((k, repr(v)) for k, v in variables.items())))
+    if key in _RESOLVED:
+        return _RESOLVED[key]
+    try:
+        fmt, how = inf.resolve_format(chat_template=template, **variables)
+        used = f"bundled {fmt.name}" if how == "detected" else "inferred"
+    except ChatGrammarError as exc:
+        used = f"none: {_short(exc.message if hasattr(exc, 'message') else str(exc), 60)}"
+    try:
+        inferred = inf.infer_format(template, **variables)
+    except InferenceError as exc:
+        agreement = f"refused: {_short(exc.message)}"
+    else:
+        cc = inf.cross_check(inferred, load_format(name), template, **variables)
+        if cc.agree:
+            agreement = f"agree ({len(cc.equal)})"
+        elif not cc.equal and not cc.differ:
+            agreement = "– (no case rendered)"
+        else:
+            agreement = (f"differ on {len(cc.differ)}: "
+                         + ", ".join(f"`{c}`" for c, _ in cc.differ[:4])
+                         + (" …" if len(cc.differ) > 4 else ""))
+    _RESOLVED[key] = (used, agreement)
+    return used, agreement
+
+
+def inference_cells(formats: list[str], template_dir: Path) -> dict:
+    """``(format, template) -> (used, agreement)`` for every pair (see :func:`inference_of`)."""
+    out = {}
+    for name in formats:
+        for tname, variables in templates_of(name):
+            path = template_dir / tname
+            if path.is_file():
+                out[(name, tname)] = inference_of(name, tname, path.read_text(encoding="utf-8"),
+                                                  variables)
+    return out
+
+
+def inference_counts(cells: dict) -> str:
+    """One summary line over :func:`inference_cells`."""
+    used = [u for u, _ in cells.values()]
+    agr = [a for _, a in cells.values()]
+    return (f"Resolution: {sum(u.startswith('bundled') for u in used)} bundled, "
+            f"{sum(u == 'inferred' for u in used)} inferred, "
+            f"{sum(u.startswith('none') for u in used)} neither. Inference cross-check: "
+            f"{sum(a.startswith('agree') for a in agr)} agree, "
+            f"{sum(a.startswith('differ') for a in agr)} differ, "
+            f"{sum(a.startswith('refused') for a in agr)} refused "
+            "(docs/inference.md says which side is wrong where they differ).")
+
+
+def markdown(results: list, missing: list[str], formats: list[str],
+             inference: dict | None = None) -> str:
     """The report: summary, per-case grid, failure and skip reasons."""
     cases = case_names()
     lines = [
@@ -92,15 +170,29 @@ def markdown(results: list, missing: list[str], formats: list[str]) -> str:
         "| format | template | pass | fail | skipped |",
         "|---|---|---:|---:|---:|",
     ]
+    if inference is not None:  # what resolve_format uses, and the inference cross-check
+        lines[-2:] = ["| format | template | pass | fail | skipped | used | inferred vs bundled |",
+                      "|---|---|---:|---:|---:|---|---|"]
     for r in results:
         c = r.counts()
+        extra = ""
+        if inference is not None:
+            u, a = inference.get((r.format, r.template), ("", ""))
+            extra = f" {_cell(u)} | {_cell(a)} |"
         if r.error:
-            lines.append(f"| {r.format} | {r.template} | – | – | – |")
+            lines.append(f"| {r.format} | {r.template} | – | – | – |{extra}")
             continue
-        lines.append(f"| {r.format} | {r.template} | {c['pass']} | {c['fail']} | {c['skip']} |")
+        lines.append(f"| {r.format} | {r.template} | {c['pass']} | {c['fail']} | {c['skip']} |"
+                     f"{extra}")
     tot = {k: sum(r.counts()[k] for r in results) for k in ("pass", "fail", "skip")}
     lines += ["", f"{len(results)} pairs, {sum(tot.values())} cases: {tot['pass']} pass, "
                   f"{tot['fail']} fail, {tot['skip']} skipped.", ""]
+    if inference is not None:
+        lines += ["`used`: what `chatgrammar.infer.resolve_format(chat_template=…, **vars)` picks "
+                  "for the template; `inferred vs bundled`: whether the format inferred from "
+                  "the template (`cg.infer_format`) gives the bundled format's masks on every "
+                  "matrix case the template renders (`chatgrammar.infer.cross_check`), or why "
+                  "inference refuses the template.", "", inference_counts(inference), ""]
 
     lines += ["## Cases", "", "Columns are the matrix cases, in order: "
               + ", ".join(f"{i + 1} `{c}`" for i, c in enumerate(cases)) + ".", ""]
@@ -169,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the template files are (default: tests/data/templates)")
     ap.add_argument("--write", nargs="?", const=str(DEFAULT_OUT), metavar="FILE",
                     help="write the markdown report (default file: docs/conformance.md)")
+    ap.add_argument("--no-inference", action="store_true",
+                    help="leave out the resolution / inference cross-check columns")
     ap.add_argument("-v", "--verbose", action="store_true",
                     help="print every failing case with its rendering and marked spans")
     args = ap.parse_args(argv)
@@ -183,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     except ChatGrammarError as exc:
         print(f"conformance: error: {exc}", file=sys.stderr)
         return 2
-    report = markdown(results, missing, formats)
+    cells = None if args.no_inference else inference_cells(formats, Path(args.templates))
+    report = markdown(results, missing, formats, cells)
     if args.write:
         Path(args.write).write_text(report, encoding="utf-8")
         print(f"wrote {args.write}", file=sys.stderr)
