@@ -31,6 +31,8 @@ TEMPLATES = ROOT / "tests" / "data" / "templates"
 #: The families added by issue 11 §2 (each has formats/<name>.yaml and <name>.tests.yaml).
 FAMILIES = ("llama2", "zephyr", "tulu", "deepseek-llm", "deepseek-coder", "exaone",
             "openchat", "chatglm3", "glm-edge")
+#: More of issue 11 §2's families (a second statement, so that both lists merge cleanly).
+FAMILIES += ("alpaca",)
 
 
 def _facts(name: str) -> dict:
