@@ -32,7 +32,8 @@ TEMPLATES = ROOT / "tests" / "data" / "templates"
 FAMILIES = ("llama2", "zephyr", "tulu", "deepseek-llm", "deepseek-coder", "exaone",
             "openchat", "chatglm3", "glm-edge")
 #: More of issue 11 §2's families (a second statement, so that both lists merge cleanly).
-FAMILIES += ("alpaca", "internlm2", "solar-instruct", "nemotron4", "falcon", "h2o-danube")
+FAMILIES += ("alpaca", "internlm2", "solar-instruct", "nemotron4", "falcon", "h2o-danube",
+             "openbuddy")
 
 
 def _facts(name: str) -> dict:
