@@ -650,6 +650,12 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
                 gr = _Renderer(template, probe, variables, timeout)
                 generic_g = _generation_prompt(gr, 1) or ""
             g = generic_g
+        if not g and e > s:
+            # the template renders the same with and without a generation prompt (Apriel
+            # 1.6 forces one): the message's leading markers are its header
+            g = R[s:s + openers.leading_glue(R[s:e], marker_rx)].rstrip()
+            if R.startswith("\n", s + len(g)):
+                g += "\n"  # the header's own line end, not the body's leading whitespace
         if g and not g[0].isspace():
             # whitespace before the message's header is between-turn text, not the message
             # (Unsloth's one-line templates write "  " before a turn, one " " of which ends
@@ -813,7 +819,8 @@ def check_template(fmt: Format, template: str, *, name: str = "template",
                    cases: Sequence[MatrixCase] | None = None, tokenizer: Any = None,
                    tokenizer_name: str | None = None, variables: dict | None = None,
                    timeout: float | None = 10.0,
-                   accepted: dict[str, str] | None = None) -> ConformanceResult:
+                   accepted: dict[str, str] | None = None,
+                   refused: dict[str, str] | None = None) -> ConformanceResult:
     """Check one (format, chat template) pair over the conversation matrix.
 
     Args:
@@ -830,6 +837,10 @@ def check_template(fmt: Format, template: str, *, name: str = "template",
         accepted: deviation shape -> where it is documented (:data:`DEVIATION_SHAPES`); default
             the ``accepted:`` of the format's test facts (``<spec>.tests.yaml`` beside its spec
             file, :func:`chatgrammar.format_tests.tests_for`), none for a format without them.
+        refused: matrix case -> why the format refuses that shape on purpose; default the
+            ``refused:`` of the format's test facts. Such a case is reported ``"skip"`` when it
+            fails safely (a located ParseError, or training only part of the assistant output
+            plus whitespace) and stays a failure otherwise.
 
     Returns:
         A :class:`ConformanceResult`; ``.ok`` is False when a case fails. A template that does
@@ -851,11 +862,30 @@ def check_template(fmt: Format, template: str, *, name: str = "template",
     synth = MarkerTokenizer.for_format(fmt)
     if accepted is None:
         accepted = dict(tests_for(fmt).get("accepted") or {})
+    if refused is None:
+        refused = dict(tests_for(fmt).get("refused") or {})
     for case in (default_matrix() if cases is None else cases):
         try:
-            out.cases.append(_check_case(fmt, template, case, vars_, synth, tokenizer,
-                                         timeout, accepted))
+            res = _check_case(fmt, template, case, vars_, synth, tokenizer, timeout, accepted)
         except Exception as exc:  # one broken case must not hide the others' results
-            out.cases.append(CaseResult(case.name, "fail", f"error while checking this case: "
-                                        f"{type(exc).__name__}: {exc}"))
+            res = CaseResult(case.name, "fail", f"error while checking this case: "
+                             f"{type(exc).__name__}: {exc}")
+        out.cases.append(_refusal(res, refused))
     return out
+
+
+def _refusal(res: CaseResult, refused: dict[str, str]) -> CaseResult:
+    """A failing case the format refuses on purpose (``refused:`` of its test facts) becomes a
+    skip — only when it failed safely: it does not parse (a located ParseError), or what it
+    trains is inside the assistant output apart from whitespace. Anything else stays a failure:
+    a refusal never excuses training another message's text."""
+    if res.status != "fail" or res.case not in refused:
+        return res
+    if "does not parse" not in res.reason:
+        extra = {i for a, b in res.found for i in range(a, b)} - {
+            i for a, b in res.expected for i in range(a, b)}
+        if res.text is None or not all(res.text[i].isspace() for i in extra):
+            return res
+    return CaseResult(res.case, "skip", f"refused by the format ({refused[res.case]}): "
+                      f"{res.reason}", res.details, res.text, res.expected, res.found, res.notes,
+                      res.deviations)

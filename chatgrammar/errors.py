@@ -103,13 +103,10 @@ class DetectionError(ChatGrammarError):
         super().__init__(message)
 
 
-class NormError(ChatGrammarError):
-    """``norms.yaml`` is invalid, or a config cannot be read."""
-
-
 # Errors of later stages, defined here so that every error of the package has one home; their
 # modules re-export them (``chatgrammar.detect.PrecedenceError``, ``chatgrammar.render.
-# TemplateError`` / ``RenderTimeout``, ``chatgrammar.tokenizers.TokenizerLoadError``).
+# TemplateError`` / ``RenderTimeout``, ``chatgrammar.tokenizers.TokenizerLoadError``). Not in
+# ``__all__``, which lists what ``chatgrammar`` itself exports.
 
 class PrecedenceError(SpecError, DetectionError):
     """The precedence declared across a set of formats is not a total order where detectors
@@ -181,6 +178,10 @@ class TokenizerLoadError(ChatGrammarError):
     """A tokenizer could not be loaded (missing, needs remote code, broken, no transformers)."""
 
 
+class NormError(ChatGrammarError):
+    """``norms.yaml`` is invalid, or a config cannot be read."""
+
+
 class InferenceError(ChatGrammarError):
     """A chat template cannot be captured by an inferred format (:func:`chatgrammar.infer_format`).
 
@@ -201,6 +202,11 @@ class InferenceError(ChatGrammarError):
         super().__init__(f"{message} ({where})" if where else message)
 
 
+class VerifyError(ChatGrammarError):
+    """Verify mode (``CHATGRAMMAR_VERIFY=1``): a fast answer (memoised mask or text parse)
+    differs from the reference pipeline's. Always a bug of chatgrammar, never of the input."""
+
+
 __all__ = ["ChatGrammarError", "SpecError", "CompileError", "ParseError", "DetectionError",
            "NormError", "InferenceError", "PrecedenceError", "TemplateError", "RenderTimeout",
-           "TokenizerLoadError"]
+           "TokenizerLoadError", "VerifyError"]

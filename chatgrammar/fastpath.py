@@ -59,9 +59,9 @@ if os.environ.get("CHATGRAMMAR_PURE"):
 
 from .compile import HEADER, HEADER_CHARS_PER_TOKEN, TEXT
 from .parse import unknown_marker_ids
-from .errors import ParseError
+from .errors import ParseError, VerifyError
 from .lexers import IdLexer, as_id_array, lex_text
-from .parse import Source
+from .parse import ACCEPT, Source, lalr_step, plain_reduce
 from .policy import MaskPolicy
 from .spans import Conversation, Issue
 
@@ -150,28 +150,15 @@ class _Automaton:
         return hit
 
     def _shift(self, stack: list, term: str) -> bool | None:
-        """``_step`` without the implicit close (``stack`` is changed even on error)."""
-        states, shift, items = self.states, self.shift, self.item_rules
-        item = False
-        for _ in range(10_000):
-            act = states[stack[-1]].get(term)
-            if act is None:
-                return None
-            action, arg = act
-            if action is shift:
-                stack.append(arg)
-                return item
-            size = len(arg.expansion)
-            if size:
-                del stack[-size:]
-            name = arg.origin.name
-            if name in items:
-                item = True
-            goto = states[stack[-1]].get(name)
-            if goto is None:
-                return None
-            stack.append(goto[1])
-        return None
+        """``_step`` without the implicit close (``stack`` is changed even on error): the
+        driver's own LALR step (:func:`chatgrammar.parse.lalr_step`)."""
+        hit = [False]
+        target = lalr_step(self.states, self.shift, stack, term,
+                           plain_reduce(self.states, stack, self.item_rules, hit))
+        if target < 0:
+            return None
+        stack.append(target)
+        return hit[0]
 
     def fill(self, sid: int, sym: int) -> int:
         code, shape = sym >> 2, sym & 3
@@ -223,34 +210,15 @@ class _Automaton:
         return v
 
     def end(self, sid: int):
-        """End of input from ``sid``: None (not a clean end: the slow path handles truncation),
+        """End of input from ``sid``: None (not a clean end: the input ends inside an item),
         else True when the end reduced a last item."""
         hit = self.end_flags[sid]
         if hit is None:
             stack = list(self.stacks[sid])
-            states, shift, items = self.states, self.shift, self.item_rules
-            hit = -1
-            item = False
-            for _ in range(10_000):
-                act = states[stack[-1]].get("$END")
-                if act is None:
-                    break
-                action, arg = act
-                if action is shift:
-                    break
-                size = len(arg.expansion)
-                if size:
-                    del stack[-size:]
-                name = arg.origin.name
-                if name in items:
-                    item = True
-                if name == "start":
-                    hit = item
-                    break
-                goto = states[stack[-1]].get(name)
-                if goto is None:
-                    break
-                stack.append(goto[1])
+            got = [False]
+            r = lalr_step(self.states, self.shift, stack, "$END",
+                          plain_reduce(self.states, stack, self.item_rules, got))
+            hit = got[0] if r == ACCEPT else -1
             self.end_flags[sid] = hit
         return None if hit == -1 else hit
 
@@ -306,6 +274,7 @@ class FastMasker:
         self.drv = fmt._driver
         cfg = lx.cfg
         self.enabled = True
+        self.disabled: str | None = None  # why every sample takes the full pipeline
         self.adapter = lx.adapter
         k = len(lx.terms)
         self.nsym = (k + 1) * 4
@@ -323,6 +292,7 @@ class FastMasker:
             budget[0] = cfg.decode_after[None]
         if max(budget, default=0) >= 60_000:
             self.enabled = False
+            self.disabled = "a header budget of 60k tokens or more"
         self.gclass = np.asarray(gclass, dtype=np.int64)
         self.budget = np.asarray(budget, dtype=np.int64)
         self.split_budget = list(budget)
@@ -332,14 +302,24 @@ class FastMasker:
         self.space_memo: dict = {}
         self.split_delim = {i: cfg.split_after[t] for i, t in enumerate(lx.terms, start=1)
                             if t in cfg.split_after}
-        ids = [int(t) for t in np.flatnonzero(lx.lut)] if len(lx.lut) else []
+        # Special/added ids of markers the format does not know (parse.unknown_marker_ids) are
+        # found with the markers, under a code of their own (`unk_code`): a sample holding one
+        # takes the full pipeline, which reports it where it would train.
+        unk = unknown_marker_ids(self.drv, lx.adapter)[0]
+        self.unk_code = k + 1 if len(unk) else 0
+        mlut = lx.lut
+        if len(unk):
+            mlut = np.zeros(max(len(lx.lut), int(unk.max()) + 3), dtype=lx.lut.dtype)
+            mlut[:len(lx.lut)] = lx.lut
+            mlut[unk + 1] = self.unk_code
+        ids = [int(t) for t in np.flatnonzero(mlut)] if len(mlut) else []
         # lut is indexed by id + 1; marker ids are [lo, hi]
         self.lo = (min(ids) - 1) if ids else 0
         self.hi = (max(ids) - 1) if ids else -1
         self.lut = lx.lut
         self.auto = _Automaton(self.drv, lx.terms, self.nsym)
         # lut restricted to [lo, hi] (+ a 0 slot for ids above hi): code per id
-        self.lutr = (np.concatenate([lx.lut[self.lo + 1:self.hi + 2], [0]]).astype(np.int64)
+        self.lutr = (np.concatenate([mlut[self.lo + 1:self.hi + 2], [0]]).astype(np.int64)
                      if self.hi >= 0 else np.zeros(1, dtype=np.int64))
         self.budget1 = np.where(self.gclass == DECODE, self.budget + 1, 0)
         self.budget = np.where(self.gclass == DECODE, self.budget, 0)
@@ -356,17 +336,10 @@ class FastMasker:
             self.soft_lut = _soft_lut(lx)
             if self.soft_lut is None:
                 self.enabled = False
-        # special/added ids of markers the format does not know (parse.unknown_marker_ids): a
-        # sample holding one takes the full pipeline, which reports it where it would train
-        unk = unknown_marker_ids(self.drv, lx.adapter)[0]
-        if len(unk) and self.enabled:
-            top = int(unk.max()) + 1
-            lut = self.soft_lut if self.soft_lut is not None else np.zeros(top, dtype=bool)
-            if len(lut) < top:
-                lut = np.concatenate([lut, np.zeros(top - len(lut), dtype=bool)])
-            lut[unk] = True
-            self.soft_lut = lut
+                self.disabled = "soft markers this tokenizer's pieces cannot be searched for"
         self.stats = {"fast": 0, "slow": 0, "harvest": 0}
+        self.reasons: dict[str, int] = {}   # slow samples by why
+        self._why = None
 
     # ------------------------------------------------------------------ public
     def mask(self, arr: np.ndarray, lst, policy: MaskPolicy, strict: bool,
@@ -375,10 +348,16 @@ class FastMasker:
         a 0/1 bytearray — exactly ``parse_ids(...).mask_array(policy)``."""
         return self.masks_flat(arr, [0, len(arr)], policy, strict, as_list=lst is not None)[0]
 
-    def masks(self, batch, policy: MaskPolicy, strict: bool, tokenizer: Any) -> list:
+    def masks(self, batch, policy: MaskPolicy, strict: bool, tokenizer: Any, *,
+              roles: list | None = None, errors: list | None = None) -> list:
         """Masks of many samples (see :meth:`chatgrammar.Format.loss_masks`): one conversion
-        and one vectorised marker pass over the concatenated batch."""
+        and one vectorised marker pass over the concatenated batch. ``roles`` / ``errors``
+        as in :meth:`masks_flat` (a failed sample's mask is None)."""
         batch = list(batch)
+        if roles is not None:
+            roles[:] = []
+        if errors is not None:
+            errors[:] = []
         if not batch:
             return []
         lens = [len(x) for x in batch]
@@ -392,20 +371,28 @@ class FastMasker:
                 while j < len(batch) and (j == i or n + lens[j] <= _BATCH_TOKENS):
                     n += lens[j]
                     j += 1
-                out += self.masks(batch[i:j], policy, strict, tokenizer)
+                r = [] if roles is not None else None
+                e = [] if errors is not None else None
+                out += self.masks(batch[i:j], policy, strict, tokenizer, roles=r, errors=e)
+                if r is not None:
+                    roles += r
+                if e is not None:
+                    errors += e
                 i = j
             return out
         all_lists = all(type(x) is list for x in batch)
         if all_lists:
-            lens = [len(x) for x in batch]
             arr = _pack_many(batch, lens)
         else:
             arrs = [ids_input(x)[0] for x in batch]
             arr = np.concatenate(arrs)
             lens = [len(a) for a in arrs]
         starts = [0, *itertools.accumulate(lens)]
-        out = self.masks_flat(arr, starts, policy, strict, as_list=all_lists)
-        return out if all_lists else [mask_like(x, m) for x, m in zip(batch, out)]
+        out = self.masks_flat(arr, starts, policy, strict, as_list=all_lists, roles=roles,
+                              errors=errors)
+        if all_lists:
+            return out
+        return [None if m is None else mask_like(x, m) for x, m in zip(batch, out)]
 
     def masks_flat(self, arr: np.ndarray, starts: list[int], policy: MaskPolicy,
                    strict: bool, *, roles: list | None = None,
@@ -420,63 +407,82 @@ class FastMasker:
                 exception in ``errors[j]`` (instead of the exception propagating).
         """
         S = len(starts) - 1
-        fast = self.enabled and not policy.last_turn_only
-        lexed = self._lex(arr, starts) if fast else None
+        lexed = self._lex(arr, starts) if self.enabled else None
         outs: list = [None] * S
         if roles is not None:
             roles[:] = [None] * S
         if errors is not None:
             errors[:] = [None] * S
+        why: list = [self.disabled] * S if lexed is None else list(lexed[-1])
         if lexed is not None:
-            # policies are frozen dataclasses whose hash is recomputed on every call: look the
-            # object up by identity first (the object is kept, so its id is never reused)
-            hit = self._policy_by_obj.get(id(policy))
-            if hit is not None and hit[0] is policy:
-                pid = hit[1]
-            else:
-                pid = self._policy_ids.get(policy)
-                if pid is None:
-                    pid = self._policy_ids[policy] = len(self._policy_ids)
-                if len(self._policy_by_obj) > 256:
-                    self._policy_by_obj.clear()
-                self._policy_by_obj[id(policy)] = (policy, pid)
+            pid = self._pid(policy)
             for j in range(S):
-                if lexed[-1][j]:  # this sample needs the slow path
+                if why[j]:  # the lexer says this sample needs the full pipeline
                     continue
                 got = [] if roles is not None else None
                 spans = self._fast(arr, starts, j, lexed, policy, pid, got)
-                if spans is not None:
-                    n = starts[j + 1] - starts[j]
-                    if as_list and _speedups is not None:
-                        m = _speedups.mask_list(n, spans)
-                    elif as_list:
-                        m = [0] * n
-                        for a, b, _ in spans:
-                            m[a:b] = (1,) * (b - a)
-                    else:
-                        m = bytearray(n)
-                        for a, b, _ in spans:
-                            m[a:b] = b"\x01" * (b - a)
-                    outs[j] = m
-                    self.stats["fast"] += 1
-                    if roles is not None:
-                        roles[j] = got
+                if spans is None:
+                    why[j] = self._why
+                    continue
+                outs[j] = _mask_of(starts[j + 1] - starts[j], spans, as_list)
+                self.stats["fast"] += 1
+                if roles is not None:
+                    roles[j] = got
+        check = verify_enabled()
         for j in range(S):
             if outs[j] is None:
-                self.stats["slow"] += 1
-                a = arr[starts[j]:starts[j + 1]]
-                try:
-                    outs[j], turns = self._harvest(a, policy, strict)
-                except Exception as exc:
-                    if errors is None or not isinstance(exc, ParseError):
-                        raise
-                    errors[j] = exc
-                    continue
-                if as_list:
-                    outs[j] = list(outs[j])
-                if roles is not None:
-                    roles[j] = [t.role for t in turns]
+                self._slow_sample(arr, starts, j, why[j], policy, strict, outs, roles, errors,
+                                  as_list)
+            elif check:
+                self._verify(arr[starts[j]:starts[j + 1]], outs[j], policy, strict)
         return outs
+
+    def _slow_sample(self, arr, starts, j, why, policy, strict, outs, roles, errors,
+                     as_list) -> None:
+        """Sample ``j`` through the full pipeline (the reference semantics), counted by why."""
+        self.stats["slow"] += 1
+        reason = why or "unknown"
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        a = arr[starts[j]:starts[j + 1]]
+        try:
+            outs[j], turns = self._harvest(a, policy, strict)
+        except Exception as exc:
+            if errors is None or not isinstance(exc, ParseError):
+                raise
+            errors[j] = exc
+            return
+        if as_list:
+            outs[j] = list(outs[j])
+        if roles is not None:
+            roles[j] = [t.role for t in turns]
+
+    def _verify(self, a: np.ndarray, got, policy: MaskPolicy, strict: bool) -> None:
+        """``CHATGRAMMAR_VERIFY=1``: the fast answer against the full pipeline (no memo)."""
+        self.stats["verified"] = self.stats.get("verified", 0) + 1
+        fmt = self.fmt
+        try:
+            want = fmt.parse_ids(a, self.adapter, strict=strict).mask_array(policy).tolist()
+        except ParseError as exc:
+            raise VerifyError(f"{fmt.name}: the fast path gave a mask where the reference "
+                              f"raises {exc}") from exc
+        if list(got) != want:
+            diff = next(i for i, (x, y) in enumerate(zip(list(got), want)) if x != y)
+            raise VerifyError(f"{fmt.name}: fast mask differs from the reference at token "
+                              f"{diff} of {len(want)} (policy {policy}, strict={strict})")
+
+    def _pid(self, policy: MaskPolicy) -> int:
+        # policies are frozen dataclasses whose hash is recomputed on every call: look the
+        # object up by identity first (the object is kept, so its id is never reused)
+        hit = self._policy_by_obj.get(id(policy))
+        if hit is not None and hit[0] is policy:
+            return hit[1]
+        pid = self._policy_ids.get(policy)
+        if pid is None:
+            pid = self._policy_ids[policy] = len(self._policy_ids)
+        if len(self._policy_by_obj) > 256:
+            self._policy_by_obj.clear()
+        self._policy_by_obj[id(policy)] = (policy, pid)
+        return pid
 
     # ------------------------------------------------------------------ lexing
     def _lex(self, arr: np.ndarray, starts: list[int]):
@@ -501,7 +507,15 @@ class FastMasker:
                 codes = cand
         else:
             cand = codes = np.empty(0, dtype=np.int64)
-        slow = [False] * S
+        slow: list = [None] * S  # per sample: None, or why it needs the full pipeline
+        if self.unk_code and len(codes):
+            unk = codes == self.unk_code
+            if unk.any():  # a marker the format does not know: the full parse judges it
+                for j in set(np.searchsorted(starts, cand[unk], side="right").tolist()):
+                    if 1 <= j <= S:
+                        slow[j - 1] = "a special id the format does not know"
+                keep = ~unk
+                cand, codes = cand[keep], codes[keep]
         if self.soft_lut is not None:
             body = arr[(arr >= 0) & (arr < len(self.soft_lut))]
             if self.soft_lut[body].any():  # a soft marker may be spelled by ordinary ids
@@ -509,7 +523,7 @@ class FastMasker:
                                       & (arr >= 0) & (arr < len(self.soft_lut)))
                 for j in set(np.searchsorted(starts, hits, side="right").tolist()):
                     if 1 <= j <= S:
-                        slow[j - 1] = True
+                        slow[j - 1] = "soft marker may be spelled in a content run"
         if (_speedups is not None and not self.has_split and self.lstrip_code is None
                 and arr.flags.c_contiguous):
             # the same tables in one C pass (this method's code below is the reference)
@@ -553,7 +567,7 @@ class FastMasker:
                     continue
                 h_end = self._split(arr, int(mend[i]), int(P[i + 1]), int(Kx[i]))
                 if h_end is None:
-                    slow[j] = True
+                    slow[j] = "header literal not found within its budget, or straddling"
                     continue
                 split_at[i] = h_end
                 sym[i] = Kx[i] * 4 + (HEAD_RUN if h_end < P[i + 1] else HEAD)
@@ -599,7 +613,7 @@ class FastMasker:
                 continue
             if self.gclass[Kx[i - 1]] == SPLIT:  # header + text: leave it to the slow path
                 j = 0 if bidx is None else int(np.searchsorted(bidx, i, side="right")) - 1
-                slow[j] = True
+                slow[j] = "lstrip after a literal-ended header"
                 continue
             key = arr[s0:e0].tobytes()
             sp = memo.get(key)
@@ -634,10 +648,12 @@ class FastMasker:
         return None
 
     # ------------------------------------------------------------------ fast masks
-    def _fast(self, arr, starts, j, lexed, policy, pid, roles=None):
-        """Sample ``j``'s trained spans (sample-local ``(start, end)``), or None when it needs
-        the slow path."""
-        symb, meta, vals, off, B, bl, _ = lexed
+    def _walk(self, lexed, j):
+        """Sample ``j`` through the memoised automaton: ``(bounds, tail)``, the item bounds
+        (slot indices; the last is the sample's end) and, when the input ends inside an
+        item (truncation), the configuration it ends in (else None). None on a syntax error
+        (the full pipeline reports it or recovers)."""
+        symb, bl = lexed[0], lexed[5]
         b0, b1 = bl[j], bl[j + 1]
         G = GRAM
         chunk = symb[2 * b0:2 * b1]
@@ -670,55 +686,101 @@ class FastMasker:
             auto.end(sid)
             hit = auto.end_flags[sid]
         if hit == -1:
-            return None
+            # end of input inside an item: that item, closed as the driver closes a cut
+            # input, is memoised like any other, keyed also by the configuration it ends in
+            if bounds and bounds[-1] >= 3 * b1:
+                return None
+            bounds.append(3 * b1)
+            return bounds, sid
         if hit:
             bounds.append(3 * b1)
-        n = starts[j + 1]
-        s0 = starts[j]
-        items = self.items
+        return bounds, None
+
+    def _fast(self, arr, starts, j, lexed, policy, pid, roles=None):
+        """Sample ``j``'s trained spans (sample-local ``(start, end, turn)``), or None when it
+        needs the full pipeline (``self._why`` says why)."""
+        walked = self._walk(lexed, j)
+        if walked is None:
+            self._why = "syntax error (strict raises, lenient recovers)"
+            return None
+        bounds, tail = walked
+        B, bl = lexed[4], lexed[5]
+        n, s0 = starts[j + 1], starts[j]
+        last_only = policy.last_turn_only
+        if last_only:
+            policy = policy.replace(last_turn_only=False)
+            pid = self._pid(policy)
         spans: list = []
+        chosen: list = []   # global index of each turn the policy selects
         last = None
-        a = base
-        has_values = off is not None
+        nturn = 0
+        a = 3 * bl[j]
+        items = self.items
+        meta, vals, off = lexed[1], lexed[2], lexed[3]
+        end = bounds[-1] if bounds else -1
         for b in bounds:
             if b <= a:
                 continue
-            ia = a // 3
-            ib = (b - 1) // 3 + 1
-            if has_values:
+            # the item's key (as _item_key builds it, inlined: this loop is the hot path)
+            ia, ib = a // 3, (b - 1) // 3 + 1
+            if off is not None:
                 key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib], vals[8 * off[ia]:8 * off[ib]])
             else:
                 key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib])
+            if tail is not None and b == end:
+                key = (*key, ("cut", tail))
             it = items.get(key)
-            if it is None or it.unstable:
-                return None
-            if it.plan:
-                rkey = tuple(_read_key(arr, B, a + s, a + e, lim) for s, e, lim in it.plan)
-            else:
-                rkey = ()
-            prog = it.progs.get(rkey)
+            prog = None
+            if it is not None and not it.plan and not it.unstable:
+                prog = it.progs.get(())
             if prog is None:
-                return None
+                prog = self._prog(arr, lexed, it, a)  # (says why when it has none)
+                if prog is None:
+                    return None
             sp = prog.by_policy.get(pid)
             if sp is None:
                 sp = self._policy_spans(prog, policy, pid)
                 if sp is None:
+                    self._why = "a span edge outside the item's slots"
                     return None
             if prog.turns:
-                last = (prog, a, len(spans))
+                last = (prog, a, nturn)
                 if roles is not None:
                     roles.extend(t.role for t in prog.turns)
-            for ra, da, rb, db, t in sp:  # sample-local positions
-                spans.append((B[a + ra] + da - s0, B[a + rb] + db - s0, t))
+            for ra, da, rb, db, t in sp[0]:  # sample-local positions
+                spans.append((B[a + ra] + da - s0, B[a + rb] + db - s0, nturn + t))
+            chosen.extend(nturn + t for t in sp[1])
+            nturn += len(prog.turns)
             a = b
         if last is not None and self.drv.gen_prompts:
             prog, pbase, first = last
             tslot = pbase + prog.starts[-1]
             start = B[tslot]
             if n - start <= 64 and self._generation_prompt(arr, B, tslot, start, s0, n):
-                final = len(prog.turns) - 1
-                spans = spans[:first] + [s for s in spans[first:] if s[2] != final]
+                final = nturn - 1
+                spans = [s for s in spans if s[2] != final]
+                if chosen and chosen[-1] == final:
+                    chosen.pop()
+        if last_only:
+            keep = chosen[-1] if chosen else -1
+            spans = [s for s in spans if s[2] == keep]
         return spans
+
+    def _prog(self, arr, lexed, it, a: int):
+        """The memoised turns of the item ``it`` starting at slot ``a`` (its read plan read
+        from this input), or None (``self._why``)."""
+        if it is None or it.unstable:
+            self._why = "new item shape" if it is None else "item whose reads vary"
+            return None
+        B = lexed[4]
+        if it.plan:
+            rkey = tuple(_read_key(arr, B, a + s, a + e, lim) for s, e, lim in it.plan)
+        else:
+            rkey = ()
+        prog = it.progs.get(rkey)
+        if prog is None:
+            self._why = "new text read by the parse"
+        return prog
 
     def _policy_spans(self, prog: _Prog, policy: MaskPolicy, pid: int):
         # The item's own turns through Conversation.spans: policy semantics live in one place.
@@ -733,11 +795,12 @@ class FastMasker:
                 out[-1] = (*out[-1][:2], *rb, s.turn)
             else:
                 out.append((*ra, *rb, s.turn))
-        out = tuple(out)
+        # the turns last_turn_only chooses among (Conversation's own selection)
+        res = (tuple(out), tuple(conv.trained_turns(policy)))
         if len(prog.by_policy) > 64:
             prog.by_policy.clear()
-        prog.by_policy[pid] = out
-        return out
+        prog.by_policy[pid] = res
+        return res
 
     def _generation_prompt(self, arr, B, slot: int, start: int, s0: int, n: int) -> bool:
         """The driver's own generation-prompt rule, on the tokens from the last turn's start
@@ -785,70 +848,60 @@ class FastMasker:
 
     def _learn(self, arr, toks, turns, reads) -> None:
         lexed = self._lex(arr, [0, len(arr)])
-        symb, meta, vals, off, B, bl, slow = lexed
-        if slow[0]:
+        if lexed[-1][0]:
             raise _NoCache
-        syms = np.frombuffer(symb, dtype=np.uint16).tolist()
+        B = lexed[4]
+        syms = np.frombuffer(lexed[0], dtype=np.uint16).tolist()
         if not self._same_tokens(toks, syms, B):
-            # the lexer does something this model does not: never use the fast path here
+            # the lexer does something this model does not: say so (stats, verify mode)
             self.enabled = False
+            self.disabled = "the vectorised lexer disagrees with the reference lexer"
+            if verify_enabled():
+                raise VerifyError(f"{self.fmt.name}: {self.disabled}")
             raise _NoCache
-        auto = self.auto
-        sid = 0
-        bounds: list[int] = []
-        for i, c in enumerate(syms):
-            v = auto.table[sid][c]
-            if v is None:
-                v = auto.fill(sid, c)
-            if v < 0:
-                raise _NoCache
-            sid = v >> 3
-            for bit in range(3):
-                if v & (1 << bit):
-                    bounds.append(3 * i + bit)
-        hit = auto.end(sid)
-        if hit is None:
+        walked = self._walk(lexed, 0)
+        if walked is None:
             raise _NoCache
-        if hit:
-            bounds.append(3 * len(syms))
+        bounds, tail = walked
         self.stats["harvest"] += 1
         segs, per_seg, reads_seg = _segments(bounds, B, turns, reads)
         for (a, b), sturns, sreads in zip(segs, per_seg, reads_seg):
-            ia = a // 3
-            ib = (b - 1) // 3 + 1
-            if off is not None:
-                key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib], vals[8 * off[ia]:8 * off[ib]])
-            else:
-                key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib])
-            plan, slot_of = _read_plan(B, a, b, sreads)
-            it = self.items.get(key)
-            if it is None:
-                if len(self.items) > _MAX_ITEMS:
-                    self.items.clear()
-                it = self.items[key] = _Item(plan)
-            elif it.plan != plan:
-                it.unstable = True  # reads differ between samples: this key stays slow
-                continue
-            rkey = tuple(_read_key(arr, B, a + s, a + e, lim) for s, e, lim in plan)
-            if rkey in it.progs:
-                continue
-            if len(it.progs) >= _MAX_PROGS:
-                it.unstable = True  # what the parse reads varies without end: stay slow
-                it.progs.clear()
-                continue
-            cturns = [dataclasses.replace(t, generation_prompt=False) for t in sturns]
-            try:
-                tstarts = [slot_of[t.start] for t in sturns]
-            except KeyError:
-                raise _NoCache from None
-            # keyed runs (decoded headers): what the parse reads of them is in the key
-            runs = () if off is None else tuple(
-                (B[3 * i + 1], 3 * i + 1 - a, off[i + 1] - off[i]) for i in range(ia, ib)
-                if off[i + 1] > off[i] and a <= 3 * i + 1 <= b)
-            # and the ids the parse read (a `lead` literal, a header position): in the key too
-            runs += tuple((B[a + ks], ks, _read_len(B[a + ks], B[a + ke], lim))
-                          for ks, ke, lim in plan)
-            it.progs[rkey] = _Prog(cturns, tstarts, slot_of, runs)
+            self._learn_item(arr, lexed, a, b, tail if b == bounds[-1] else None, sturns,
+                             sreads)
+
+    def _learn_item(self, arr, lexed, a, b, tail, sturns, sreads) -> None:
+        B, off = lexed[4], lexed[3]
+        key = _item_key(lexed, a, b, tail)
+        plan, slot_of = _read_plan(B, a, b, sreads)
+        it = self.items.get(key)
+        if it is None:
+            if len(self.items) > _MAX_ITEMS:
+                self.items.clear()
+            it = self.items[key] = _Item(plan)
+        elif it.plan != plan:
+            it.unstable = True  # reads differ between samples: this key stays slow
+            return
+        rkey = tuple(_read_key(arr, B, a + s, a + e, lim) for s, e, lim in plan)
+        if rkey in it.progs:
+            return
+        if len(it.progs) >= _MAX_PROGS:
+            it.unstable = True  # what the parse reads varies without end: stay slow
+            it.progs.clear()
+            return
+        cturns = [dataclasses.replace(t, generation_prompt=False) for t in sturns]
+        try:
+            tstarts = [slot_of[t.start] for t in sturns]
+        except KeyError:
+            raise _NoCache from None
+        ia, ib = a // 3, (b - 1) // 3 + 1
+        # keyed runs (decoded headers): what the parse reads of them is in the key
+        runs = () if off is None else tuple(
+            (B[3 * i + 1], 3 * i + 1 - a, off[i + 1] - off[i]) for i in range(ia, ib)
+            if off[i + 1] > off[i] and a <= 3 * i + 1 <= b)
+        # and the ids the parse read (a `lead` literal, a header position): in the key too
+        runs += tuple((B[a + ks], ks, _read_len(B[a + ks], B[a + ke], lim))
+                      for ks, ke, lim in plan)
+        it.progs[rkey] = _Prog(cturns, tstarts, slot_of, runs)
 
     def _same_tokens(self, toks, syms, B) -> bool:
         """The slow lexer's tokens are exactly the ones the symbols describe."""
@@ -866,6 +919,38 @@ class FastMasker:
                 want.append((HEADER, B[3 * i + 1], B[3 * i + 2]))
                 want.append((TEXT, B[3 * i + 2], B[3 * i + 3]))
         return want == [(t[0], t[1], t[2]) for t in toks]
+
+
+def _item_key(lexed, a: int, b: int, tail) -> tuple:
+    """The memo key of the item ``[a, b)`` (slots): its symbols, header ids and, for an item
+    cut by the end of input, the configuration it ends in (``tail``)."""
+    meta, vals, off = lexed[1], lexed[2], lexed[3]
+    ia, ib = a // 3, (b - 1) // 3 + 1
+    if off is not None:
+        key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib], vals[8 * off[ia]:8 * off[ib]])
+    else:
+        key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib])
+    return key if tail is None else (*key, ("cut", tail))
+
+
+def _mask_of(n: int, spans, as_list: bool):
+    """A mask of ``n`` values with 1 on ``spans`` (``(start, end, turn)``)."""
+    if as_list and _speedups is not None:
+        return _speedups.mask_list(n, spans)
+    if as_list:
+        m = [0] * n
+        for a, b, _ in spans:
+            m[a:b] = (1,) * (b - a)
+        return m
+    m = bytearray(n)
+    for a, b, _ in spans:
+        m[a:b] = b"\x01" * (b - a)
+    return m
+
+
+def verify_enabled() -> bool:
+    """``CHATGRAMMAR_VERIFY=1``: every fast answer is checked against the full pipeline."""
+    return os.environ.get("CHATGRAMMAR_VERIFY", "") not in ("", "0")
 
 
 class _NoCache(Exception):
@@ -1217,6 +1302,8 @@ class TextMemo:
         self.trans: list[dict] = [{}]
         self.items: dict = {}
         self.stats = {"fast": 0, "slow": 0, "harvest": 0}
+        self.reasons: dict[str, int] = {}   # full parses by why
+        self._why: str | None = None
 
     def _step(self, sid: int, term: str) -> int:
         auto = self.auto
@@ -1262,17 +1349,21 @@ class TextMemo:
 
     def lookup(self, text: str):
         """The Conversation of ``text`` from the memo, or None (the caller parses it)."""
+        self._why = "memo disabled (the core's Block / Turn fields changed)"
         if not self.enabled:
             return None
         fmt = self.fmt
+        self._why = "input ends inside a marker"
         if fmt._partial_marker_tail(text) is not None:
             return None
         rx = self.drv.unknown_rx
-        if rx is not None and any(m.group() not in self.drv.known_texts
+        if rx is not None and any(not any(t.startswith(m.group()) for t in self.drv.known_texts)
                                   for m in rx.finditer(text)):
+            self._why = "a marker-shaped string the format does not know"
             return None  # a marker the spec does not know: the full parse judges where it is
         toks = lex_text(text, fmt._lexcfg)
         bounds = self._walk(toks)
+        self._why = "syntax error or end of input inside an item"
         if bounds is None:
             return None
         n = len(text)
@@ -1285,6 +1376,7 @@ class TextMemo:
                 continue
             it = self.items.get(self._key(toks, a, b))
             if it is None or it.unstable:
+                self._why = "new item shape" if it is None else "item whose reads vary"
                 return None
             if it.plan:
                 rkey = tuple(_text_read(text, pos, a + s, a + e, lim) for s, e, lim in it.plan)
@@ -1292,6 +1384,7 @@ class TextMemo:
                 rkey = ()
             tpls = it.progs.get(rkey)
             if tpls is None:
+                self._why = "new text read by the parse"
                 return None
             for tp in tpls:
                 turns.append(tp.make(pos, a, self.turn_cls, self.block_cls))
@@ -1302,6 +1395,13 @@ class TextMemo:
         return Conversation(format=fmt.name, mode="text", length=n, turns=turns, warnings=[],
                             boundaries=[], default_policy=fmt.default_policy, text=text)
 
+    def count_slow(self) -> None:
+        """Count one full parse, by the reason the last lookup gave."""
+        self.stats["slow"] += 1
+        why = self._why or "unknown"
+        self.reasons[why] = self.reasons.get(why, 0) + 1
+        self._why = None
+
     def source(self, n: int, text: str) -> Source:
         """The Source the full pipeline should use (it records what the parse reads)."""
         src = _RecordingSource("text", n, text=text)
@@ -1310,7 +1410,7 @@ class TextMemo:
 
     def learn(self, text: str, toks: list, turns: list, src) -> None:
         """Remember the items of a clean full parse."""
-        self.stats["slow"] += 1
+        self.count_slow()
         if not self.enabled or not isinstance(src, _RecordingSource):
             return
         try:

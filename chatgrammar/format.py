@@ -4,18 +4,20 @@ from __future__ import annotations
 import functools
 
 import threading
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
 
 from .compile import ParseTables, compile_spec, term_name
-from .fastpath import FastMasker, TextMemo, ids_input, mask_like
-from .lexers import IdLexer, LexConfig, as_id_array, lex_text
+from .errors import VerifyError
+from .fastpath import FastMasker, TextMemo, ids_input, mask_like, verify_enabled
+from .lexers import IdLexer, LexConfig, as_id_array, lex_text, partial_marker_tail
 from .parse import Driver, Source
 from .policy import MaskPolicy
 from .spans import Conversation, Issue
 from .spec import FormatSpec, SpecSource
-from .tokenizers import adapt
+from .tokenizers import TokenizerAdapter, content_key, content_version
 
 
 class Format:
@@ -39,8 +41,9 @@ class Format:
         self.grammar: str = self.tables.grammar
         self.default_policy = MaskPolicy.from_mapping(spec.policy.model_dump())
         self._driver = Driver(spec, self.tables)
-        self._id_lexers: dict[int, tuple[Any, IdLexer]] = {}
-        self._fast: dict[int, tuple[Any, FastMasker]] = {}
+        # per-tokenizer state by content key; id(tokenizer) -> (weakref, version, content key)
+        self._states: dict[Any, _TokState] = {}
+        self._by_obj: dict[int, tuple] = {}
         self._text_memo: TextMemo | None = None
         self._lock = threading.Lock()
 
@@ -87,7 +90,19 @@ class Format:
             memo = self._text_memo = TextMemo(self)
         conv = memo.lookup(text)
         if conv is not None:
+            if verify_enabled():
+                # verify mode: the memo's Conversation against the full parse
+                memo.stats["verified"] = memo.stats.get("verified", 0) + 1
+                want = self._parse_full(text, strict, _NO_MEMO)
+                if _facts(conv) != _facts(want):
+                    raise VerifyError(f"{self.name}: the text memo's parse differs from the "
+                                      f"full parse of a {len(text)}-char input")
             return conv
+        return self._parse_full(text, strict, memo)
+
+    def _parse_full(self, text: str, strict: bool, memo) -> Conversation:
+        """The reference text-mode pipeline (lex, LALR driver); a clean parse teaches
+        ``memo``."""
         warnings: list[Issue] = []
         src = memo.source(len(text), text)
         cut = self._partial_marker_tail(text)
@@ -102,51 +117,93 @@ class Format:
             for t in turns:
                 if t.end > cut:
                     t.end = cut
-        elif not warnings:
+        if cut is None and not warnings:
             memo.learn(text, toks, turns, src)
+        else:
+            memo.count_slow()
         return Conversation(format=self.name, mode="text", length=len(text), turns=turns,
                             warnings=warnings, boundaries=[], default_policy=self.default_policy,
                             text=text)
 
     def _partial_marker_tail(self, text: str) -> int | None:
-        longest = self._lexcfg.longest_marker
-        # The fragment must lie after the last whole marker: "]~!b[" ends with "[", a prefix
-        # of "[e~[", but that "[" belongs to the complete marker before it.
-        done = 0
-        for m in self._lexcfg.regex.finditer(text, max(0, len(text) - 2 * longest)):
-            done = m.end()
-        for k in range(min(len(text) - done, longest - 1), 0, -1):
-            frag = text[-k:]
-            if frag in self._lexcfg.marker_prefixes:
-                return len(text) - k
-        return None
+        # one rule for the whole package: chatgrammar.lexers.partial_marker_tail
+        return partial_marker_tail(text, self._lexcfg)
 
     # ------------------------------------------------------------------ id mode
-    def id_lexer(self, tokenizer: Any) -> IdLexer:
-        """The id lexer bound to ``tokenizer`` (cached per tokenizer object)."""
+    def _tok_state(self, tokenizer: Any) -> "_TokState":
+        """The per-tokenizer state (id lexer, fast masker), keyed by the tokenizer's content
+        (:func:`~chatgrammar.tokenizers.content_key`), never by the object: a tokenizer that
+        gains special tokens gets a fresh lexer, equal tokenizers share one, and no tokenizer
+        is kept alive (the state's adapter holds it weakly and is rebound on each lookup)."""
+        if isinstance(tokenizer, TokenizerAdapter):
+            tokenizer = tokenizer.tokenizer
         key = id(tokenizer)
-        hit = self._id_lexers.get(key)
-        if hit is not None and hit[0] is tokenizer:
-            return hit[1]
+        hit = self._by_obj.get(key)
+        if hit is not None and hit[0]() is tokenizer and hit[1] == content_version(tokenizer):
+            st = self._states.get(hit[2])
+            if st is not None:
+                if st.adapter._ref is None or st.adapter._ref() is not tokenizer:
+                    st.adapter.rebind(tokenizer)
+                return st
+        ver = content_version(tokenizer)
+        ckey = content_key(tokenizer)
         with self._lock:
-            lx = IdLexer.build(self._lexcfg, adapt(tokenizer))
-            if len(self._id_lexers) > 32:
-                self._id_lexers.clear()
-            self._id_lexers[key] = (tokenizer, lx)
-        return lx
+            st = self._states.get(ckey)
+            if st is None:
+                if len(self._states) >= 32:
+                    self._states.clear()
+                st = self._states[ckey] = _TokState(self, TokenizerAdapter(tokenizer))
+            else:
+                st.adapter.rebind(tokenizer)
+            try:
+                ref = weakref.ref(tokenizer)
+            except TypeError:
+                ref = _Strong(tokenizer)
+            if len(self._by_obj) >= 256:
+                self._by_obj.clear()
+            self._by_obj[key] = (ref, ver, ckey)
+        return st
+
+    def id_lexer(self, tokenizer: Any) -> IdLexer:
+        """The id lexer bound to ``tokenizer`` (cached by the tokenizer's content)."""
+        return self._tok_state(tokenizer).lexer
 
     def _fast_masker(self, tokenizer: Any) -> FastMasker:
         """The memoised exact mask path bound to ``tokenizer`` (see :mod:`chatgrammar.fastpath`)."""
-        key = id(tokenizer)
-        hit = self._fast.get(key)
-        if hit is not None and hit[0] is tokenizer:
-            return hit[1]
-        fm = FastMasker(self, self.id_lexer(tokenizer))
-        with self._lock:
-            if len(self._fast) > 32:
-                self._fast.clear()
-            self._fast[key] = (tokenizer, fm)
-        return fm
+        return self._tok_state(tokenizer).masker
+
+    def stats(self) -> dict:
+        """How this format's samples were computed, by path and by reason.
+
+        ``ids`` counts :meth:`loss_mask` / :meth:`loss_masks` samples: ``fast`` (the memoised
+        engine), ``slow`` (the full pipeline, which also teaches the memo), ``harvest`` (slow
+        samples whose items were memoised), ``verified`` (fast answers checked in verify mode,
+        ``CHATGRAMMAR_VERIFY=1``) and ``reasons`` (slow samples by why: a new item shape, a
+        syntax error, ...). ``text`` counts :meth:`parse` calls the same way.
+
+        Returns:
+            ``{"ids": {...}, "text": {...}}`` (fresh dicts; counters since the format loaded).
+
+        Example:
+            >>> fmt.stats()["ids"]["reasons"]  # doctest: +SKIP
+            {'new item shape': 5}
+        """
+        ids = {"fast": 0, "slow": 0, "harvest": 0, "verified": 0, "reasons": {}}
+        for st in list(self._states.values()):
+            fm = st._masker
+            if fm is None:
+                continue
+            for k, v in fm.stats.items():
+                ids[k] = ids.get(k, 0) + v
+            for k, v in fm.reasons.items():
+                ids["reasons"][k] = ids["reasons"].get(k, 0) + v
+        text = {"fast": 0, "slow": 0, "harvest": 0, "verified": 0, "reasons": {}}
+        memo = self._text_memo
+        if memo is not None:
+            for k, v in memo.stats.items():
+                text[k] = text.get(k, 0) + v
+            text["reasons"] = dict(memo.reasons)
+        return {"ids": ids, "text": text}
 
     def missing_markers(self, tokenizer: Any) -> list[str]:
         """Special markers of this format the tokenizer has no single special id for."""
@@ -213,8 +270,10 @@ class Format:
         m = fm.mask(arr, lst, policy or self.default_policy, strict, tokenizer)
         return mask_like(ids, m)
 
-    def loss_masks(self, batch: Sequence[Any], tokenizer: Any, *,
-                   policy: MaskPolicy | None = None, strict: bool = True) -> list:
+    def loss_masks(self, batch: Any, tokenizer: Any, *,
+                   policy: MaskPolicy | None = None, strict: bool = True,
+                   on_error: str = "raise", errors: list | None = None,
+                   roles: list | None = None, offsets: Any = None) -> list:
         """:meth:`loss_mask` over many samples, for loaders that hold a batch.
 
         The samples' ids are converted and searched for markers in one vectorised pass over
@@ -222,22 +281,46 @@ class Format:
         gives it.
 
         Args:
-            batch: a sequence of samples (each a list of ints, numpy array or torch tensor).
+            batch: a sequence of samples (each a list of ints, numpy array or torch tensor);
+                or, with ``offsets``, ONE flat 1-D array of the ids of all samples.
             tokenizer: see :meth:`parse_ids`.
             policy: a :class:`MaskPolicy`; None uses the format's default.
             strict: as in :meth:`loss_mask`.
+            on_error: ``"raise"`` (default): the first sample that does not parse raises;
+                ``"record"``: its mask is None and its error goes to ``errors``.
+            errors: with ``on_error="record"``, filled with one entry per sample: None or
+                the :class:`ParseError` of that sample.
+            roles: if given, filled with each sample's turn roles (None for a failed one).
+            offsets: sample ``j`` is ``batch[offsets[j]:offsets[j + 1]]`` (``offsets[0] ==
+                0``, the last is ``len(batch)``): a columnar chunk (Arrow, a packed dataset)
+                without one Python object per sample. Masks are then 0/1 ``bytearray``s.
 
         Returns:
             One mask per sample, each of the same container kind as its sample.
 
         Raises:
-            ParseError: (strict) a sample does not fit the format.
+            ParseError: (strict, ``on_error="raise"``) a sample does not fit the format.
+            ValueError: ``on_error`` is neither ``"raise"`` nor ``"record"``.
 
         Example:
             >>> fmt.loss_masks([ids_a, ids_b], tok)  # doctest: +SKIP
+            >>> errs = []
+            >>> fmt.loss_masks(batch, tok, on_error="record", errors=errs)  # doctest: +SKIP
         """
+        if on_error not in ("raise", "record"):
+            raise ValueError(f"on_error must be 'raise' or 'record', not {on_error!r}")
         fm = self._fast_masker(tokenizer)
-        return fm.masks(batch, policy or self.default_policy, strict, tokenizer)
+        pol = policy or self.default_policy
+        errs = errors if errors is not None else []
+        rec = errs if on_error == "record" else None
+        if offsets is not None:
+            arr = as_id_array(batch)
+            starts = [int(x) for x in np.asarray(offsets).tolist()]
+            if not starts or starts[0] != 0 or starts[-1] != len(arr) or any(
+                    b < a for a, b in zip(starts, starts[1:])):
+                raise ValueError("offsets must rise from 0 to len(batch)")
+            return fm.masks_flat(arr, starts, pol, strict, roles=roles, errors=rec)
+        return fm.masks(batch, pol, strict, tokenizer, roles=roles, errors=rec)
 
 
 def _like(ids: Any, m: np.ndarray):
@@ -248,3 +331,61 @@ def _like(ids: Any, m: np.ndarray):
     if isinstance(ids, np.ndarray):
         return m.astype(np.int64)
     return m.tolist()
+
+
+def _facts(conv: Conversation) -> tuple:
+    """Everything a Conversation says, by value (Turn and Block compare by identity)."""
+    import dataclasses
+
+    return ([dataclasses.asdict(t) for t in conv.turns], conv.warnings, conv.boundaries,
+            conv.length, conv.mode)
+
+
+class _NoMemo:
+    """A text memo that knows nothing (verify mode's reference parse)."""
+
+    stats: dict = {}
+
+    def lookup(self, text: str):
+        return None
+
+    def source(self, n: int, text: str) -> Source:
+        return Source("text", n, text=text)
+
+    def learn(self, *a) -> None:
+        pass
+
+    def count_slow(self) -> None:
+        pass
+
+
+_NO_MEMO = _NoMemo()
+
+
+class _TokState:
+    """What a format keeps per tokenizer content: its id lexer and, built on first use, its
+    fast masker. Holds the tokenizer only weakly (through ``adapter``)."""
+
+    def __init__(self, fmt: Format, adapter: TokenizerAdapter):
+        self.fmt = fmt
+        self.adapter = adapter
+        self.lexer = IdLexer.build(fmt._lexcfg, adapter)
+        self._masker: FastMasker | None = None
+
+    @property
+    def masker(self) -> FastMasker:
+        if self._masker is None:
+            self._masker = FastMasker(self.fmt, self.lexer)
+        return self._masker
+
+
+class _Strong:
+    """A reference-like holder for a tokenizer that cannot be weakly referenced."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return self.obj

@@ -17,8 +17,17 @@ Schema (every key optional)::
     special_ids: {"<|im_start|>": 151644}   # the family's special tokens at their real ids
     tokenizers:                    # more id-mode fixtures by name: special ids, or a real one
       added: {special_ids: {"<think>": 200000}}
+      other: {special_ids: {...}, use: detection}   # only for the detection checks
       qwen: {real: qwen}
     accepted:                      # matrix case shape -> why a conformance deviation is accepted
+      repeated-prompt: "docs/formats.md, harmony: what is not trained"
+    refused:                       # matrix case -> why the format refuses it on purpose: the
+      tool-call: "docs/formats.md, …"  # parse raises a located ParseError (or trains only part
+                                   # of the assistant output), never trains anything else
+    no_system: true                # the template raises on a system message: the matrix is
+                                   # also checked with system messages removed
+    content_parts: true            # the template reads content parts only: the matrix is also
+                                   # checked with string contents turned into text parts
       repeated-prompt: "docs/formats.md, harmony: what is not trained"
 
 Example:
@@ -45,7 +54,8 @@ TESTS_SUFFIX = ".tests.yaml"
 #: The deviation shapes :mod:`chatgrammar.conformance` knows how to accept (see its docstring).
 ACCEPTED_SHAPES = ("repeated-prompt", "unclosed-whitespace")
 
-_TOP = {"templates", "special_ids", "tokenizers", "accepted"}
+_TOP = {"templates", "special_ids", "tokenizers", "accepted", "refused", "no_system",
+        "content_parts"}
 _TEMPLATE = {"file", "vars", "main", "content_as_parts", "note"}
 
 
@@ -90,6 +100,10 @@ def check_tests(data: Any, file: str = "<tests.yaml>") -> list[str]:
             out.append(f"{file}: tokenizers.{name} needs `special_ids:` or `real:`")
             continue
         ids.append((f"tokenizers.{name}.special_ids", tk.get("special_ids") or {}))
+        out += [f"{file}: tokenizers.{name}: unknown key {k!r}" for k in tk
+                if k not in ("special_ids", "real", "use")]
+        if tk.get("use", "all") not in ("all", "detection"):
+            out.append(f"{file}: tokenizers.{name}.use is `all` or `detection`")
     for where, table in ids:
         if not isinstance(table, dict) or not all(
                 isinstance(k, str) and isinstance(v, int) for k, v in table.items()):
@@ -100,6 +114,16 @@ def check_tests(data: Any, file: str = "<tests.yaml>") -> list[str]:
                        f"({', '.join(ACCEPTED_SHAPES)})")
         elif not isinstance(why, str) or not why.strip():
             out.append(f"{file}: accepted.{shape}: say where the deviation is documented")
+    from .matrix import case_names  # (lazy: the matrix builds its cases on import)
+    known = set(case_names())
+    for case, why in (data.get("refused") or {}).items():
+        if case not in known:
+            out.append(f"{file}: refused.{case}: not a matrix case (chatgrammar.matrix)")
+        elif not isinstance(why, str) or not why.strip():
+            out.append(f"{file}: refused.{case}: say why the format refuses it")
+    for flag in ("no_system", "content_parts"):
+        if not isinstance(data.get(flag, False), bool):
+            out.append(f"{file}: {flag} is true or false")
     return out
 
 

@@ -110,17 +110,9 @@ class MaskFn:
                     raise
                 errors[i] = f"{type(exc).__name__}: {exc}"
                 all_ids.append([])
-        fm = self.fmt._fast_masker(self.tokenizer)
-        from .fastpath import _pack_many
-
-        lens = [len(x) for x in all_ids]
-        arr = _pack_many(all_ids, lens)
-        starts = [0]
-        for k in lens:
-            starts.append(starts[-1] + k)
         perr: list = []
-        masks = fm.masks_flat(arr, starts, self.policy or self.fmt.default_policy, self.strict,
-                              errors=perr if self.on_error == "record" else None, as_list=True)
+        masks = self.fmt.loss_masks(all_ids, self.tokenizer, policy=self.policy,
+                                    strict=self.strict, on_error=self.on_error, errors=perr)
         out_mask: list = []
         trained: list = []
         for i, m in enumerate(masks):
@@ -207,7 +199,8 @@ def _resolve_format(fmt: Any, tokenizer: Any, chat_template: str | None) -> Form
     per (tokenizer, template) so a data loader does not re-run detection per sample."""
     if fmt is not None:
         return load_format(fmt)
-    key = (id(tokenizer), chat_template)
+    own = getattr(tokenizer, "chat_template", None)
+    key = (id(tokenizer), chat_template, own if isinstance(own, str) else repr(own))
     hit = _DETECTED.get(key)
     if hit is not None and hit[0] is tokenizer:
         return hit[1]
@@ -260,6 +253,13 @@ def mask_batch(fmt: Format, tokenizer: Any, batch: list, *, policy: MaskPolicy |
     Returns:
         ``(masks, problems)``: one ``list[int]`` per sample, and per sample ``None`` (clean)
         or a short text saying what was skipped (lenient mode only).
+
+    Raises:
+        ChatGrammarError: (strict only) the first sample that does not fit the format.
+
+    Example:
+        >>> masks, problems = mask_batch(cg.load_format("chatml"), tok, [ids_a, ids_b],
+        ...                              strict=False)                  # doctest: +SKIP
     """
     pol = policy or fmt.default_policy
     batch = [list(x) for x in batch]

@@ -111,9 +111,6 @@ class _Probe:
                 raise InferenceError(f"the template needs the variable {m.group(1)!r} (a "
                                      f"tokenizer special token): pass {m.group(1)}=... or a "
                                      "tokenizer", where=shape or "a probe") from None
-            if exc.kind == "security":
-                raise InferenceError(f"the template breaks the sandbox: {exc.message}",
-                                     where=shape or "a probe") from None
             self.rejected.setdefault(shape or "probe", f"[{exc.kind}] {exc.message}")
             text = None
         except (ValueError, TypeError) as exc:
@@ -176,12 +173,6 @@ def _locate(probe: _Probe, msgs: list[dict], R: str, shape: str, **kw: Any) -> l
         # assistant turn): where the terminator ends cannot be told from this probe
     kept[-1].term = R[kept[-1].end:]
     return kept
-
-
-def _split_guess(gap: str) -> int:
-    """Without a prefix rendering: the terminator runs to the end of the first whitespace."""
-    m = re.match(r"(?:.*?)(?:\s+)", gap, re.S)
-    return m.end() if m else 0
 
 
 # ------------------------------------------------------------------------------- markers
@@ -403,6 +394,7 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
         t, _ = _one(lex, terms, role, "their terminator", suffix=False)
         if t is not None:
             sh.terms[role] = t
+    _header_in_terminator(lex, sh)
     for role, vals in first.items():
         sh.first[role] = vals[0][0]
     # what the last message's terminator adds to the ordinary one (an EOS at the very end)
@@ -415,6 +407,31 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
                     sh.closing.append(rest.strip())
             elif base is None and t.strip():
                 sh.terms.setdefault(role, _split_term(lex, t)[0])
+
+
+def _header_in_terminator(lex: _Lexicon, sh: _Shape) -> None:
+    """A user turn whose only "terminator" is a marker no other turn ends with, before an
+    assistant turn whose header has no marker: that marker is the assistant's header, printed
+    by the user turn (GLM-Edge's ``<|user|>\nU<|assistant|>\nA``)."""
+    head = sh.heads.get("assistant")
+    term = sh.terms.get("user")
+    if head is None or not term or any(m for m, _ in lex.pieces(head)):
+        return
+    ps = [q for q in lex.pieces(term) if q[1].strip()]
+    if len(ps) != 1 or not ps[0][0]:
+        return
+    marker = ps[0][1]
+    if re.match(r"</|\[/|<\|/", marker) or re.search(r"end|close|eot|eos|stop", marker, re.I):
+        return  # shaped like a terminator (Mistral's [/INST]): the reply has no header
+    others = [sh.terms.get(r) or "" for r in ("system", "assistant")]
+    if any(marker in t for t in others):
+        return
+    sh.terms["user"] = term[:term.index(marker)]
+    # where the user's rendering stops, the assistant's output starts: what follows the
+    # marker ("\n") is the assistant's (it trains, as the template's prompt says)
+    sh.heads["assistant"] = term[term.index(marker):]
+    sh.opening.add(marker)
+    sh.notes.append(f"the user turn prints the assistant's header {marker!r}")
 
 
 def _snap(lex: _Lexicon, text: str, at: int, lo: int = 0) -> int:
@@ -459,6 +476,21 @@ def _generation(probe: _Probe, lex: _Lexicon, sh: _Shape) -> str | None:
 
 
 def _assistant_header(lex: _Lexicon, sh: _Shape, g: str | None) -> str:
+    """The assistant's header, without a trailing opened block (``<think>\n``: a prefill of
+    the body's own structure, which trains as the body's)."""
+    head = _assistant_head(lex, sh, g)
+    ps = lex.pieces(head)
+    k = len(ps)
+    if k and not ps[k - 1][0] and not ps[k - 1][1].strip():
+        k -= 1
+    if k > 1 and ps[k - 1][0] and re.fullmatch(r"<\w+>", ps[k - 1][1]):
+        cut = sum(len(p) for _, p in ps[:k - 1])
+        sh.notes.append(f"the generation prompt prefills {head[cut:]!r}: it opens the body")
+        return head[:cut]
+    return head
+
+
+def _assistant_head(lex: _Lexicon, sh: _Shape, g: str | None) -> str:
     head = sh.heads.get("assistant")
     if head is None:
         raise InferenceError("the assistant turn's header cannot be told: no probe renders an "
@@ -775,8 +807,11 @@ def _heads(lex: _Lexicon, sh: _Shape, h_a: str) -> tuple[dict, list, bool]:
     bare = False
     preamble: list = []
     first_u = sh.first.get("user")
-    if first_u is not None and user and first_u.endswith(user.lstrip()):
-        pre = first_u[:len(first_u) - len(user.lstrip())]
+    at = first_u.find(user.lstrip()) if first_u is not None and user.strip() else -1
+    if at >= 0:
+        # before the header: BOS or a default system turn; after it: a folded system text
+        pre = first_u[:at] if not first_u.endswith(user.lstrip()) else \
+            first_u[:len(first_u) - len(user.lstrip())]
         ps = lex.pieces(pre)
         if ps and all(m for m, _ in ps) and not (set(p for _, p in ps) & openers):
             preamble = [p for _, p in ps]
@@ -964,12 +999,14 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
     glue = [g for g in dict.fromkeys(glue + sh.glue)]
     closing = [c for c in sh.closing if lex.pieces(c) and all(m for m, _ in lex.pieces(c))]
     betweens = list(dict.fromkeys(glue + [p for c in closing for _, p in lex.pieces(c)]))
+    opener_texts = {t for t, n in plan.names.by_text.items()
+                    for e in plan.top if plan.elements[e].get("open") == n}
+    betweens = [b for b in betweens if b not in opener_texts]   # the next turn's header
     preamble = [p for p in preamble if p not in betweens]
     if bare:
         plan.elements["system_text"] = {"role": "system"}
         if children:
             plan.elements["system_text"]["children"] = list(children)
-    used = set(plan.names.by_text)
     spec: dict = {
         "name": name,
         "description": "Inferred from a chat template by chatgrammar.infer_format and verified "
@@ -993,7 +1030,6 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
     spec["policy"] = {"roles": ["assistant"]}
     spec["_ws_after"] = {plan.m(t): next(iter(w)) for t, w in plan.ws_after.items()
                          if len(w) == 1}
-    del used
     spec["markers"] = {n: {"text": t, "special": lex.special(t, tokenizer)}
                        for t, n in plan.names.by_text.items()}
     return spec
@@ -1164,7 +1200,9 @@ def _variants(spec: dict) -> list[dict]:
         for m in [o] if isinstance(o, str) else o or []:
             alt["markers"][m]["lstrip"] = True
     out.append(alt)
-    if ws_after and any("close" not in alt["elements"][n] for n in alt["top"]):
+    closeless = [n for n in alt["top"] + alt.get("preamble", [])
+                 if n in alt["elements"] and "close" not in alt["elements"][n]]
+    if ws_after and closeless:
         # turns without a terminator cannot share text with between-turn whitespace: the
         # whitespace a terminator is always followed by becomes part of it (soft)
         alt = json.loads(json.dumps(alt))
@@ -1175,11 +1213,52 @@ def _variants(spec: dict) -> list[dict]:
     return out
 
 
+_UNKNOWN = re.compile(r"unknown marker '([^']+)'")
+
+
 def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> InferredFormat:
     probe = _Probe(template, variables, TIMEOUT)
     lex = _Lexicon(specials=_tokenizer_specials(tokenizer))
     sh, h_a = _shape(probe, lex)
     spec = _design(lex, sh, h_a, tokenizer, name)
+    # Markers only some matrix shapes render (Kimi-K2's tool-call section markers): the parse
+    # names them as unknown; they become loose markers of every turn's body (text of it that
+    # is never structure) and the spec is tried again — a few rounds at most.
+    for _ in range(8):
+        try:
+            return _try_variants(template, variables, tokenizer, name, probe, sh, spec)
+        except InferenceError as exc:
+            found = sorted(set(_UNKNOWN.findall(str(exc) + exc.details)))
+            if not found or not _add_loose(spec, found, lex, tokenizer):
+                raise
+    return _try_variants(template, variables, tokenizer, name, probe, sh, spec)
+
+
+def _add_loose(spec: dict, texts: list, lex: _Lexicon, tokenizer: Any) -> bool:
+    """Declare ``texts`` as markers allowed inside every top-level body; False when nothing
+    new was added."""
+    known = {m["text"] for m in spec["markers"].values()}
+    added = False
+    for t in texts:
+        if t in known:
+            continue
+        base = re.sub(r"[^a-z0-9]+", "_", t.lower()).strip("_") or "m"
+        base = ("m_" + base if not base[0].isalpha() else base)[:32]
+        mname, n = base, 2
+        while mname in spec["markers"]:
+            mname, n = f"{base}_{n}", n + 1
+        spec["markers"][mname] = {"text": t, "special": lex.special(t, tokenizer)}
+        for ename in list(spec["top"]) + (["reply"] if "reply" in spec["elements"] else []):
+            el = spec["elements"].get(ename)
+            if el is not None:
+                el["inner_markers"] = list(dict.fromkeys(el.get("inner_markers", []) + [mname]))
+        added = True
+    return added
+
+
+def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, probe: "_Probe",
+                  sh: "_Shape", spec: dict) -> InferredFormat:
+    spec = json.loads(json.dumps(spec))  # _variants pops keys of its argument
     header = (f"# {name}: inferred by chatgrammar.infer_format from a chat template "
               f"(sha256 {name[9:]}…).\n# Review it, then rename it and add detect: / examples: "
               "to bundle it (docs/inference.md).\n")
@@ -1203,6 +1282,13 @@ def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> Inferre
                 + ", ".join(c.case for c in res.cases if c.status == "pass") + ")",
                 where="case " + fails[0].case, details=fails[0].details + "\n\n" + text)
             break
+        after_tool = [n for n in sh.notes if n.startswith("assistant turns render differently")]
+        if fails and after_tool and all("tool-results" in _tags(f.case) for f in fails):
+            first_problem = InferenceError(
+                after_tool[0] + f"; the spec cannot follow it (case {fails[0].case!r}: "
+                f"{fails[0].reason})", where="case " + fails[0].case,
+                details=fails[0].details + "\n\n" + text)
+            continue
         if fails:
             c = fails[0]
             first_problem = (first_problem if first_problem and first_problem.where != "compile"
@@ -1270,7 +1356,15 @@ def infer_format(chat_template: str, *, tokenizer: Any = None, **template_kwargs
     except TemplateError as exc:
         raise InferenceError(f"the template does not compile: {exc.message}",
                              where="template") from None
-    fmt = _infer(chat_template, variables, tokenizer, f"inferred-{key[:8]}")
+    try:
+        fmt = _infer(chat_template, variables, tokenizer, f"inferred-{key[:8]}")
+    except ChatGrammarError:
+        raise
+    except RecursionError:
+        raise InferenceError("the template nests too deeply to probe", where="template") from None
+    except Exception as exc:  # a shape the derivation did not foresee: refuse, never crash
+        raise InferenceError(f"inference cannot read this template ({type(exc).__name__}: "
+                             f"{exc})", where="derivation") from exc
     with _cache_lock:
         _CACHE[key] = (fmt.spec_yaml, fmt.verification)
         while len(_CACHE) > _CACHE_SIZE:
@@ -1315,15 +1409,22 @@ def resolve_format(tokenizer: Any = None, *, chat_template: str | None = None,
     from .detect import detect_format
     from .errors import DetectionError
 
+    template = chat_template or template_of(tokenizer)
     try:
-        return detect_format(tokenizer, chat_template=chat_template), "detected"
+        # the tokenizer's own template counts: Qwen's vocabulary with a non-ChatML template
+        # is not ChatML
+        return detect_format(tokenizer, chat_template=template), "detected"
     except DetectionError as exc:
-        template = chat_template or template_of(tokenizer)
         if template is None:
             raise
         why = str(exc).splitlines()[0]
     try:
         return infer_format(template, tokenizer=tokenizer, **template_kwargs), "inferred"
     except InferenceError as exc:
+        if tokenizer is not None and chat_template is None:
+            try:  # what detection said before templates counted: the tokenizer alone
+                return detect_format(tokenizer), "detected"
+            except DetectionError:
+                pass
         raise InferenceError(f"no bundled format ({why}); and inference fails: {exc.message}",
                              where=exc.where, details=exc.details) from None

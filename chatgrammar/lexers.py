@@ -128,6 +128,22 @@ def lex_text(text: str, cfg: LexConfig) -> list[Tok]:
     return toks
 
 
+def partial_marker_tail(text: str, cfg: LexConfig) -> int | None:
+    """Where ``text`` ends inside a marker string (``"…<|im_e"``): the start of that fragment,
+    or None. The fragment must lie after the last whole marker: ``"]~!b["`` ends with ``"["``,
+    a prefix of ``"[e~["``, but that ``"["`` belongs to the complete marker before it."""
+    longest = cfg.longest_marker
+    if cfg.regex is None:
+        return None
+    done = 0
+    for m in cfg.regex.finditer(text, max(0, len(text) - 2 * longest)):
+        done = m.end()
+    for k in range(min(len(text) - done, longest - 1), 0, -1):
+        if text[-k:] in cfg.marker_prefixes:
+            return len(text) - k
+    return None
+
+
 def absorb_lstrip(toks: list[Tok], lstrip: frozenset, is_space) -> None:
     """Merge a whitespace-only text run into the ``lstrip`` marker right after it (in place).
 

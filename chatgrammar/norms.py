@@ -17,13 +17,20 @@ The table is keyed on the **text backbone**, never on an outer VLM wrapper: Kimi
 config says ``kimi_k3``, its ``text_config`` says ``kimi_linear``, and the final norm is
 ``kimi_linear``'s. :func:`resolve_final_norm` walks a config down to that backbone.
 
+Facts that changed across transformers versions say so (``by_version``: a version range per
+fact); resolution follows the installed transformers version or the one the caller names.
+The file is validated by pydantic models whose errors are located (``file:line:col`` and the
+YAML path) through the YAML node tree, as format specs are (:mod:`chatgrammar.spec`).
+
 Public names: :class:`FinalNorm`, :func:`resolve_final_norm`, :func:`explain_final_norm`,
-:func:`final_norm_kind`, :func:`apply_norm`, :func:`validate_norms`, :func:`load_norms`,
-:func:`read_config`, :func:`norms_path`, :class:`NormProblem`, :class:`NormsTable`,
-:class:`NormKind`, :class:`Backbone`.
+:func:`final_norm_kind`, :func:`build_final_norm`, :func:`apply_norm`, :func:`validate_norms`,
+:func:`load_norms`, :func:`read_config`, :func:`norms_path`, :class:`NormProblem`,
+:class:`NormsTable`, :class:`NormKind`, :class:`Backbone`, :class:`BackboneVersion`,
+:func:`version_in_range`, :func:`installed_transformers_version`.
 
 transformers is never imported here except by :func:`validate_norms` (guarded, to recognise
-multimodal wrapper types); numpy is only needed by :func:`apply_norm`.
+multimodal wrapper types); numpy is only needed by :func:`apply_norm`, torch only by
+:func:`build_final_norm`.
 """
 from __future__ import annotations
 
@@ -706,7 +713,7 @@ def _cross_checks(data: dict, at: _Locator, use_transformers: bool) -> None:
     """What one model cannot see: kinds referenced elsewhere, outer types used as keys."""
     section = {k: data.get(k) if isinstance(data.get(k), dict) else {}
                for k in ("kinds", "backbones", "overrides", "outer_types")}
-    known = set(section["kinds"])
+    known = {k for k in section["kinds"] if isinstance(k, str)}
 
     def check_kind(value: Any, loc: tuple) -> None:
         if isinstance(value, str) and value.strip() and value not in known:

@@ -56,6 +56,53 @@ def _xtml_head(text: str) -> tuple[str, dict] | None:
     return m.group(1), attrs
 
 
+ERROR, ACCEPT = -1, -2
+
+
+def lalr_step(states: list, shift: Any, stack: list, term: str, reduce) -> int:
+    """THE LALR step of chatgrammar, used by the driver and by the fast path's automaton:
+    feed ``term`` from the configuration ``stack`` (a list of states).
+
+    Each reduction ``term`` triggers is handed to ``reduce(rule)``, which pops the rule's
+    states, pushes the goto state (and does whatever else its caller builds: Blocks, item
+    bounds). Returns the state to shift to (the caller pushes it, with its value), ``ACCEPT``
+    when ``$END`` reduced the start rule, or ``ERROR`` when the table has no action (the
+    reductions already made stay on the stack)."""
+    for _ in range(1_000_000):
+        act = states[stack[-1]].get(term)
+        if act is None:
+            return ERROR
+        action, arg = act
+        if action is shift:
+            return arg
+        if reduce(arg) is False:
+            return ERROR
+        if term == "$END" and arg.origin.name == "start":
+            return ACCEPT
+    return ERROR
+
+
+def plain_reduce(states: list, stack: list, items: frozenset, hit: list):
+    """A ``reduce`` for :func:`lalr_step` on a bare state stack: pops, pushes the goto and
+    sets ``hit[0]`` when the rule is in ``items`` (a top-level item ended). Returns False
+    when there is no goto (a broken configuration)."""
+    def reduce(rule) -> bool:
+        size = len(rule.expansion)
+        if size:
+            del stack[-size:]
+        name = rule.origin.name
+        if name in items:
+            hit[0] = True
+        if name == "start":
+            return True
+        goto = states[stack[-1]].get(name)
+        if goto is None:
+            return False
+        stack.append(goto[1])
+        return True
+    return reduce
+
+
 class _Splice(list):
     """Children of an inlined rule, spliced into the parent (Lark's ``_rule`` semantics)."""
 
@@ -170,6 +217,8 @@ class Driver:
         # format's special markers (``unknown_marker_shape``) inside a turn of a trained role
         # are a problem of that turn (``_Ctx._unknown_markers``)
         self.unknown_rx = unknown_marker_shape(spec)
+        # id mode counts only special/added ids, never typed text: brackets and tags too
+        self.unknown_rx_ids = unknown_marker_shape(spec, ids=True)
         self.known_texts = frozenset(m.text for m in spec.markers.values())
         self.checked_roles = frozenset(spec.policy.roles) if spec.policy is not None \
             else frozenset(("assistant",))
@@ -248,21 +297,16 @@ class Driver:
         i, n = 0, len(toks)
         resync_at = -1
         implicit_at = -1
+        def red(rule) -> None:
+            reduce(rule, state_stack, value_stack)
+
         while i < n:
             tok = toks[i]
             ttype = tok[0]
-            while True:
-                try:
-                    action, arg = states[state_stack[-1]][ttype]
-                except KeyError:
-                    action = None
-                    break
-                if action is shift:
-                    state_stack.append(arg)
-                    value_stack.append(tok)
-                    break
-                reduce(arg, state_stack, value_stack)
-            if action is not None:
+            target = lalr_step(states, shift, state_stack, ttype, red)
+            if target >= 0:
+                state_stack.append(target)
+                value_stack.append(tok)
                 i += 1
                 continue
             if self.implicit_closes and ttype in self.tables.starters and implicit_at != i:
@@ -271,6 +315,7 @@ class Driver:
                          None)
                 if c is not None:
                     implicit_at = i
+                    ctx.implicit_next = ttype  # what came instead of the close
                     self._feed(ctx, state_stack, value_stack, (c, tok[1], tok[1], IMPLICIT))
                     continue
             # ---- structure error
@@ -386,16 +431,12 @@ class Driver:
         return False
 
     def _feed(self, ctx, state_stack, value_stack, tok) -> None:
-        states, shift = self.states, self.shift
-        while True:
-            action, arg = states[state_stack[-1]][tok[0]]
-            if action is shift:
-                state_stack.append(arg)
-                value_stack.append(tok)
-                return
-            ctx.reduce(arg, state_stack, value_stack)
-            if tok[0] == "$END" and arg.origin.name == "start":
-                return
+        """Feed a token the configuration accepts (checked with :meth:`_can_feed`)."""
+        target = lalr_step(self.states, self.shift, state_stack, tok[0],
+                           lambda rule: ctx.reduce(rule, state_stack, value_stack))
+        if target >= 0:
+            state_stack.append(target)
+            value_stack.append(tok)
 
     def _mark_generation_prompt(self, turns: list[Turn], src: Source, toks: list) -> None:
         if not turns or not self.gen_prompts:
@@ -421,6 +462,7 @@ class _Ctx:
         self.drv, self.src, self.strict, self.warnings, self.turns = drv, src, strict, \
             warnings, turns
         self.pending_preamble: list[Turn] = []
+        self.implicit_next: str | None = None  # the token an implicit close was added before
 
     def problem(self, offset: int, message: str, block: Block | None = None, *,
                 expected: list[str] | tuple = (), found: str | None = None) -> None:
@@ -505,12 +547,16 @@ class _Ctx:
         that is none of them; id mode: one special/added id of such a text."""
         drv, src = self.drv, self.src
         s, e = b.body_start, b.body_end if b.body_end is not None else b.end
-        if drv.unknown_rx is None or e <= s:
+        if e <= s:
             return
         at = found = None
         if src.mode == "text":
+            if drv.unknown_rx is None:
+                return
             for m in drv.unknown_rx.finditer(src.text, s, e):
-                if m.group() not in drv.known_texts:
+                # a known marker's own text (or its head: Tulu's tag is "<|user|>\n") is not
+                # unknown: where it stands in a body it is that body's text by the grammar
+                if not any(t.startswith(m.group()) for t in drv.known_texts):
                     at, found = m.start(), m.group()
                     break
         elif src.adapter is not None and src.arr is not None:
@@ -549,88 +595,134 @@ class _Ctx:
 
     # -------------------------------------------------------------- elements
     def element(self, rname: str, ch: list) -> Block:
+        """The Block of a reduced element from its children ``ch`` (tokens and blocks), read
+        in order: opener, header, body, terminator, follow."""
         drv = self.drv
         ename, el = drv.elements[rname]
         until, hmarks, closes, cuntil, after = drv.el_info[ename]
-        n = len(ch)
-        i = 0
         b = Block(name=ename, start=0, end=0)
-        first = ch[0] if n else None
         if el.open:
             tok = ch[0]
             b.open = drv.marker_by_term[tok[0]]
             b.start = tok[1]
-            pos = tok[2]
-            i = 1
+            pos, i = tok[2], 1
         else:
-            b.start = _start_of(first) if first is not None else 0
-            pos = b.start
+            b.start = _start_of(ch[0]) if ch else 0
+            pos, i = b.start, 0
         b.header_start = b.header_end = pos
-        h = el.header
-        has_body = True
-        complete = True
-        hparts: list = []  # the header's tokens (where its text comes from)
-        if h is not None:
-            if until is not None:
-                parts = []
-                while i < n:
-                    c = ch[i]
-                    if isinstance(c, Block) or c[0] == until or c[0] in closes:
-                        break
-                    parts.append(c)
-                    i += 1
-                if i < n and not isinstance(ch[i], Block) and ch[i][0] == until:
-                    ut = ch[i]
-                    if ut[3] is SYNTH:
-                        complete = False
-                    header_whole = ut[3] is not SYNTH
-                    b.header_end = ut[1]
-                    pos = ut[2]
-                    i += 1
-                else:
-                    has_body = False
-                    header_whole = i < n and _real(ch[i])
-                    if parts:
-                        b.header_end = parts[-1][2]
-                    pos = b.header_end
-                b.header = "".join(p[3] if isinstance(p[3], str) else "" for p in parts)
-                hparts = parts
-            else:
-                if i < n and not isinstance(ch[i], Block) and ch[i][0] == HEADER:
-                    ht = ch[i]
-                    b.header = ht[3]
-                    hparts = [ht]
-                    b.header_end = pos = ht[2]
-                    i += 1
-                else:
-                    b.header = ""
-                header_whole = b.header.endswith(h.until_text) or (i < n and _real(ch[i]))
+        i, pos, has_body, complete, header_whole, hparts = self._header(b, el, ch, i, pos,
+                                                                          until, closes)
         lead_run = None
         if has_body:
-            b.body_start = pos
-            if el.lead and i < n and not isinstance(ch[i], Block) and ch[i][0] == TEXT \
-                    and ch[i][1] == pos:
-                lead_run = ch[i][2]
-            kids = b.children
-            follow_rule = rule_name(el.follow) if el.follow else None
+            i, lead_run = self._body(b, el, ch, i, pos, closes)
+        end = b.body_end if b.body_end is not None else pos
+        i, end, closed_ok, implicit = self._close(b, el, ch, i, end, closes, cuntil, after)
+        complete = complete and closed_ok
+        if i < len(ch) and isinstance(ch[i], Block):
+            b.follow = ch[i]
+            if b.close is not None and el.close.opens_follow:
+                # the close marker is the first thing of the follow element (``opens_follow``)
+                f = b.follow
+                f.start = f.header_start = f.header_end = b.close_start
+                if f.body_start is not None:
+                    f.body_start = b.close_start
+                end = b.close_end = b.close_start
+        b.end = end
+        b.complete = complete and all(c.complete for c in b.children)
+        if el.header is not None:
+            self._read_header(b, el, header_whole, hparts)
+        if implicit is not None and el.close.roles:
+            role = self._raw_role(b, el)
+            if role is not None and drv.alias(role) not in el.close.roles:
+                # this role's turns have no terminator: ending at the next turn is no cut
+                b.complete = all(c.complete for c in b.children)
+            else:
+                self._missing_close(b, el, implicit)
+        if lead_run is not None and b.body_end > b.body_start:
+            self._skip_lead(b, el.lead, lead_run)
+        b.kind = self._kind(b, el)
+        return b
+
+    def _header(self, b: Block, el: Element, ch: list, i: int, pos: int, until, closes):
+        """Read the header part of ``ch`` from ``i``: ``(i, pos, has_body, complete,
+        header_whole, header tokens)``; sets ``b.header`` and ``b.header_end``."""
+        h = el.header
+        n = len(ch)
+        has_body, complete, header_whole = True, True, False
+        hparts: list = []  # the header's tokens (where its text comes from)
+        if h is None:
+            return i, pos, has_body, complete, header_whole, hparts
+        if until is not None:
+            parts = []
             while i < n:
                 c = ch[i]
-                if isinstance(c, Block):
-                    if follow_rule and c.name == el.follow and i == n - 1:
-                        break
-                    kids.append(c)
-                elif c[0] in closes:
+                if isinstance(c, Block) or c[0] == until or c[0] in closes:
                     break
+                parts.append(c)
                 i += 1
-            last = ch[i - 1] if i > 0 else None
-            b.body_end = _end_of(last) if last is not None and i > 0 else pos
-            if b.body_end < b.body_start:
-                b.body_end = b.body_start
-        end = b.body_end if b.body_end is not None else pos
+            if i < n and not isinstance(ch[i], Block) and ch[i][0] == until:
+                ut = ch[i]
+                if ut[3] is SYNTH:
+                    complete = False
+                header_whole = ut[3] is not SYNTH
+                b.header_end = ut[1]
+                pos = ut[2]
+                i += 1
+            else:
+                has_body = False
+                header_whole = i < n and _real(ch[i])
+                if parts:
+                    b.header_end = parts[-1][2]
+                pos = b.header_end
+            b.header = "".join(p[3] if isinstance(p[3], str) else "" for p in parts)
+            hparts = parts
+        else:
+            if i < n and not isinstance(ch[i], Block) and ch[i][0] == HEADER:
+                ht = ch[i]
+                b.header = ht[3]
+                hparts = [ht]
+                b.header_end = pos = ht[2]
+                i += 1
+            else:
+                b.header = ""
+            header_whole = b.header.endswith(h.until_text) or (i < n and _real(ch[i]))
+        return i, pos, has_body, complete, header_whole, hparts
+
+    def _body(self, b: Block, el: Element, ch: list, i: int, pos: int, closes):
+        """Read the body from ``i`` (children, text) up to the terminator or a follow:
+        ``(i, end of the text run a lead may cover, or None)``."""
+        n = len(ch)
+        lead_run = None
+        b.body_start = pos
+        if el.lead and i < n and not isinstance(ch[i], Block) and ch[i][0] == TEXT \
+                and ch[i][1] == pos:
+            lead_run = ch[i][2]
+        kids = b.children
+        follow_rule = rule_name(el.follow) if el.follow else None
+        while i < n:
+            c = ch[i]
+            if isinstance(c, Block):
+                if follow_rule and c.name == el.follow and i == n - 1:
+                    break
+                kids.append(c)
+            elif c[0] in closes:
+                break
+            i += 1
+        last = ch[i - 1] if i > 0 else None
+        b.body_end = _end_of(last) if last is not None and i > 0 else pos
+        if b.body_end < b.body_start:
+            b.body_end = b.body_start
+        return i, lead_run
+
+    def _close(self, b: Block, el: Element, ch: list, i: int, end: int, closes, cuntil, after):
+        """Read the terminator from ``i`` (close marker, close header, ``after`` markers):
+        ``(i, end, complete, the implicit close token or None)``."""
+        n = len(ch)
+        complete = True
         implicit = None  # the close the driver added at the next opener (none was written)
         if i < n and not isinstance(ch[i], Block) and ch[i][0] in closes:
             ct = ch[i]
-            b.close = drv.marker_by_term[ct[0]]
+            b.close = self.drv.marker_by_term[ct[0]]
             b.close_start = ct[1]
             if ct[3] is SYNTH or ct[3] is IMPLICIT:
                 complete = False
@@ -660,29 +752,11 @@ class _Ctx:
             b.close_end = end
         elif el.close is not None:
             complete = False
-        if i < n and isinstance(ch[i], Block):
-            b.follow = ch[i]
-            if b.close is not None and el.close.opens_follow:
-                # the close marker is the first thing of the follow element (``opens_follow``)
-                f = b.follow
-                f.start = f.header_start = f.header_end = b.close_start
-                if f.body_start is not None:
-                    f.body_start = b.close_start
-                end = b.close_end = b.close_start
-        b.end = end
-        b.complete = complete and all(c.complete for c in b.children)
-        if h is not None:
-            self._read_header(b, el, header_whole, hparts)
-        if implicit is not None and el.close.roles:
-            role = self._raw_role(b, el)
-            if role is not None and drv.alias(role) not in el.close.roles:
-                # this role's turns have no terminator: ending at the next turn is no cut
-                b.complete = all(c.complete for c in b.children)
-            else:
-                self._missing_close(b, el, implicit)
-        if lead_run is not None and b.body_end > b.body_start:
-            self._skip_lead(b, el.lead, lead_run)
-        # kind: declared, by tag, or by attribute
+        return i, end, complete, implicit
+
+    @staticmethod
+    def _kind(b: Block, el: Element) -> str | None:
+        """The block's kind: declared, by tag, or by attribute."""
         kind = el.kind
         if kind is None and b.tag is not None:
             kind = el.kind_by_tag.get(b.tag)
@@ -690,16 +764,19 @@ class _Ctx:
             for attr, table in el.kind_by_attr.items():
                 v = b.attrs.get(attr)
                 if v is not None and (v in table or "*" in table):
-                    kind = table[v] if v in table else table["*"]  # "*": any other value
-                    break
-        b.kind = kind
-        return b
+                    return table[v] if v in table else table["*"]  # "*": any other value
+        return kind
 
     def _missing_close(self, b: Block, el: Element, ct: tuple) -> None:
         """A turn that needs its close ends at the next opener without it: an error, or with
         ``close.required: false`` a warning (the turn stays incomplete)."""
         what = self.drv.describe(ct[0])
-        if el.close.required:
+        if el.close.required and not el.close.roles:
+            # this element's close is never optional; the driver offered one because another
+            # element with the same close marker may miss it: what came is unexpected here
+            nxt = self.drv.describe(self.implicit_next) if self.implicit_next else "input"
+            self.problem(ct[1], f"unexpected {nxt}: missing {what} before the next turn", b)
+        elif el.close.required:
             self.problem(ct[1], f"missing {what} before the next turn", b)
         else:
             self.warnings.append(Issue(ct[1], f"missing {what}: the element ends where the "
@@ -797,7 +874,7 @@ class _Ctx:
             self.problem(offset, f"close tag {tag!r} does not match open tag {parsed[0]!r}", b)
 
 
-def unknown_marker_shape(spec: FormatSpec) -> re.Pattern | None:
+def unknown_marker_shape(spec: FormatSpec, *, ids: bool = False) -> re.Pattern | None:
     """The shape of this format's special markers, as a regex: for each special marker
     ``PREFIX inner SUFFIX`` (``<|`` ``im_end`` ``|>``, ``<｜`` ``User`` ``｜>``), where prefix and
     suffix are the runs of punctuation around a word-like inner part and together hold at
@@ -805,7 +882,9 @@ def unknown_marker_shape(spec: FormatSpec) -> re.Pattern | None:
     around any word-like inner part. None when no marker has such a shape (``[INST]``,
     ``</s>``, ``<start_of_turn>`` and ``<bos>`` give none: brackets and tags are ordinary text
     too often). A string of that shape that is none
-    of the spec's markers is an *unknown marker* (see ``_Ctx._unknown_markers``)."""
+    of the spec's markers is an *unknown marker* (see ``_Ctx._unknown_markers``). With
+    ``ids=True`` (id mode, where only a special/added id can be one), 2 characters of brackets
+    or tags suffice: Mistral's ``[TOOL_CONTENT]``, Gemma's ``<start_of_image>``."""
     pairs: dict[tuple[str, str], None] = {}
     for m in spec.markers.values():
         if not m.special:
@@ -816,7 +895,7 @@ def unknown_marker_shape(spec: FormatSpec) -> re.Pattern | None:
         pre, suf = mt.group(1), mt.group(3)
         # at least 3 characters, not only brackets and slashes (`</s>`, `[/INST]` would make
         # every closing HTML tag or `[/b]` in content a marker)
-        if len(pre) + len(suf) >= 3 and set(pre + suf) - set("<>/[]"):
+        if ids or (len(pre) + len(suf) >= 3 and set(pre + suf) - set("<>/[]")):
             pairs[(pre, suf)] = None
     if not pairs:
         return None
@@ -831,19 +910,20 @@ def unknown_marker_ids(drv: "Driver", adapter: Any) -> tuple:
     markers (:func:`unknown_marker_shape`) but is none of them: (sorted id array, id → text).
     Cached on the adapter, per format."""
     cache = adapter.__dict__.setdefault("_cg_unknown_markers", {})
-    key = (drv.spec.name, drv.unknown_rx.pattern if drv.unknown_rx is not None else None)
+    rx = drv.unknown_rx_ids
+    key = (drv.spec.name, rx.pattern if rx is not None else None)
     got = cache.get(key)
     if got is None:
         import numpy as np
         texts: dict[int, str] = {}
-        if drv.unknown_rx is not None:
+        if rx is not None:
             try:
                 vocab = adapter.added_vocab()
             except Exception:  # a tokenizer that cannot list its added tokens: nothing known
                 vocab = {}
             for text, tid in vocab.items():
                 if (isinstance(text, str) and text not in drv.known_texts
-                        and drv.unknown_rx.fullmatch(text)):
+                        and rx.fullmatch(text)):
                     texts[int(tid)] = text
         got = cache[key] = (np.array(sorted(texts), dtype=np.int64), texts)
     return got

@@ -158,14 +158,9 @@ class Conversation:
             [Span(start=120, end=133, role='assistant', kind='content', turn=3)]
         """
         policy = policy or self.default_policy
-        roles = set(policy.roles)
-        chosen = [(i, t) for i, t in enumerate(self.turns)
-                  if t.role in roles and t.valid and not t.generation_prompt
-                  and (t.complete or policy.truncated)]
-        if policy.last_turn_only:
-            chosen = chosen[-1:]
         out: list[Span] = []
-        for i, t in chosen:
+        for i in self.trained_turns(policy):
+            t = self.turns[i]
             b = t.block
             if b.body_start is None:
                 continue
@@ -189,6 +184,21 @@ class Conversation:
                     and b.close_end > b.close_start and policy.allows(base)):
                 out.append(Span(b.close_start, b.close_end, t.role, "end", i))
         return out
+
+    def trained_turns(self, policy: MaskPolicy | None = None) -> list[int]:
+        """Indices of the turns that train under ``policy``: role in ``roles``, valid, not a
+        generation prompt, complete or ``truncated`` set; with ``last_turn_only`` the last.
+
+        Example:
+            >>> conv.trained_turns(cg.MaskPolicy(last_turn_only=True))  # doctest: +SKIP
+            [3]
+        """
+        policy = policy or self.default_policy
+        roles = set(policy.roles)
+        chosen = [i for i, t in enumerate(self.turns)
+                  if t.role in roles and t.valid and not t.generation_prompt
+                  and (t.complete or policy.truncated)]
+        return chosen[-1:] if policy.last_turn_only else chosen
 
     def mask_array(self, policy: MaskPolicy | None = None) -> np.ndarray:
         """The mask as a numpy int8 array of length :attr:`length`."""

@@ -10,15 +10,19 @@ import dataclasses
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, get_args, get_origin, get_type_hints
+from typing import (Annotated, Any, Callable, Literal, Optional, get_args, get_origin,
+                    get_type_hints)
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
+                      create_model, field_validator)
 
 from .errors import SpecError
 from .policy import MaskPolicy
 
 ROLE_NAMES = ("system", "user", "assistant", "tool", "developer")
+#: A format name: kebab-case (dots allowed between parts: ``deepseek-v3.2``).
+NAME_PATTERN = r"[a-z0-9]+(?:[-.][a-z0-9]+)*"
 
 
 class _Model(BaseModel):
@@ -121,11 +125,21 @@ class Close(_Model):
         "its close is cut. Empty (default): all roles."))
 
 
+def _one_or_many(v: Any) -> Any:
+    return [v] if isinstance(v, str) else v
+
+
+#: A list of names that may also be written as one name (``open: im_user``); the JSON Schema
+#: says both.
+_OneOrMany = Annotated[list[str], BeforeValidator(_one_or_many), WithJsonSchema(
+    {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]})]
+
+
 class Element(_Model):
     """A turn (listed in `top`) or a block nested in a body (think, tool call, channel, XTML
     element)."""
 
-    open: list[str] = Field(default_factory=list, description=(
+    open: _OneOrMany = Field(default_factory=list, description=(
         "The opener marker(s): one name or a list of alternatives. Empty: the element starts "
         "with text (it then needs a close, or is a `follow` or preamble element); with a "
         "`header` ending at a marker, that text is its header (GigaChat 3's role before "
@@ -169,11 +183,6 @@ class Element(_Model):
         "`<|eom_id|>`). The parent needs a close marker, or is itself `ends_with_parent` (a "
         "chain ending at the first closed ancestor: Functionary's `>>>` segments)."))
     description: Optional[str] = Field(None, description="For humans.")
-
-    @field_validator("open", mode="before")
-    @classmethod
-    def _one_or_many(cls, v: Any) -> Any:
-        return [v] if isinstance(v, str) else v
 
 
 def _policy_model() -> type[BaseModel]:
@@ -235,7 +244,7 @@ class FormatSpec(_Model):
     """A chat format as data: markers, elements (turns and nested blocks), the default mask
     policy, the detector and embedded examples."""
 
-    name: str = Field(description=(
+    name: str = Field(json_schema_extra={"pattern": f"^{NAME_PATTERN}$"}, description=(
         "Format id, kebab-case (`kimi-k3`), unique among all formats (bundled and plugins)."))
     description: Optional[str] = Field(None, description=(
         "What the format is, for humans."))
@@ -280,7 +289,7 @@ class FormatSpec(_Model):
     @field_validator("name")
     @classmethod
     def _kebab(cls, v: str) -> str:
-        if not re.fullmatch(r"[a-z0-9]+(?:[-.][a-z0-9]+)*", v):
+        if not re.fullmatch(NAME_PATTERN, v):
             raise ValueError(f"format names are kebab-case ([a-z0-9-]), got {v!r}")
         return v
 

@@ -13,6 +13,7 @@ objects are recognised by duck typing.
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 from pathlib import Path
 from typing import Any, Sequence
@@ -31,8 +32,7 @@ class TokenizerAdapter:
     """
 
     def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self._encoding = _tiktoken_encoding(tokenizer)
+        self.rebind(tokenizer)
         if self._encoding is None and not (hasattr(tokenizer, "convert_tokens_to_ids")
                                            and hasattr(tokenizer, "decode")):
             raise TypeError(
@@ -45,6 +45,30 @@ class TokenizerAdapter:
         self._special_cache: dict[str, int | None] = {}
         self._soft_cache: dict[str, int | None] = {}
         self._added: dict[str, int] | None = None
+
+    def rebind(self, tokenizer: Any) -> None:
+        """Point this adapter at ``tokenizer`` (one with the same content, see
+        :func:`content_key`). The adapter holds it by weak reference where it can, so no
+        cache of adapters keeps a tokenizer alive."""
+        self._ref, self._strong = _weak(tokenizer)
+        enc = _tiktoken_encoding(tokenizer)
+        self._enc_ref, self._enc_strong = (None, None) if enc is None else _weak(enc)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer (raises ReferenceError once it was freed and never rebound)."""
+        if self._ref is None:
+            return self._strong
+        t = self._ref()
+        if t is None:
+            raise ReferenceError("the tokenizer of this adapter was freed")
+        return t
+
+    @property
+    def _encoding(self) -> Any:
+        if self._enc_ref is None:
+            return self._enc_strong
+        return self._enc_ref()
 
     # ------------------------------------------------------------------ evidence
     def added_vocab(self) -> dict[str, int]:
@@ -255,6 +279,77 @@ def _tiktoken_encoding(tok: Any) -> Any:
                 hasattr(cand, "encode_single_token") and hasattr(cand, "special_tokens_set"):
             return cand
     return None
+
+
+def _weak(obj: Any) -> tuple[Any, Any]:
+    """(weak reference, None), or (None, obj) for an object that cannot be weakly referenced."""
+    try:
+        return weakref.ref(obj), None
+    except TypeError:
+        return None, obj
+
+
+def content_version(tokenizer: Any) -> tuple:
+    """A cheap signature of what a tokenizer may gain after it was first used (added and
+    special tokens, vocabulary size): when it changes, :func:`content_key` is recomputed.
+    Costs a few attribute reads (it runs on every ``loss_mask`` call)."""
+    if type(tokenizer).__name__ == "Encoding":
+        return (len(getattr(tokenizer, "_special_tokens", ()) or ()),
+                getattr(tokenizer, "max_token_value", None))
+    out: list = []
+    try:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            out.append(backend.get_vocab_size(with_added_tokens=True))
+        added = getattr(tokenizer, "_added_tokens_decoder", None)
+        if isinstance(added, dict):
+            out.append(len(added))
+        enc = getattr(tokenizer, "model", None)
+        if enc is not None and type(enc).__name__ == "Encoding":
+            out.append(len(getattr(enc, "_special_tokens", ()) or ()))
+    except Exception:  # noqa: BLE001 - remote-code tokenizers: best effort
+        pass
+    return tuple(out)
+
+
+_OBJ_KEYS = itertools.count()
+
+
+def content_key(tokenizer: Any) -> tuple:
+    """What a tokenizer's lexer and memo depend on, as a hashable key: its vocabulary (ranks or
+    pieces) and its added/special tokens. Two objects with the same content share one key;
+    a tokenizer that gains special tokens gets a new one. Valid within one process (it uses
+    Python's salted hashes). A minimal-protocol object, whose vocabulary cannot be read, gets
+    a key of its own.
+
+    Raises:
+        TypeError: the object is no tokenizer (see :class:`TokenizerAdapter`).
+    """
+    a = TokenizerAdapter(tokenizer)
+    enc = a._encoding
+    parts: list = [a.kind]
+    vocab = None
+    if enc is not None and enc is tokenizer:
+        ranks = getattr(enc, "_mergeable_ranks", None)
+        if isinstance(ranks, dict):
+            vocab = frozenset(ranks.items())
+        parts += [getattr(enc, "_pat_str", None)]
+    else:
+        get_vocab = getattr(tokenizer, "get_vocab", None)
+        if callable(get_vocab):
+            try:
+                vocab = frozenset(get_vocab().items())
+            except Exception:  # noqa: BLE001
+                vocab = None
+        if vocab is None and enc is not None:
+            ranks = getattr(enc, "_mergeable_ranks", None)
+            if isinstance(ranks, dict):
+                vocab = frozenset(ranks.items())
+    if vocab is None:
+        return ("object", next(_OBJ_KEYS))
+    parts += [type(tokenizer).__qualname__, hash(vocab), len(vocab),
+              hash(frozenset(a.added_vocab().items())), hash(frozenset(a._special_ids()))]
+    return tuple(parts)
 
 
 _ADAPTERS: "weakref.WeakKeyDictionary[Any, TokenizerAdapter]" = weakref.WeakKeyDictionary()

@@ -145,7 +145,7 @@ def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation, tok, policie
                   warnings: str = "count",
                   turn_fields: tuple = ("role", "complete", "generation_prompt"),
                   boundaries: str | None = None, conv_mask: bool = False,
-                  straddling: bool = False) -> cg.Conversation:
+                  straddling: bool = False, per_kind: bool = False) -> cg.Conversation:
     """Id mode is the text-mode parse ``conv``, token for token: same turns (``turn_fields``),
     same spans and, for each of ``policies``, ``loss_mask`` is :func:`mapped_mask`.
 
@@ -158,6 +158,8 @@ def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation, tok, policie
         straddling: the documented exception of a boundary inside a merged token: the mask
             may differ from the mapped one only at the tokens ``conv_ids.boundaries`` reports
             (and spans are compared only when there is none).
+        per_kind: also compare, kind by kind, the tokens id mode gives each span kind with
+            the tokens overlapping a character of that kind (same exception).
     """
     ids, ranges = encode_with_ranges(tok, text)
     conv_ids = fmt.parse_ids(ids, tok)
@@ -182,6 +184,19 @@ def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation, tok, policie
         want = mapped_mask(conv, ranges, len(text), policy)
         got = fmt.loss_mask(ids, tok, policy=policy)
         masks = [got] + ([conv_ids.mask(policy)] if conv_mask else [])
+        if per_kind:
+            for kind in {s.kind for s in conv.spans(policy)}:
+                sub = [s for s in conv.spans(policy) if s.kind == kind]
+                chars = np.zeros(len(text) + 1, dtype=np.int64)
+                for s in sub:
+                    chars[s.start:s.end] = 1
+                csum = np.concatenate([[0], np.cumsum(chars[:len(text)])])
+                want_k = [int(b > a and csum[b] - csum[a] > 0) for a, b in ranges]
+                got_k = [0] * len(ids)
+                for s in conv_ids.spans(policy):
+                    if s.kind == kind:
+                        got_k[s.start:s.end] = [1] * (s.end - s.start)
+                assert {i for i, (a, b) in enumerate(zip(got_k, want_k)) if a != b} <= odd, kind
         for m in masks:
             assert len(m) == len(ids)
             assert {i for i, (a, b) in enumerate(zip(m, want)) if a != b} <= odd, policy
@@ -189,7 +204,8 @@ def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation, tok, policie
 
 
 def check_embedded_examples(fmt: cg.Format, tok, *, text_only_suffix: str | None = None,
-                            error_match: str | None = None, check_mask=None) -> int:
+                            error_match: str | None = None, check_mask=None,
+                            skip_marker_cuts: bool = False) -> int:
     """Every embedded example of ``fmt``: the marked spans in text mode (an ``error:`` example
     raises in both modes), and in id mode ``loss_mask`` against :func:`mapped_mask` and the
     same roles.
@@ -200,6 +216,8 @@ def check_embedded_examples(fmt: cg.Format, tok, *, text_only_suffix: str | None
         error_match: what a ParseError must match (default: the example's ``error``).
         check_mask: ``(got, want, conv_ids, policy, name)`` comparing the id-mode mask with the
             mapped one (default: equal).
+        skip_marker_cuts: check in text mode only every example whose text ends inside a
+            marker string (a proper prefix of two characters or more).
 
     Returns:
         How many examples were checked in id mode.
@@ -218,6 +236,12 @@ def check_embedded_examples(fmt: cg.Format, tok, *, text_only_suffix: str | None
         assert merged_spans(conv.spans(policy)) == want, ex.name
         if text_only_suffix is not None and text.endswith(text_only_suffix):
             continue
+        if skip_marker_cuts and any(fmt.spec.markers[m].text in text
+                                    for m in fmt.missing_markers(tok)):
+            continue  # a special marker this vocabulary lacks is text there, not a marker
+        if skip_marker_cuts and any(text.endswith(m.text[:k]) for m in fmt.spec.markers.values()
+                                    for k in range(2, len(m.text))):
+            continue  # a text cut inside a marker string (ids are never cut inside one id)
         ids, ranges = encode_with_ranges(tok, text)
         conv_ids = fmt.parse_ids(ids, tok)
         got, mapped = fmt.loss_mask(ids, tok, policy=policy), \
@@ -298,6 +322,7 @@ class FormatData:
         self.data = (_yaml.safe_load(p.read_text(encoding="utf-8")) if p.is_file() else {}) or {}
         self.goldens: dict[str, dict] = {}
         self._cases: list[MatrixCase] | None = None
+        self._templates: list[dict] | None = None
 
     # ---------------------------------------------------------------- cases and templates
     def cases(self) -> list[MatrixCase]:
@@ -320,10 +345,15 @@ class FormatData:
     def templates(self) -> list[dict]:
         """The tests.yaml templates plus ``templates:`` of suite.yaml (same keys; ``file``
         relative to tests/data/templates), each with its ``tokenizer`` (default ``default``)."""
+        if self._templates is not None:
+            return self._templates
         out = [dict(t) for t in self.facts.get("templates") or []]
         out += [dict(t) for t in self.data.get("templates") or []]
+        opts = self.data.get("template_options") or {}
         for t in out:
+            t.update(opts.get(t["file"], {}))
             t.setdefault("tokenizer", self.data.get("tokenizer", "default"))
+        self._templates = out
         return out
 
     def template(self, file: str) -> dict:
@@ -342,9 +372,12 @@ class FormatData:
                                                    {"thinking": False}, {"tool_calls": False},
                                                    {"last_turn_only": True}])
 
-    def tokenizer_names(self) -> list[str]:
+    def tokenizer_names(self, detection: bool = False) -> list[str]:
+        """``default`` and the ``tokenizers:`` with special ids (``use: detection`` ones only
+        for the detection checks)."""
         return ["default"] + [n for n, tk in (self.facts.get("tokenizers") or {}).items()
-                              if "special_ids" in tk]
+                              if "special_ids" in tk
+                              and (detection or tk.get("use", "all") == "all")]
 
     def tokenizer(self, name: str = "default"):
         """``default``: the format's ``special_ids`` over Qwen's renumbered BPE (the format's
@@ -411,6 +444,8 @@ def record(fmt: cg.Format, text: str, policies) -> dict:
     return {"marked": marked(text, merged_spans(conv.spans())),
             "turns": [[t.role, t.start, t.end, t.complete, t.generation_prompt]
                       for t in conv.turns],
+            "blocks": [[[b.kind or b.name, b.start, b.end] for b in t.block.children]
+                       for t in conv.turns],
             "warnings": [w.message for w in conv.warnings],
             "spans": spans}
 
@@ -434,14 +469,22 @@ def check_record(rec: dict) -> None:
 
 def truncation_record(fmt: cg.Format, text: str, tok, within_whole: bool = True) -> dict:
     """Every cut of a rendering, both modes: per cut the trained count (default policy and
-    ``truncated=False``), the number of turns and the warnings (each distinct message with the
-    cuts it appears at). ``within_whole``: no cut trains a position the whole does not."""
+    ``truncated=False``), the number of turns, the warnings and the strict-mode errors (each
+    distinct message with the cuts it appears at; -1 counts at a rejected cut). ``within_whole``: no cut trains a position the whole does not."""
     done = cg.MaskPolicy(truncated=False)
 
     def one(parse, mask, n, full):
         trained, untruncated, turns, warns = [], [], [], {}
+        errors: dict[str, list[int]] = {}
         for k in range(n + 1):
-            conv = parse(k)
+            try:
+                conv = parse(k)
+            except cg.ParseError as exc:  # strict parsing rejects this cut: say where
+                errors.setdefault(exc.message, []).append(k)
+                trained.append(-1)
+                untruncated.append(-1)
+                turns.append(-1)
+                continue
             m = mask(k, conv)
             assert len(m) == k and m == conv.mask()
             assert not within_whole or all(a <= b for a, b in zip(m, full)), \
@@ -452,7 +495,7 @@ def truncation_record(fmt: cg.Format, text: str, tok, within_whole: bool = True)
             for w in conv.warnings:
                 warns.setdefault(w.message, []).append(k)
         return {"trained": trained, "trained_untruncated": untruncated, "turns": turns,
-                "warnings": warns}
+                "warnings": warns, "errors": errors}
 
     ids, _ = encode_with_ranges(tok, text)
     return {"text": one(lambda k: fmt.parse(text[:k]), lambda k, conv: conv.mask(), len(text),

@@ -99,19 +99,52 @@ def test_scanner_semantics_on_hand_made_inputs(bench):
 
 
 def test_report_renders_every_section(bench):
-    row = {"samples": 2, "tokens": 8000, "chars": 30000, "big_tokens": 1_000_000, "ours": 40.0,
-           "ours_batch": 50.0, "ours_numpy": 70.0, "scanner": 20.0, "numpy": 60.0, "ours_1m": 35.0,
-           "ours_pure": 30.0, "accelerated": True, "text_ours": 100.0, "text_regex": 120.0}
-    results = {"kimi-k2": row, "kimi-k3": row, "chatml": None,
+    def row(x):
+        return {"ratio": x, "ratios": [x, x + 1], "rate": 10 * x, "ns": 10.0 / x}
+
+    res = {c: row(3.0) for c in bench.CLASSES}
+    res["1M cut"] = row(2.5)
+    res["text"] = {**row(1.5), "regex_rate": 7.0}
+    res.update(_slow={"new item shape": 3}, _fast=100, _samples=10, _rounds=2,
+               _accelerated=True)
+    results = {"kimi-k2": res, "kimi-k3": res, "chatml": None,
                "compile": {"formats": 12, "cold_s": 0.6, "cached_s": 0.02, "import_s": 0.4}}
 
     class Args:
-        rounds = 5
+        rounds = 2
 
     text = bench.report(results, {"cpu": "test", "cores": "2"}, Args)
-    for needle in ("## Machine", "- cpu: test", "| kimi-k2 | 2 | 4000 | 40.0 | 50.0 | 20.0 | "
-                   "60.0 | 2.00 | 2.50 | 1.50 |", "| kimi-k2 | 70.0 | 3.50 |",
-                   "| kimi-k3 | 30.0 | 1.50 |", "## Linear cost", "| kimi-k3 | 1000000 | 35.0 | 1.14 |",
-                   "## Text mode", "0.83", "Skipped: the `chatml` format", "## Compile",
-                   "| 12 | 0.600 | 0.0200 | 0.400 |"):
+    for needle in ("## Machine", "- cpu: test", "first pass over fresh data",
+                   "| whole samples | 3.00× | 3.00× | 30.0 | 30.0 | 3.00 4.00 | 3.00 4.00 |",
+                   "| one ~1M-token sequence cut mid-turn | 2.50× |",
+                   "| kimi-k2 | 3.3 | 4.0 | 1.20 |", "new item shape: 3", "## Text mode",
+                   "| kimi-k3 | 15.0 | 7.0 | 1.50 |", "Skipped: the `chatml` format",
+                   "## Compile", "| 12 | 0.600 | 0.0200 | 0.400 |", "## Targets"):
         assert needle in text, needle
+    met = {label: ok for label, _, ok in bench.targets(results)}
+    assert met["kimi-k2: whole samples ≥ 3× the scanner"]
+    assert not met["kimi-k2: whole samples, numpy in (numpy out) ≥ 5× the scanner"]
+    assert met["kimi-k2: 1M-token sequence per token ≤ 1.2× a sample's"] is True
+
+
+@pytest.mark.parametrize("version", ["kimi-k2", "kimi-k3"])
+def test_class_inputs_cover_every_class(bench, version):
+    _texts, ids = bench.workload(version, 16, seed=4)
+    fmt = cg.load_format(version)
+    enc = bench.kimi_encoding(version)
+    for cls in bench.CLASSES:
+        xs, kw = bench.class_inputs(version, ids, cls)
+        assert xs and cls in bench.CLASS_LABEL
+        for x in xs:  # ours equals the reference on every class
+            got = fmt.loss_mask(x, enc, **kw)
+            got = got if type(got) is list else got.tolist()
+            assert got == fmt.parse_ids(x, enc, strict=kw.get("strict", True)).mask(
+                kw.get("policy"))
+    trunc = bench.class_inputs(version, ids, "truncated")[0]
+    assert all(len(x) <= bench.MAX_LENGTH for x in trunc)
+    assert sum(len(x) for x in bench.class_inputs(version, ids, "packed")[0]) == \
+        sum(map(len, ids))
+    (cut,), _ = bench.class_inputs(version, ids, "1M cut")
+    mask = bench._scanner_for(version, "whole")(cut)
+    assert mask[-1] == 1  # cut inside trained assistant content
+    assert bench.last_span_only([0, 1, 1, 0, 1, 0]) == [0, 0, 0, 0, 1, 0]

@@ -34,7 +34,8 @@ import yaml
 
 import chatgrammar as cg
 from chatgrammar.conformance import check_template
-from chatgrammar.format_tests import check_tests, tests_path
+from chatgrammar.format_tests import check_tests
+from chatgrammar.format_tests import tests_path as facts_path
 from chatgrammar.render import TemplateError
 from tests import format_hooks
 from tests.format_kit import (SUITE_DIR, TEMPLATES, FormatData, check_embedded_examples,
@@ -110,6 +111,9 @@ def _params(kind: str) -> list:
                     for t in fd.templates()]
         elif kind == "tokenizer":
             out += [pytest.param(name, tk, id=f"{name}-{tk}") for tk in fd.tokenizer_names()]
+        elif kind == "detect_tokenizer":
+            out += [pytest.param(name, tk, id=f"{name}-{tk}")
+                    for tk in fd.tokenizer_names(detection=True)]
         elif kind == "truncation":
             out += [pytest.param(name, x["template"], x["case"],
                                  id=f"{name}-{Path(x['template']).stem}-{x['case']}")
@@ -120,6 +124,12 @@ def _params(kind: str) -> list:
         elif kind == "typed":
             out += [pytest.param(name, i, id=f"{name}-{i}")
                     for i in range(len(fd.data.get("typed_markers") or []))]
+        elif kind == "contrast":
+            out += [pytest.param(name, i, id=f"{name}-{i}")
+                    for i in range(len(fd.data.get("contrasts") or []))]
+        elif kind == "real":
+            out += [pytest.param(name, tk, want, id=f"{name}-{tk}")
+                    for tk, want in (fd.data.get("detect_real") or {}).items()]
         elif kind == "hook":
             out += [pytest.param(name, h, id=f"{name}-{h}") for h in fd.data.get("hooks") or []]
     return out
@@ -129,7 +139,7 @@ def _params(kind: str) -> list:
 
 def test_every_bundled_format_has_its_data():
     """Each bundled format has its tests.yaml and its data folder."""
-    assert [n for n in BUNDLED if not tests_path(cg.load_format(n).path).is_file()] == []
+    assert [n for n in BUNDLED if not facts_path(cg.load_format(n).path).is_file()] == []
     assert [n for n in BUNDLED if n not in FORMATS] == []
 
 
@@ -137,7 +147,7 @@ def test_every_bundled_format_has_its_data():
 def test_tests_yaml_is_valid(name):
     """The tests.yaml keys are known, its templates exist, its deviations are real shapes."""
     fmt = cg.load_format(name)
-    p = tests_path(fmt.path)
+    p = facts_path(fmt.path)
     facts = yaml.safe_load(p.read_text(encoding="utf-8"))
     assert check_tests(facts, str(p)) == []
     missing = [t["file"] for t in facts.get("templates") or [] if not (TEMPLATES / t["file"]).is_file()]
@@ -179,16 +189,34 @@ def check_matrix(fd: FormatData, file: str, case: str, update: bool = False) -> 
     except TemplateError as exc:
         _expect(fd, file, "cases", case, {"rejected": exc.message}, update_goldens)
         return
+    known = (fd.data.get("unparsable") or {}).get(Path(file).name, {})
+    if case in known:  # a template defect the data documents: the rendering must not parse
+        with pytest.raises(cg.ParseError) as err:
+            fd.fmt.parse(text)
+        tok = fd.tokenizer(fd.template(file)["tokenizer"])
+        with pytest.raises(cg.ParseError) as err_ids:
+            fd.fmt.parse_ids(encode_with_ranges(tok, text)[0], tok)
+        lenient = fd.fmt.parse(text, strict=False)
+        _expect(fd, file, "cases", case,
+                {"parse_error": [err.value.message, err.value.offset],
+                 "ids_error": err_ids.value.message, "lenient_trained": lenient.trained_text(),
+                 "lenient_warnings": [w.message for w in lenient.warnings]}, update_goldens)
+        return
     rec = record(fd.fmt, text, fd.policies())
     check_record(rec)
     _expect(fd, file, "cases", case, rec, update_goldens)
     conv = fd.fmt.parse(text)
+    reported = {}
     for tk in fd.id_tokenizers(file):
         bounds = fd.data.get("boundaries")
-        check_id_mode(fd.fmt, text, conv, fd.tokenizer(tk), [make_policy(p) for p in fd.policies()],
-                      warnings=fd.data.get("id_warnings", "count"),
-                      boundaries=bounds.get(tk) if isinstance(bounds, dict) else bounds,
-                      conv_mask=True, straddling=bool(fd.data.get("straddling")))
+        conv_ids = check_id_mode(
+            fd.fmt, text, conv, fd.tokenizer(tk), [make_policy(p) for p in fd.policies()],
+            warnings=fd.data.get("id_warnings", "count"),
+            boundaries=bounds.get(tk) if isinstance(bounds, dict) else bounds, conv_mask=True,
+            straddling=bool(fd.data.get("straddling")), per_kind=bool(fd.data.get("per_kind")))
+        reported[tk] = [[b.offset, b.message] for b in conv_ids.boundaries]
+    # the boundaries id mode reports (a marker's edge inside a merged token) are the golden's
+    _expect(fd, file, "id_boundaries", case, reported, update_goldens)
 
 
 @pytest.mark.parametrize("name,file", _params("template"))
@@ -201,9 +229,11 @@ def check_batch(fd: FormatData, file: str) -> None:
     twice (the second call served by the per-tokenizer memo)."""
     tok = fd.tokenizer(fd.template(file)["tokenizer"])
     batch = []
+    known = (fd.data.get("unparsable") or {}).get(Path(file).name, {})
     for c in fd.cases():
         try:
-            batch.append(encode_with_ranges(tok, fd.render(file, c))[0])
+            if c.name not in known:
+                batch.append(encode_with_ranges(tok, fd.render(file, c))[0])
         except TemplateError:
             continue
     want = [fd.fmt.parse_ids(ids, tok).mask() for ids in batch]
@@ -219,21 +249,69 @@ def test_conformance(name, file, update_goldens):
 
 
 def check_conformance(fd: FormatData, file: str, update_goldens: bool = False) -> None:
-    """The render-diff oracle over the matrix and the folder's cases, text mode and
-    one-id-per-marker ids, plus the real-id tokenizers ``conformance_ids`` names."""
+    """The render-diff oracle over the matrix and the folder's cases: text mode with the
+    one-id-per-marker tokenizer, then each tokenizer ``conformance_ids`` names; and each of the
+    ``conformance_runs`` (other variables, a subset of cases, ``ok: false`` for a run that must
+    fail, e.g. without the variable the template needs). Every run's counts, deviations and
+    non-passing cases (with their first reason) are the golden's."""
     t = fd.template(file)
-    skip = set(fd.data.get("conformance_exclude") or ())
-    cases = [c for c in fd.cases() if c.name not in skip]
+    skip = set(fd.data.get("conformance_exclude") or ()) | set(t.get("conformance_exclude") or ())
+    runs = [{}] + [{"tokenizer": tk} for tk in
+                   t.get("conformance_ids") or fd.data.get("conformance_ids") or []]
+    runs += [r for r in fd.data.get("conformance_runs") or []
+             if r.get("template", file) == file]
     got = {}
-    for tk in [None] + list(t.get("conformance_ids") or fd.data.get("conformance_ids") or []):
+    for r in runs:
+        if r.get("only") == "matrix":  # the built-in matrix alone
+            from chatgrammar.matrix import default_matrix
+
+            cases = default_matrix()
+        else:
+            cases = [c for c in fd.cases()
+                     if (c.name in r["only"] if "only" in r else c.name not in skip)
+                     and c.name not in (r.get("exclude") or ())]
+        tk = r.get("tokenizer")
         res = check_template(fd.fmt, fd.source(file), name=file, cases=cases,
                              tokenizer=None if tk is None else fd.tokenizer(tk),
-                             variables=t.get("vars"))
-        assert res.ok, [(c.case, c.reason) for c in res.cases if c.status == "fail"]
-        got[tk or "text"] = {"counts": res.counts(),
-                             "deviations": {c.case: len(c.deviations) for c in res.cases
-                                            if c.deviations}}
+                             variables=r.get("vars", t.get("vars")))
+        if r.get("ok", True):
+            assert res.ok, [(c.case, c.reason) for c in res.cases if c.status == "fail"]
+        else:
+            assert not res.ok
+        key = r.get("name") or tk or "text"
+        got[key] = {"counts": res.counts(),
+                    "deviations": {c.case: len(c.deviations) for c in res.cases if c.deviations},
+                    "not_passed": {c.case: [c.status, c.reason] for c in res.cases
+                                   if c.status != "pass"}}
     _expect(fd, file, "conformance", None, got, update_goldens)
+
+
+# --------------------------------------------------------------------------- contrasts
+
+@pytest.mark.parametrize("name,i", _params("contrast"))
+def test_contrast(name, i, update_goldens):
+    check_contrast(data(name), i, update_goldens)
+
+
+def check_contrast(fd: FormatData, i: int, update_goldens: bool = False) -> None:
+    """Why the format is one of its own: another format (``format``) on this format's
+    renderings (``template``, ``cases``): what it parses and trains, and its conformance."""
+    x = fd.data["contrasts"][i]
+    other = cg.load_format(x["format"])
+    got = {}
+    cases = [fd.case(n) for n in x["cases"]]
+    for c in cases:
+        text = fd.render(x["template"], c)
+        try:
+            conv = other.parse(text)
+            got[c.name] = {"trained": [[s.kind, text[s.start:s.end]] for s in conv.spans()],
+                           "roles": [t.role for t in conv.turns]}
+        except cg.ParseError as exc:
+            got[c.name] = {"error": exc.message}
+    res = check_template(other, fd.source(x["template"]), name=x["template"], cases=cases,
+                         variables=fd.template(x["template"]).get("vars"))
+    got["conformance"] = {c.case: [c.status, c.reason] for c in res.cases}
+    _expect(fd, FORMAT_FILE, "contrasts", str(i), got, update_goldens)
 
 
 # --------------------------------------------------------------------------- examples
@@ -248,6 +326,8 @@ def check_examples(fd: FormatData, tk: str, update_goldens: bool = False) -> Non
     hook = fd.data.get("examples_mask_check")
     n = check_embedded_examples(fd.fmt, fd.tokenizer(tk),
                                 text_only_suffix=fd.data.get("examples_text_only_suffix"),
+                                error_match=fd.data.get("examples_error_match"),
+                                skip_marker_cuts="examples_text_only_suffix" not in fd.data,
                                 check_mask=getattr(format_hooks, hook) if hook else None)
     _expect(fd, FORMAT_FILE, "examples_checked_in_id_mode", tk, n, update_goldens)
 
@@ -263,8 +343,8 @@ def test_detect_template(name, file):
     assert cg.detect_format(chat_template=fd.source(file)).name == want
 
 
-@pytest.mark.parametrize("name,tk", _params("tokenizer"))
-def test_detect_tokenizer(name, tk):
+@pytest.mark.parametrize("name,tk", _params("detect_tokenizer"))
+def test_detect_tokenizer(name, tk, update_goldens):
     fd = data(name)
     want = (fd.data.get("detect_tokenizers") or {}).get(tk, name)
     if want is None:
@@ -275,13 +355,39 @@ def test_detect_tokenizer(name, tk):
     assert cg.detect_format(tok).name == want
     if fd.data.get("detect_matched_only"):
         assert cg.explain_detection(tok).matched == [want]
+    got = {"alone": _explained(tok)}
     for t in fd.templates():
-        if t["tokenizer"] == tk and t.get("detect", name) == want:
-            assert cg.detect_format(tok, chat_template=fd.source(t["file"])).name == want
+        if t["tokenizer"] == tk and t.get("detect", name):
+            src = fd.source(t["file"])
+            assert cg.detect_format(tok, chat_template=src).name == t.get("detect", name)
+            got[t["file"]] = _explained(tok, chat_template=src)
+            got[t["file"] + " (carried)"] = _explained(_carrying(tok, src))
+    _expect(fd, FORMAT_FILE, "detection", tk, got, update_goldens)
+
+
+def _explained(tok, **kw) -> dict:
+    """What detection says and why (the parts that do not name files)."""
+    try:
+        ex = cg.explain_detection(tok, **kw)
+    except cg.DetectionError as exc:
+        return {"error": type(exc).__name__}
+    rule = {k: v for k, v in ex.rule.items() if k not in ("declared_in", "chains")}
+    return {"format": ex.format, "matched": ex.matched, "rule": rule}
+
+
+def _carrying(tok, template_src: str):
+    """The same vocabulary carrying a chat template, as a transformers tokenizer does."""
+    import tiktoken
+
+    enc = tiktoken.Encoding(name=tok.name + "-tpl", pat_str=tok._pat_str,
+                            mergeable_ranks=tok._mergeable_ranks,
+                            special_tokens=tok._special_tokens)
+    enc.chat_template = template_src
+    return enc
 
 
 @pytest.mark.parametrize("name,i", _params("vocabulary"))
-def test_detect_vocabulary(name, i):
+def test_detect_vocabulary(name, i, update_goldens):
     """A vocabulary with other markers added (or some removed) detects as the data says
     (``detect: null``: as no format)."""
     from tests.format_kit import id_encoding
@@ -291,6 +397,8 @@ def test_detect_vocabulary(name, i):
     tk = v.get("tokenizer", "default")
     ids = dict(fd.facts.get("special_ids") if tk == "default"
                else fd.facts["tokenizers"][tk]["special_ids"])
+    if "keep" in v:
+        ids = {k: i for k, i in ids.items() if k in v["keep"]}
     for d in v.get("drop") or ():
         ids.pop(d)
     ids.update(v.get("add") or {})
@@ -300,6 +408,22 @@ def test_detect_vocabulary(name, i):
             cg.detect_format(tok)
     else:
         assert cg.detect_format(tok).name == v["detect"]
+    for tpl in v.get("with_templates") or ():
+        want = tpl.get("detect", v["detect"])
+        if want is None:
+            with pytest.raises(cg.DetectionError):
+                cg.detect_format(tok, chat_template=fd.source(tpl["file"]))
+        else:
+            assert cg.detect_format(tok, chat_template=fd.source(tpl["file"])).name == want
+    _expect(fd, FORMAT_FILE, "vocabularies", str(i), _explained(tok), update_goldens)
+
+
+@pytest.mark.parametrize("name,tk,want", _params("real"))
+def test_detect_real_tokenizer(name, tk, want):
+    """A real tokenizer (tests/tokenizers.py) detects as the data says."""
+    from tests.fuzz_tokenizers import REAL_TOKENIZERS
+
+    assert cg.detect_format(REAL_TOKENIZERS[tk][1]()).name == want
 
 
 # --------------------------------------------------------------------------- truncation
@@ -330,8 +454,11 @@ def check_typed_markers(fd: FormatData, i: int, update_goldens: bool = False) ->
     user (ordinary ids): id mode reads no turn in the forged part."""
     x = fd.data["typed_markers"][i]
     tok = fd.tokenizer(x.get("tokenizer", "default"))
-    ids = (tok.encode(x["head"], allowed_special="all") + tok.encode_ordinary(x["forged"])
-           + tok.encode(x["tail"], allowed_special="all"))
+    if x.get("forged_as") == "special":  # a vocabulary that spells the markers as text
+        ids = tok.encode(x["head"] + x["forged"] + x["tail"], allowed_special="all")
+    else:
+        ids = (tok.encode(x["head"], allowed_special="all") + tok.encode_ordinary(x["forged"])
+               + tok.encode(x["tail"], allowed_special="all"))
     conv = fd.fmt.parse_ids(ids, tok)
     got = {"ids_roles": [t.role for t in conv.turns],
            "ids_trained": [tok.decode(ids[s.start:s.end]) for s in conv.spans()]}
@@ -340,7 +467,7 @@ def check_typed_markers(fd: FormatData, i: int, update_goldens: bool = False) ->
                              fd.fmt.parse(x["head"] + x["forged"] + x["tail"]).turns]
     except cg.ParseError as exc:
         got["text_error"] = exc.message
-    assert x["forged"] not in "".join(got["ids_trained"]) or x.get("forged_trains")
+    assert x["forged"] not in "".join(got["ids_trained"]) or x.get("forged_as")
     _expect(fd, FORMAT_FILE, "typed_markers", str(i), got, update_goldens)
 
 
@@ -368,7 +495,7 @@ def test_a_new_format_is_its_yaml_and_its_data(tmp_path, monkeypatch):
     spec.pop("detect", None)
     (fmt_dir / f"{new}.yaml").write_text(yaml.safe_dump(spec, allow_unicode=True),
                                          encoding="utf-8")
-    shutil.copy(tests_path(cg.load_format(src).path), fmt_dir / f"{new}.tests.yaml")
+    shutil.copy(facts_path(cg.load_format(src).path), fmt_dir / f"{new}.tests.yaml")
     shutil.copytree(SUITE_DIR / src, tmp_path / "data" / new)
     fmt = cg.load_format(fmt_dir / f"{new}.yaml")
     assert fmt.name == new and new not in BUNDLED
@@ -385,3 +512,5 @@ def test_a_new_format_is_its_yaml_and_its_data(tmp_path, monkeypatch):
         check_truncation(fd, x["template"], x["case"])
     for i in range(len(fd.data.get("typed_markers") or [])):
         check_typed_markers(fd, i)
+    for i in range(len(fd.data.get("contrasts") or [])):
+        check_contrast(fd, i)

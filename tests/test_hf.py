@@ -103,7 +103,10 @@ import numpy as np
 from chatgrammar.hf import apply_chat_template
 from tests.kimi_tokenizers import kimi_k2_encoding, kimi_k3_encoding
 from tests.kimi_tokenizers import template as kimi_template
-from tests.test_detect import kimi_files, kimi_slow  # noqa: F401  (session fixtures)
+import tests.test_detect as _test_detect
+
+kimi_files = _test_detect.kimi_files  # session fixtures: Kimi's slow TikTokenTokenizer
+kimi_slow = _test_detect.kimi_slow
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 CONV = [{"role": "system", "content": "Be brief."},
@@ -235,6 +238,12 @@ def test_strict_raises_lenient_trains_nothing_where_malformed(tagged_tok):
     out = apply_chat_template(tok, bad, return_assistant_tokens_mask=True, strict=False)
     assert len(out["assistant_masks"]) == len(out["input_ids"])
     assert _trained(tok, out["input_ids"], out["assistant_masks"]) == "fine"
+    # transformers' sanitize_control_tokens keeps the typed marker ordinary text: it parses
+    safe = apply_chat_template(tok, bad, return_assistant_tokens_mask=True,
+                               sanitize_control_tokens=True)
+    assert safe["input_ids"] == tok.apply_chat_template(bad, sanitize_control_tokens=True,
+                                                        return_dict=True)["input_ids"]
+    assert _trained(tok, safe["input_ids"], safe["assistant_masks"]) == "fine"
 
 
 def _runs(ids, mask):
@@ -300,3 +309,20 @@ def test_slow_kimi_tokenizer_and_tiktoken(variant, kimi_slow):
     assert cut["input_ids"].shape == (1, n - 3) and cut["assistant_masks"].dtype == np.int64
     assert cut["assistant_masks"][0].tolist() == \
         cg.load_format(fmt_name).loss_mask(got["input_ids"][:n - 3], enc)
+
+
+def test_import_chatgrammar_imports_no_client():
+    """``import chatgrammar`` (and its hf / integrations modules) never imports torch, trl,
+    ray, modelopt, transformers or datasets: every client is imported lazily, when used."""
+    import subprocess
+    import sys
+
+    code = ("import sys, chatgrammar, chatgrammar.hf, chatgrammar.integrations, "
+            "chatgrammar.integrations.trl\n"
+            "bad = sorted(m for m in ('torch', 'trl', 'ray', 'modelopt', 'transformers', "
+            "'datasets', 'accelerate') if m in sys.modules)\n"
+            "print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=str(Path(__file__).resolve().parent.parent))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""

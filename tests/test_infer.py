@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import chatgrammar as cg
+from chatgrammar.format_tests import tests_for as _facts_of
 from chatgrammar import infer as inf
 from chatgrammar.cli import main
 from chatgrammar.conformance import OUTPUT_POLICY, MarkerTokenizer
@@ -27,8 +28,17 @@ from chatgrammar.render import TemplateError, render_chat
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "tests" / "data" / "templates"
-sys.path.insert(0, str(ROOT / "tools"))
-from conformance import VARIABLES  # noqa: E402
+
+
+def _variables(family: str | None, name: str) -> dict:
+    """The template variables a family's tokenizer passes (its formats/<name>.tests.yaml)."""
+    if family is None:
+        return {}
+    ts = _facts_of(cg.load_format(family)).get("templates") or []
+    for t in ts:
+        if t["file"] == name:
+            return dict(t.get("vars") or {})
+    return dict(ts[0].get("vars") or {}) if ts else {}
 
 WITH_END = OUTPUT_POLICY.replace(end_marker=True)
 
@@ -36,7 +46,7 @@ WITH_END = OUTPUT_POLICY.replace(end_marker=True)
 #: ones it refuses, and why). The inferred masks must equal the bundled ones on the matrix.
 CROSS = {
     "kimi-k2": ["moonshotai-Kimi-K2.jinja", "moonshotai-Kimi-K2-Thinking.jinja"],
-    "chatml": ["Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-Qwen3.jinja",
+    "chatml": ["Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-Qwen3.jinja", "Qwen-QwQ-32B.jinja",
                "Qwen-Qwen3-Coder-30B-A3B-Instruct.jinja", "Qwen-Qwen3.5-2B.jinja",
                "HuggingFaceTB-SmolLM3-3B.jinja", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja",
                "LiquidAI-LFM2.jinja", "stepfun-ai-Step-3.5-Flash.jinja"],
@@ -46,7 +56,9 @@ CROSS = {
     "llama3": ["meta-llama-Llama-3.1-8B-Instruct.jinja", "meta-llama-Llama-3.2-3B-Instruct.jinja"],
     "llama4": ["meta-llama-Llama-4-Scout-17B-16E-Instruct.jinja"],
     "mistral": ["mistralai-Mistral-7B-Instruct-v0.3.jinja",
-                "mistralai-Mistral-Small-24B-Instruct-2501.jinja"],
+                "mistralai-Mistral-Small-24B-Instruct-2501.jinja",
+                "Mistral-Small-3.2-24B-Instruct-2506.jinja",
+                "mistralai-Ministral-3-14B-Reasoning-2512.jinja"],
     "phi3": ["microsoft-Phi-3-mini-4k-instruct.jinja", "microsoft-Phi-4-mini-instruct.jinja"],
     "phi4": ["microsoft-phi-4.jinja", "microsoft-Phi-4-reasoning.jinja"],
 }
@@ -71,6 +83,11 @@ NEW = {
                                            ["Hello there", "Later"]),
     "phi3-small.jinja": ({"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
                          ["Hello there", "Later"]),
+    # GLM-Edge: no terminators; the user turn prints the assistant's header <|assistant|>
+    "glmedge.jinja": ({}, ["\nHello there", "\nLater"]),
+    # Llama-2 [INST] <<SYS>>: a default system prompt folded into the first user turn
+    "llama2-sys-vigogne.jinja": ({"bos_token": "<s>", "eos_token": "</s>"},
+                                 [" Hello there ", " Later "]),
 }
 TWO_EXCHANGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
                  {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Later"}]
@@ -83,7 +100,7 @@ def _read(name: str) -> str:
 @lru_cache(maxsize=None)
 def _renders(name: str, family: str) -> tuple:
     """The matrix rendered with a template (cached: several tests use it)."""
-    tpl, kw = _read(name), VARIABLES.get(family, {})
+    tpl, kw = _read(name), _variables(family, name)
     out = []
     for case in default_matrix():
         try:
@@ -94,7 +111,7 @@ def _renders(name: str, family: str) -> tuple:
 
 
 def _infer(name: str, family: str | None = None, **kw) -> inf.InferredFormat:
-    return cg.infer_format(_read(name), **{**VARIABLES.get(family, {}), **kw})
+    return cg.infer_format(_read(name), **{**_variables(family, name), **kw})
 
 
 # ------------------------------------------------------------------------- (a) cross-check
@@ -225,8 +242,13 @@ def test_tokenizer_decides_special_and_passes_its_tokens():
 def test_resolve_format_prefers_a_bundled_one():
     fmt, how = inf.resolve_format(chat_template=_read("meta-llama-Llama-3.1-8B-Instruct.jinja"))
     assert (fmt.name, how) == ("llama3", "detected")
+    # DeepSeek-V2's template now detects as the bundled deepseek-llm; AlphaMonarch's
+    # `<s>user\n…</s>` family has no bundled format
     fmt, how = inf.resolve_format(chat_template=_read("infer/deepseek-v2.jinja"),
                                   bos_token="", eos_token="<｜end▁of▁sentence｜>")
+    assert (fmt.name, how) == ("deepseek-llm", "detected")
+    fmt, how = inf.resolve_format(chat_template=_read("infer/alphamonarch.jinja"),
+                                  bos_token="<s>", eos_token="</s>")
     assert how == "inferred" and fmt.name.startswith("inferred-")
 
 
@@ -240,8 +262,8 @@ class _CallableTok(MarkerTokenizer):
 def test_map_fn_auto_says_inferred():
     from chatgrammar.hf import map_fn
 
-    tpl = _read("infer/openchat-3.5.jinja")
-    kw = {"bos_token": "<s>", "eos_token": "<|end_of_turn|>"}
+    tpl = _read("infer/alphamonarch.jinja")   # (no bundled format: OpenChat's is bundled now)
+    kw = {"bos_token": "<s>", "eos_token": "</s>"}
     probe = cg.infer_format(tpl, **kw)
 
     tok = _CallableTok([m.text for m in probe.spec.markers.values()])
@@ -249,7 +271,7 @@ def test_map_fn_auto_says_inferred():
     fn = map_fn("auto", tok, template_kwargs=kw)
     assert fn.format_source == "inferred" and "(inferred)" in repr(fn)
     out = pickle.loads(pickle.dumps(fn))({"messages": [TWO_EXCHANGES]})
-    assert out["num_trained"][0] == len(" Hello there") + len(" Later")
+    assert out["num_trained"][0] == len("Hello there") + len("Later")
 
 
 # ------------------------------------------------------------------------ (c) bad input
@@ -275,7 +297,7 @@ def test_template_rejecting_some_shapes_is_recorded():
     ("{% for m in messages %}{{ m.content }}", "does not compile"),
     ("   ", "empty"),
     ("{{ bos_token + messages[0].content }}", "bos_token"),
-    ("{{ ''.__class__.__mro__ }}", "sandbox"),
+    ("{{ ''.__class__.__mro__ }}", "[security]"),
 ])
 def test_bad_templates_raise_inference_error(template, message):
     with pytest.raises(cg.InferenceError, match=re.escape(message)):
@@ -320,7 +342,61 @@ def test_cli_errors_are_one_line(tmp_path, capsys, template, code):
 
 def test_cli_detect_says_inferred(tmp_path, capsys):
     p = tmp_path / "t.jinja"
-    p.write_text(_read("infer/openchat-3.5.jinja"), encoding="utf-8")
+    # a family no bundled format has, that needs no tokenizer variable
+    p.write_text("{% for m in messages %}<|begin_turn|>{{ m.role }}\n{{ m.content }}"
+                 "<|end_turn|>\n{% endfor %}{% if add_generation_prompt %}<|begin_turn|>"
+                 "assistant\n{% endif %}", encoding="utf-8")
     assert main(["detect", "--template", str(p)]) == 0
     out, _ = capsys.readouterr()
     assert "no bundled format; inferred inferred-" in out
+
+
+def test_real_tokenizer_markers_and_id_mode():
+    from tests.tokenizers import qwen_fast_tokenizer
+
+    tok = qwen_fast_tokenizer()
+    fmt = _infer("Qwen-Qwen2.5-7B-Instruct.jinja", tokenizer=tok)   # eos_token from the tokenizer
+    specials = {m.text: m.special for m in fmt.spec.markers.values()}
+    assert specials["<|im_start|>"] and specials["<|im_end|>"] and specials["<tool_call>"]
+    text = render_chat(_read("Qwen-Qwen2.5-7B-Instruct.jinja"), TWO_EXCHANGES)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    mask = fmt.loss_mask(ids, tok)
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "Hello thereLater"
+
+
+def test_mask_auto_falls_back_to_inference(tmp_path, capsys):
+    import copy
+    import json
+
+    from tests.tokenizers import mistral_tokenizer
+
+    # Mistral's vocabulary (its <s> / </s> are special ids) with a template no bundled format
+    # speaks (`<s>ROLE\n…</s>`): detection says the two disagree, inference captures it
+    tpl = _read("infer/alphamonarch.jinja")
+    tok = copy.deepcopy(mistral_tokenizer("v3"))
+    tok.chat_template = tpl
+    d = tmp_path / "tok"
+    tok.save_pretrained(str(d))
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"messages": TWO_EXCHANGES}) + "\n", encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    assert main(["mask", "--tokenizer", str(d), str(src), str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "no bundled format; inferred" in err
+    row = json.loads(out.read_text().splitlines()[0])
+    trained = [i for i, m in zip(row["input_ids"], row["loss_mask"]) if m]
+    assert tok.decode(trained).replace(" ", "") == "HellothereLater"
+
+
+def test_cache_keeps_nothing_alive():
+    import gc
+    import weakref
+
+    # (the tokenizer itself is the adapter cache's business, chatgrammar.tokenizers)
+    fmt = cg.infer_format(CHATML, tokenizer=MarkerTokenizer(["<|im_start|>", "<|im_end|>"]))
+    fref = weakref.ref(fmt)
+    del fmt
+    gc.collect()
+    assert fref() is None
+    assert all(isinstance(y, str) and isinstance(v, inf.Verification)
+               for y, v in inf._CACHE.values())

@@ -14,13 +14,16 @@ import logging
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-loss_mask = pytest.importorskip("modelopt.torch.utils.loss_mask")
+with warnings.catch_warnings():  # "transformers X is not tested with this modelopt": we test it
+    warnings.simplefilter("ignore", UserWarning)
+    loss_mask = pytest.importorskip("modelopt.torch.utils.loss_mask")
 
 import chatgrammar as cg  # noqa: E402
 from chatgrammar.integrations import modelopt as cg_modelopt  # noqa: E402
@@ -239,6 +242,11 @@ def test_detect_follows_declared_precedence_and_never_raises(slow):
     for junk in (None, object(), 42, "kimi", _Raises()):
         assert rec.detect(junk) is False
         assert cg_modelopt.recovery("kimi-k2").detect(junk) is False
+    # compute on what detect refuses: zeros (counted) when lenient, DetectionError when strict
+    assert rec.compute(_Raises(), [1, 2, 3]).tolist() == [0, 0, 0]
+    assert cg_modelopt.stats(rec)["undetected"] == 1
+    with pytest.raises(cg.DetectionError):
+        cg_modelopt.recovery(strict=True).compute(_Raises(), [1, 2, 3])
 
 
 def test_a_forced_format_does_not_demand_every_marker():

@@ -27,8 +27,12 @@ transformers = pytest.importorskip("transformers")
 
 from chatgrammar.hf import apply_chat_template  # noqa: E402
 from chatgrammar.integrations.trl import prepare  # noqa: E402
+from tests.kimi_tokenizers import kimi_k2_encoding, kimi_k3_encoding  # noqa: E402
 from tests.kimi_tokenizers import template as kimi_template  # noqa: E402
-from tests.test_detect import kimi_files, kimi_slow  # noqa: E402,F401  (session fixtures)
+import tests.test_detect as _test_detect  # noqa: E402
+
+kimi_files = _test_detect.kimi_files  # session fixtures: Kimi's slow TikTokenTokenizer
+kimi_slow = _test_detect.kimi_slow
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 MAX_LEN = 64
@@ -148,7 +152,12 @@ def test_sft_trainer_labels_are_minus_100_exactly_where_the_mask_is_0(qwen, tmp_
         m = masks[tuple(r["input_ids"])]
         assert r["labels"] == [i if b else -100 for i, b in zip(r["input_ids"], m)]
     # ...and the batches the model saw carry them
-    assert check_batches(seen, masks) >= 4  # 2 steps x 2 (the loader may fetch ahead)
+    assert check_batches(seen, masks) >= 4
+    # TRL's own assistant_only_loss is for conversational datasets only (docs/integrations.md)
+    with pytest.raises(ValueError, match="conversational"):
+        trl.SFTTrainer(model=tiny_model(len(qwen)), train_dataset=train, processing_class=qwen,
+                       args=trl.SFTConfig(output_dir=str(tmp_path), report_to="none",
+                                          use_cpu=True, assistant_only_loss=True))  # 2 steps x 2 (the loader may fetch ahead)
 
 
 def test_lenient_by_default_counts_and_never_raises(qwen, caplog):
@@ -173,24 +182,36 @@ def test_lenient_by_default_counts_and_never_raises(qwen, caplog):
         prepare([{"text": "x"}], qwen)
 
 
-def test_slow_kimi_tokenizer_trains_with_sft_trainer(kimi_slow, tmp_path):
-    tok = copy.deepcopy(kimi_slow("k2"))
-    tok.chat_template = kimi_template("moonshotai-Kimi-K2.jinja")
+KIMI = {  # variant -> (template, format, assistant body opener, closer, max_length)
+    "k2": ("moonshotai-Kimi-K2.jinja", "kimi-k2", "<|im_assistant|>assistant<|im_middle|>",
+           "<|im_end|>", MAX_LEN),
+    # K3's template opens with a ~60-token thinking-effort system message
+    "k3+k2": ("moonshotai-Kimi-K3.jinja", "kimi-k3", 'role="assistant"<|sep|>',
+              "<|close|>message<|sep|>", 2 * MAX_LEN),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(KIMI))
+def test_slow_kimi_tokenizer_trains_with_sft_trainer(variant, kimi_slow, tmp_path):
+    tpl, fmt_name, opener, closer, max_len = KIMI[variant]
+    tok = copy.deepcopy(kimi_slow(variant))
+    tok.chat_template = kimi_template(tpl)
     convs = conversations(8)
     st: dict = {}
-    train = prepare([{"messages": c} for c in convs], tok, max_length=MAX_LEN, stats=st)
-    assert st["format"] == "kimi-k2" and st["kept"] == 8 and st["truncated"] > 0
-    opener, closer = "<|im_assistant|>assistant<|im_middle|>", "<|im_end|>"
+    train = prepare([{"messages": c} for c in convs], tok, max_length=max_len, stats=st)
+    assert st["format"] == fmt_name and st["kept"] == 8 and st["truncated"] > 0
     # (a prepare call costs ~4 s here: datasets fingerprints the slow tokenizer)
     for row, c in zip(train, convs):
-        full = apply_chat_template(tok, c, return_assistant_tokens_mask=True, format="kimi-k2")
+        full = apply_chat_template(tok, c, return_assistant_tokens_mask=True, format=fmt_name)
         text = tok.decode(full["input_ids"])
         bodies, at = [], 0
         while (a := text.find(opener, at)) >= 0:
             b = text.find(closer, a)
             bodies.append(text[a + len(opener):b])
             at = b
-        assert bodies == [m["content"] for m in c if m["role"] == "assistant"]
+        assert len(bodies) == sum(m["role"] == "assistant" for m in c)
+        assert all(m["content"] in b for m, b in
+                   zip([m for m in c if m["role"] == "assistant"], bodies))
         runs, cur = [], []
         for i, m in zip(full["input_ids"], full["assistant_masks"]):
             if m:
@@ -198,14 +219,66 @@ def test_slow_kimi_tokenizer_trains_with_sft_trainer(kimi_slow, tmp_path):
             elif cur:
                 runs, cur = runs + [cur], []
         assert [tok.decode(r) for r in runs + ([cur] if cur else [])] == bodies
-        assert row["input_ids"] == full["input_ids"][:MAX_LEN]
-        assert row["assistant_masks"] == full["assistant_masks"][:MAX_LEN]
-    # Kimi's get_vocab() lists no special token, so TRL cannot find its pad token there: give
-    # TRL's own collator the pad id
-    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-
+        assert row["input_ids"] == full["input_ids"][:max_len]
+        assert row["assistant_masks"] == full["assistant_masks"][:max_len]
+    # a bare tiktoken.Encoding with the same specials gives the same dataset
+    enc = kimi_k2_encoding() if variant == "k2" else kimi_k3_encoding(with_k2_strings=True)
+    bare = prepare([{"messages": c} for c in convs], enc, chat_template=kimi_template(tpl),
+                   max_length=max_len)
+    assert bare["input_ids"] == train["input_ids"]
+    assert bare["assistant_masks"] == train["assistant_masks"]
+    if variant != "k2":
+        return  # one training run with a slow tokenizer is enough
     masks = {tuple(r["input_ids"]): r["assistant_masks"] for r in train}
-    _, seen = train_two_steps(tmp_path, tok, train,
-                              data_collator=DataCollatorForLanguageModeling(
-                                  pad_token_id=tok.pad_token_id))
+    _, seen = train_two_steps(tmp_path, tok, train)  # TRL's default collator, pad [PAD]
     assert check_batches(seen, masks) >= 4  # 2 steps x 2 (the loader may fetch ahead)
+
+
+def test_cache_fingerprint_follows_what_changes_the_output(qwen):
+    """prepare fingerprints its map without pickling the tokenizer (seconds for a slow one),
+    from what decides the output: any change there gives another fingerprint."""
+    from chatgrammar.integrations.trl import PrepareFn, _fingerprint
+
+    ds = datasets.Dataset.from_list([{"messages": c} for c in conversations(2)])
+    fmt = cg.load_format("chatml")
+    base = _fingerprint(ds, PrepareFn(fmt, qwen, max_length=8))
+    assert base == _fingerprint(ds, PrepareFn(cg.load_format("chatml"), qwen, max_length=8))
+    other_tok = copy.deepcopy(qwen)
+    other_tok.chat_template = "{{ messages[0]['content'] }}"
+    changed = [PrepareFn(fmt, qwen, max_length=9), PrepareFn(fmt, qwen, max_length=8, strict=True),
+               PrepareFn(fmt, qwen, max_length=8, policy=cg.MaskPolicy(end_marker=True)),
+               PrepareFn(cg.load_format("phi4"), qwen, max_length=8),
+               PrepareFn(fmt, other_tok, max_length=8),
+               PrepareFn(fmt, qwen, max_length=8, template_kwargs={"enable_thinking": False})]
+    prints = [_fingerprint(ds, f) for f in changed]
+    prints.append(_fingerprint(ds.select([0]), PrepareFn(fmt, qwen, max_length=8)))
+    assert base is not None and len({base, *prints}) == len(prints) + 1
+
+
+def test_same_labels_as_trl_own_assistant_only_loss_on_a_tagged_template(tmp_path):
+    """Where TRL's own assistant_only_loss works (a fast tokenizer and a template whose
+    {% generation %} tags hold the reply and its end marker: TRL's Llama-3 training template),
+    prepare + MaskPolicy(end_marker=True) gives TRL exactly the labels its own path builds,
+    truncated samples included."""
+    tok = copy.deepcopy(qwen_fast_tokenizer())
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>",
+                                                          "<|end_header_id|>", "<|eot_id|>"],
+                            "bos_token": "<|begin_of_text|>"})
+    tok.chat_template = (TEMPLATES / "generation" / "trl-llama3_training.jinja").read_text(
+        encoding="utf-8")
+    convs = conversations(6)
+    args = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_length=MAX_LEN)
+    theirs = trl.SFTTrainer(model=tiny_model(len(tok)), processing_class=tok,
+                            train_dataset=datasets.Dataset.from_list(
+                                [{"messages": c} for c in convs]),
+                            args=trl.SFTConfig(assistant_only_loss=True, **args)).train_dataset
+    ours = trl.SFTTrainer(model=tiny_model(len(tok)), processing_class=tok,
+                          train_dataset=prepare([{"messages": c} for c in convs], tok,
+                                                max_length=MAX_LEN,
+                                                policy=cg.MaskPolicy(end_marker=True)),
+                          args=trl.SFTConfig(**args)).train_dataset
+    key = {tuple(r["input_ids"]): r["labels"] for r in theirs}
+    assert len(ours) == len(theirs) == len(convs)
+    assert any(len(r["input_ids"]) == MAX_LEN for r in ours)  # some are cut
+    for r in ours:
+        assert key[tuple(r["input_ids"])] == r["labels"]

@@ -430,6 +430,43 @@ def test_validation_errors_of_the_new_keys_are_located(tmp_path):
         (16, "backbones.toy.inv_sqrt"): "inv_sqrt must be one of rsqrt, pow; got 'cbrt'"}
 
 
+def test_validation_of_odd_values_is_located_and_never_crashes(tmp_path):
+    path = tmp_path / "norms.yaml"
+    path.write_text(textwrap.dedent("""\
+        version: 1
+        kinds:
+          a: 3
+          1:
+            formula: x
+        backbones:
+          x:
+            kind: a
+            eps: []
+            eps_default: -1
+            source: "  "
+            transformers: {module: norm}
+          y: [1]
+        overrides:
+          f: {when: [1], kind: nope, source: s}
+        outer_types:
+          o: {text_key: foo, source: s}
+        """), encoding="utf-8")
+    problems = validate_norms(path, use_transformers=False)
+    assert all(p.line and p.col and p.path for p in problems)
+    found = {p.path: p.message for p in problems}
+    assert found["kinds.a"] == "kind 'a' must be a mapping"
+    assert "keys of kinds must be strings" in [p.message for p in problems]
+    assert found["backbones.x.eps"] == "eps must be a string or a non-empty list of strings"
+    assert found["backbones.x.eps_default"] == "eps_default must be a positive number; got -1"
+    assert found["backbones.x.source"] == "source must not be empty"
+    assert found["backbones.x.transformers"] == \
+        "transformers is missing required key 'class'"
+    assert found["backbones.y"] == "backbone 'y' must be a mapping"
+    assert found["overrides.f.when"].startswith("when must be a scalar")
+    assert found["overrides.f.kind"] == "unknown kind 'nope'; known kinds: a"
+    assert found["outer_types.o.text_key"].startswith("text_key must be one of text_config")
+
+
 # ---------------------------------------------------------------------------------------------
 # build_final_norm
 # ---------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ FORMATS = ROOT / "formats"
 TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 
 #: Variants of a family that sit at the top of tests/data/templates (not under derived/).
-VARIANTS_AT_TOP = {"LFM2-8B-A1B.jinja"}
+VARIANTS_AT_TOP = {"LFM2-8B-A1B.jinja", "fireworks-ai-llama-3-firefunction-v2.jinja"}
 
 #: How many matrix cases each variant template must pass (the others it rejects: tool shapes
 #: of the llama.cpp-edited Kimi templates call ``list.append`` in a sandbox that forbids it,
@@ -55,6 +55,16 @@ MIN_PASS = {
     "derived/unsloth-mistral-Devstral-Small-2507.jinja": 20,
     "derived/unsloth-Apriel-1.5.jinja": 20,
     "derived/THUDM-glm-4-9b-chat.jinja": 20,
+    "derived/Apriel-1.6-15b-Thinker-fixed.jinja": 17,
+    "fireworks-ai-llama-3-firefunction-v2.jinja": 16,   # reads `functions`, `datetime`
+}
+
+#: Cases a variant template is known to fail, with the reason (docs/formats.md says the same).
+KNOWN_FAIL = {
+    # the template writes "\n<|end|>" after a history reply and nothing after the final one:
+    # the oracle gives that "\n" to the next message, the format to the reply (as in 1.5)
+    "derived/Apriel-1.6-15b-Thinker-fixed.jinja": {"multi-turn", "multi-turn-no-system",
+                                                   "generation-prompt"},
 }
 
 
@@ -79,9 +89,6 @@ def test_every_variant_is_listed():
     not_bundled = {
         # RWKV World ("User: …\n\nAssistant:"): no bundled family
         "derived/llama-cpp-rwkv-world.jinja",
-        # Apriel 1.6 (<|begin_user|>… with no terminator but after assistant turns): a layout
-        # the apriel spec cannot add without a per-element missing-close rule (docs/formats.md)
-        "derived/Apriel-1.6-15b-Thinker-fixed.jinja",
     }
     listed = {f for _, f, _ in VARIANTS}
     on_disk = {f"derived/{p.name}" for p in (TEMPLATES / "derived").glob("*.jinja")}
@@ -96,8 +103,11 @@ def test_variant_template_matrix(name, tfile, variables):
     res = check_template(fmt, (TEMPLATES / tfile).read_text(encoding="utf-8"), name=tfile,
                          variables=variables)
     assert res.error is None, res.error
-    fails = [f"{c.case}: {c.reason}" for c in res.cases if c.status == "fail"]
+    known = KNOWN_FAIL.get(tfile, set())
+    fails = [f"{c.case}: {c.reason}" for c in res.cases
+             if c.status == "fail" and c.case not in known]
     assert not fails, "\n".join(fails)
+    assert {c.case for c in res.cases if c.status == "fail"} == known  # none fixed unnoticed
     assert res.counts()["pass"] >= MIN_PASS[tfile], res.summary()
 
 
@@ -323,3 +333,57 @@ def test_glm4_9b_chat_tool_message_is_a_tool_turn():
     assert list(fmt.loss_mask(ids, tok, policy=OUTPUT_POLICY)) == list(want)
     assert tok.decode([i for i, m in zip(ids, want) if m]) == \
         "\nLet me search for that.\nA rover found water ice on Mars."
+
+
+def test_unknown_bracket_marker_id_mode_only():
+    """Brackets and tags give no text-mode shape (`[TODO]` typed in an answer is text), but in
+    id mode a special id `[TOOL_RESPONSE]` Mistral's spec does not know, inside the reply, is
+    an unknown marker; text mode keeps the string as content."""
+    fmt = cg.load_format("mistral")
+    text = "<s>[INST] Q [/INST] A [TOOL_RESPONSE] sunny</s>"
+    assert fmt.parse(text).trained_text(OUTPUT_POLICY) == [" A [TOOL_RESPONSE] sunny"]
+    fmt, tok, ids = _ids_case("mistral", text, "[TOOL_RESPONSE]")
+    at = ids.index(tok.added_tokens_encoder["[TOOL_RESPONSE]"])
+    with pytest.raises(cg.ParseError) as ei:
+        fmt.parse_ids(ids, tok)
+    assert ei.value.offset == at and ei.value.found == "[TOOL_RESPONSE]"
+    with pytest.raises(cg.ParseError):
+        fmt.loss_mask(ids, tok)
+    lenient = fmt.parse_ids(ids, tok, strict=False)
+    assert not any(lenient.mask_array(OUTPUT_POLICY))
+    assert list(fmt.loss_mask(ids, tok, strict=False)) == \
+        list(lenient.mask_array(fmt.default_policy))
+
+
+def test_apriel_16_turns():
+    """Apriel 1.6: only assistant turns end with <|end|> (the others at the next opener, a last
+    reply without it is cut and trains); its forced generation prompt trains nothing; the 1.5
+    layout still needs its <|end|> (the error still says `unexpected`)."""
+    fmt = cg.load_format("apriel")
+    text = ("<s><|begin_system|>\nBe brief.\n<|begin_user|>\nQ\n\n<|begin_assistant|>\nA\n<|end|>\n"
+            "<|begin_tool_result|>\nok\n\n<|begin_assistant|>\nB")
+    conv = fmt.parse(text)
+    assert [t.role for t in conv.turns] == ["system", "user", "assistant", "tool", "assistant"]
+    assert conv.trained_text(OUTPUT_POLICY) == ["A\n", "B"] and not conv.warnings
+    tok = AddedTok([m.text for m in fmt.spec.markers.values() if m.special])
+    ids = tok.encode(text)
+    assert list(fmt.loss_mask(ids, tok, policy=OUTPUT_POLICY)) == \
+        list(fmt.parse_ids(ids, tok).mask_array(OUTPUT_POLICY))
+    prompt = "<|begin_user|>\nQ\n\n<|begin_assistant|>\nHere are my reasoning steps:\n"
+    assert fmt.parse(prompt).turns[-1].generation_prompt
+    with pytest.raises(cg.ParseError, match="unexpected assistant"):
+        fmt.parse("<|user|>\nQ\n<|assistant|>\nA\n<|end|>\n")
+    lenient = fmt.parse("<|user|>\nQ\n<|assistant|>\nA\n<|end|>\n", strict=False)
+    assert lenient.warnings and lenient.trained_text(OUTPUT_POLICY) == ["A\n"]
+
+
+@pytest.mark.parametrize("tfile", ["derived/Kimi-K2-Instruct.jinja",
+                                   "derived/Kimi-K2-Thinking.jinja"])
+def test_kimi_k2_variants_with_the_real_special_ids(tfile):
+    """The seed family's current templates, in id mode on a tiktoken Encoding carrying Kimi's
+    real special ids (tests/kimi_tokenizers.py) as well as with one id per marker."""
+    from tests.kimi_tokenizers import kimi_k2_encoding
+    res = check_template(cg.load_format("kimi-k2"), (TEMPLATES / tfile).read_text(),
+                         name=tfile, tokenizer=kimi_k2_encoding(), tokenizer_name="kimi-k2")
+    assert res.counts() == {"pass": 15, "fail": 0, "skip": 5}, \
+        [c.reason for c in res.cases if c.status == "fail"]

@@ -270,7 +270,7 @@ def _init(cfg: dict) -> None:
                 if isinstance(v, str)}
     _STATE.update(fmt=fmt, tok=tok, policy=policy, template=template,
                   render_kwargs={**specials, **cfg["template_kwargs"]},
-                  strict=cfg["strict"], fm=fmt._fast_masker(tok))
+                  strict=cfg["strict"])
 
 
 def _ids_of(rec: Any) -> list[int]:
@@ -301,8 +301,9 @@ def _work_ids(row0: int, offsets, values) -> tuple:
     starts = offsets.tolist()
     roles: list = []
     errors: list = []
-    masks = _STATE["fm"].masks_flat(values, starts, _STATE["policy"], _STATE["strict"],
-                                    roles=roles, errors=errors)
+    masks = _STATE["fmt"].loss_masks(values, _STATE["tok"], policy=_STATE["policy"],
+                                     strict=_STATE["strict"], on_error="record", errors=errors,
+                                     roles=roles, offsets=starts)
     stats = {"roles": collections.Counter(), "tokens": 0, "trained": 0, "empty": 0}
     rejects = [{"row": row0 + j, "stage": "parse", "error": _msg(e)}
                for j, e in enumerate(errors) if e is not None]
@@ -328,8 +329,6 @@ def _work_ids(row0: int, offsets, values) -> tuple:
 
 def _work(chunk) -> tuple[list[dict], list[dict], dict]:
     """One chunk: (output rows, reject rows, stats)."""
-    from ..fastpath import _pack_many
-
     if type(chunk) is tuple and chunk[0] == "ids":
         return _work_ids(*chunk[1:])
 
@@ -343,15 +342,11 @@ def _work(chunk) -> tuple[list[dict], list[dict], dict]:
     stats = {"roles": collections.Counter(), "tokens": 0, "trained": 0, "empty": 0}
     out: list[dict] = []
     if good:
-        lens = [len(ids) for _, ids in good]
-        arr = _pack_many([ids for _, ids in good], lens)
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
         roles: list = []
         errors: list = []
-        masks = _STATE["fm"].masks_flat(arr, starts, _STATE["policy"], _STATE["strict"],
-                                        roles=roles, errors=errors, as_list=True)
+        masks = _STATE["fmt"].loss_masks([ids for _, ids in good], _STATE["tok"],
+                                         policy=_STATE["policy"], strict=_STATE["strict"],
+                                         on_error="record", errors=errors, roles=roles)
         for (row, ids), m, r, err in zip(good, masks, roles, errors):
             if err is not None:
                 rejects.append({"row": row, "stage": "parse", "error": _msg(err)})

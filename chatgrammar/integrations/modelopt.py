@@ -89,11 +89,7 @@ class _IdsOnly:
         return dict(self._added)
 
     def decode(self, ids: Any, **kwargs: Any) -> str:
-        raise _NoDecode(f"{type(self.tokenizer).__name__} has no decode()")
-
-
-class _NoDecode(RuntimeError):
-    pass
+        raise NotImplementedError(f"{type(self.tokenizer).__name__} has no decode()")
 
 
 def needs_decoding(fmt: cg.Format, tokenizer: Any = None) -> bool:
@@ -265,7 +261,12 @@ class ChatGrammarRecovery:
             ChatGrammarError: only with ``strict=True`` (a malformed sample, or no format).
         """
         rows, shape, device = _rows(input_ids)
-        res = self._resolve(tokenizer)
+        try:
+            res = self._resolve(tokenizer)
+        except Exception as exc:  # noqa: BLE001 - a broken tokenizer: no format, no raise
+            if self.strict:
+                raise
+            res = _Resolved(None, tokenizer, f"{type(exc).__name__}: {exc}")
         if res.fmt is None:
             if self.strict:
                 raise DetectionError(f"chatgrammar: no format for this tokenizer: {res.why}")

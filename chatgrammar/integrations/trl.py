@@ -200,7 +200,8 @@ def prepare(dataset: Any, tokenizer: Any, *, format: Format | str | None = None,
                    chat_template=chat_template, template_kwargs=template_kwargs,
                    messages_column=messages_column)
     out = dataset.map(fn, batched=True, batch_size=256, num_proc=num_proc,
-                      remove_columns=cols, desc="chatgrammar: masking")
+                      remove_columns=cols, desc="chatgrammar: masking",
+                      new_fingerprint=_fingerprint(dataset, fn))
     status = out[_STATUS]
     cut = out[_CUT]
     masks_ok = [s != DROPPED for s in status]
@@ -229,6 +230,55 @@ def prepare(dataset: Any, tokenizer: Any, *, format: Format | str | None = None,
     if not all(keep):
         out = out.select([i for i, k in enumerate(keep) if k])
     return out.remove_columns(_PRIVATE)
+
+
+def _tokenizer_key(tok: Any) -> Any:
+    """What determines a tokenizer's ids, cheaper to hash than the tokenizer itself (datasets
+    pickles the whole object: ~4 s for Kimi's slow tokenizer), or None (then datasets hashes
+    the tokenizer as usual). Fast tokenizers: the backend's full JSON definition; tiktoken and
+    tiktoken-backed slow tokenizers: pattern, ranks and specials; plus the added tokens, special
+    tokens and chat template of a transformers wrapper."""
+    from ..tokenizers import _tiktoken_encoding
+
+    wrapper = [type(tok).__module__, type(tok).__qualname__,
+               getattr(tok, "chat_template", None),
+               sorted((getattr(tok, "special_tokens_map", None) or {}).items(), key=str),
+               sorted((getattr(tok, "added_tokens_encoder", None) or {}).items()),
+               getattr(tok, "truncation_side", None)]
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None and callable(getattr(backend, "to_str", None)):
+        return wrapper + ["fast", backend.to_str()]
+    enc = _tiktoken_encoding(tok)
+    if enc is not None:
+        ranks = getattr(enc, "_mergeable_ranks", None)
+        if not isinstance(ranks, dict):
+            return None
+        return wrapper + ["tiktoken", enc.name, getattr(enc, "_pat_str", None),
+                          sorted(ranks.items(), key=lambda kv: kv[1]),
+                          sorted(getattr(enc, "_special_tokens", {}).items())]
+    return None
+
+
+def _fingerprint(dataset: Any, fn: PrepareFn) -> str | None:
+    """The cache fingerprint of prepare's map (None: let datasets compute it)."""
+    key = _tokenizer_key(fn.tokenizer)
+    if key is None or not getattr(dataset, "_fingerprint", None):
+        return None
+    from datasets.fingerprint import Hasher
+
+    from .. import __version__
+
+    path = fn.fmt.path
+    try:
+        with open(path, "rb") as f:
+            spec_bytes = f.read()
+    except (OSError, TypeError):
+        spec_bytes = None
+    return Hasher.hash(["chatgrammar.integrations.trl.prepare", __version__,
+                        dataset._fingerprint, key, fn.fmt.name, str(path), spec_bytes,
+                        fn.fmt.grammar, repr(fn.fmt.default_policy), repr(fn.policy),
+                        fn.max_length, fn.strict, fn.chat_template,
+                        sorted(fn.template_kwargs.items(), key=str), fn.messages_column])
 
 
 def _lengths(ds: Any) -> list[int]:
