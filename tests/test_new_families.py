@@ -34,7 +34,7 @@ FAMILIES = ("llama2", "zephyr", "tulu", "deepseek-llm", "deepseek-coder", "exaon
             "hunyuan", "baichuan2", "starcoder2-instruct")
 #: More of issue 11 §2's families (a second statement, so that both lists merge cleanly).
 FAMILIES += ("alpaca", "internlm2", "solar-instruct", "nemotron4", "falcon", "h2o-danube",
-             "openbuddy", "orion", "magicoder", "sea-lion")
+             "openbuddy", "orion", "magicoder", "sea-lion", "instructlab")
 
 
 def _facts(name: str) -> dict:
