@@ -86,8 +86,9 @@ _WITH_END = OUTPUT_POLICY.replace(end_marker=True)
 #: turn's parse, and a turn's spans never depend on its neighbours.
 #:
 #: ``unclosed-whitespace``: an assistant turn the template never closes (a tool-use template
-#: that writes no terminator after a tool-calling message) ends where the next turn opens, and
-#: the whitespace the template writes before that opener trains with the body: with no
+#: that writes no terminator after a tool-calling message, a layout with no terminator at all)
+#: ends where the next turn opens, or where the rendering ends, and the whitespace the template
+#: writes before that opener (or after the last message) trains with the body: with no
 #: terminator, the parse cannot tell the template's separator from the model's last
 #: characters.
 DEVIATION_SHAPES = ACCEPTED_SHAPES
@@ -705,8 +706,7 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
             k1 = k0
             while k1 < e and not allowed_mask[k1]:
                 k1 += 1
-            unclosed = [t for t in turns if t.start < k0 and t.end == k1 and not t.complete
-                        and k1 < len(R)]
+            unclosed = [t for t in turns if t.start < k0 and t.end == k1 and not t.complete]
             if (R[k0:k1].isspace() and k0 > 0 and allowed_mask[k0 - 1] and unclosed
                     and "unclosed-whitespace" in accepted):
                 dev = (f"the assistant turn at char {unclosed[0].start} has no terminator: "

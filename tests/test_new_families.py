@@ -33,6 +33,9 @@ FAMILIES = ("llama2", "zephyr", "tulu", "deepseek-llm", "deepseek-coder", "exaon
             "openchat", "chatglm3", "glm-edge", "idefics3",
             "hunyuan", "baichuan2", "starcoder2-instruct",
             "jamba")
+#: More of issue 11 §2's families (a second statement, so that both lists merge cleanly).
+FAMILIES += ("alpaca", "internlm2", "solar-instruct", "nemotron4", "falcon", "h2o-danube",
+             "openbuddy", "orion", "magicoder", "sea-lion", "instructlab")
 
 
 def _facts(name: str) -> dict:
