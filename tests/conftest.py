@@ -24,6 +24,15 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # the format suite runs format by format (each format's tokenizers are built once, used by
+    # all its checks, and released before the next format: tests/test_formats.py)
+    suite = [i for i in items if i.nodeid.startswith("tests/test_formats.py::")]
+    if suite:
+        first = items.index(suite[0])
+        rest = [i for i in items if i not in set(suite)]
+        order = sorted(suite, key=lambda i: getattr(getattr(i, "callspec", None), "params",
+                                                    {}).get("name", ""))
+        items[:] = rest[:first] + order + rest[first:]
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow")

@@ -47,7 +47,7 @@ def qwen_ranks() -> dict:
     return ranks
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=4)
 def renumbered_encoding(name: str, specials: tuple):
     """Qwen's BPE ranks renumbered monotonically around the special ids.
 
@@ -419,10 +419,11 @@ class FormatData:
         return self.goldens[file]
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=3)
 def id_encoding(specials: tuple):
-    """Qwen's BPE renumbered around ``specials`` (kept small: each is ~100 MB)."""
-    return renumbered_encoding("suite-" + str(hash(specials) & 0xFFFFFFFF), specials)
+    """Qwen's BPE renumbered around ``specials`` (few kept: each costs tens of MB)."""
+    return renumbered_encoding.__wrapped__("suite-" + str(hash(specials) & 0xFFFFFFFF),
+                                           specials)
 
 
 def marked(text: str, spans) -> str:
@@ -467,7 +468,26 @@ def check_record(rec: dict) -> None:
         assert got == spans
 
 
-def truncation_record(fmt: cg.Format, text: str, tok, within_whole: bool = True) -> dict:
+def truncation_cuts(n: int, stride: int) -> list[int]:
+    """The cuts ``0..n`` checked at ``stride`` (every cut at 1; the last always)."""
+    return sorted(set(range(0, n + 1, stride)) | {n})
+
+
+def subsample(rec: dict, stride: int) -> dict:
+    """A full truncation record (every cut) reduced to the cuts of :func:`truncation_cuts`."""
+    out = {}
+    for mode, r in rec.items():
+        cuts = truncation_cuts(len(r["trained"]) - 1, stride)
+        keep = set(cuts)
+        out[mode] = {k: ([r[k][c] for c in cuts] if isinstance(r[k], list)
+                         else {m: [c for c in v if c in keep] for m, v in r[k].items()
+                               if any(c in keep for c in v)})
+                     for k in r}
+    return out
+
+
+def truncation_record(fmt: cg.Format, text: str, tok, within_whole: bool = True,
+                      stride: int = 1) -> dict:
     """Every cut of a rendering, both modes: per cut the trained count (default policy and
     ``truncated=False``), the number of turns, the warnings and the strict-mode errors (each
     distinct message with the cuts it appears at; -1 counts at a rejected cut). ``within_whole``: no cut trains a position the whole does not."""
@@ -476,7 +496,7 @@ def truncation_record(fmt: cg.Format, text: str, tok, within_whole: bool = True)
     def one(parse, mask, n, full):
         trained, untruncated, turns, warns = [], [], [], {}
         errors: dict[str, list[int]] = {}
-        for k in range(n + 1):
+        for k in truncation_cuts(n, stride):
             try:
                 conv = parse(k)
             except cg.ParseError as exc:  # strict parsing rejects this cut: say where

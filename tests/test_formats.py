@@ -40,7 +40,7 @@ from chatgrammar.render import TemplateError
 from tests import format_hooks
 from tests.format_kit import (SUITE_DIR, TEMPLATES, FormatData, check_embedded_examples,
                               check_id_mode, check_record, encode_with_ranges, make_policy,
-                              parse_example, policy_key, record, truncation_record)
+                              record, subsample, truncation_record)
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = cg.list_formats()
@@ -51,6 +51,34 @@ FORMATS = sorted(d.name for d in SUITE_DIR.iterdir() if (d / "suite.yaml").is_fi
 @lru_cache(maxsize=None)
 def data(name: str) -> FormatData:
     return FormatData(cg.load_format(name))
+
+
+_current: list[str] = [""]
+
+
+@pytest.fixture(autouse=True)
+def _one_format_at_a_time(request):
+    """Tests run format by format (tests/conftest.py orders them); when the format changes,
+    the tokenizers built for the previous one are released: every loaded format drops its
+    per-tokenizer state (detection binds each format to each tokenizer it sees) and the
+    tokenizer caches are emptied. Peak memory is then one format's tokenizers, not all."""
+    name = getattr(getattr(request.node, "callspec", None), "params", {}).get("name")
+    if name and name != _current[0]:
+        _current[0] = name
+        import gc
+
+        from tests import format_kit, fuzz_tokenizers
+
+        for fmt in {cg.load_format(n) for n in BUNDLED}:
+            for attr in ("_id_lexers", "_fast"):
+                cache = getattr(fmt, attr, None)
+                if isinstance(cache, dict):
+                    cache.clear()
+        format_kit.id_encoding.cache_clear()
+        format_kit.renumbered_encoding.cache_clear()
+        fuzz_tokenizers._encoding.cache_clear()
+        gc.collect()
+    yield
 
 
 def _write_golden(fd: FormatData, file: str, section: str, key: str | None, value) -> None:
@@ -212,6 +240,8 @@ def check_matrix(fd: FormatData, file: str, case: str, update: bool = False) -> 
         conv_ids = check_id_mode(
             fd.fmt, text, conv, fd.tokenizer(tk), [make_policy(p) for p in fd.policies()],
             warnings=fd.data.get("id_warnings", "count"),
+            turn_fields=tuple(fd.data.get("id_turn_fields") or
+                              ("role", "complete", "generation_prompt")),
             boundaries=bounds.get(tk) if isinstance(bounds, dict) else bounds, conv_mask=True,
             straddling=bool(fd.data.get("straddling")), per_kind=bool(fd.data.get("per_kind")))
         reported[tk] = [[b.offset, b.message] for b in conv_ids.boundaries]
@@ -429,17 +459,28 @@ def test_detect_real_tokenizer(name, tk, want):
 # --------------------------------------------------------------------------- truncation
 
 @pytest.mark.parametrize("name,file,case", _params("truncation"))
-def test_truncation(name, file, case, update_goldens):
-    check_truncation(data(name), file, case, update_goldens)
+def test_truncation(name, file, case, update_goldens, request):
+    # every cut with --runslow; every third (and the last) in the default run
+    stride = 1 if request.config.getoption("--runslow") else 3
+    check_truncation(data(name), file, case, update_goldens, stride)
 
 
-def check_truncation(fd: FormatData, file: str, case: str, update_goldens: bool = False):
-    """Every cut of the rendering in text mode and every prefix of its ids: no cut raises,
-    none trains what the whole does not, each trains and reads as the golden."""
+def check_truncation(fd: FormatData, file: str, case: str, update_goldens: bool = False,
+                     stride: int = 1):
+    """Every cut of the rendering in text mode and every prefix of its ids (every
+    ``stride``-th): each trains, reads and warns as the golden, none trains what the whole
+    does not (unless the data says a cut may)."""
     text = fd.render(file, fd.case(case))
     tok = fd.tokenizer(fd.template(file)["tokenizer"])
-    _expect(fd, file, "truncation", case, truncation_record(fd.fmt, text, tok,
-                                                             fd.data.get("truncation_within_whole", True)), update_goldens)
+    within = fd.data.get("truncation_within_whole", True)
+    if update_goldens or stride == 1:  # the golden holds every cut
+        got = truncation_record(fd.fmt, text, tok, within)
+        _expect(fd, file, "truncation", case, got, update_goldens)
+        return
+    got = truncation_record(fd.fmt, text, tok, within, stride=stride)
+    gold = fd.golden(file).get("truncation", {}).get(case)
+    assert gold is not None, f"no truncation golden for {fd.name} {file} {case}"
+    assert got == subsample(gold, stride), f"{fd.name} × {file}: truncation {case}"
 
 
 # --------------------------------------------------------------------------- typed markers
