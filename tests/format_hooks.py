@@ -9,6 +9,8 @@ one.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest  # noqa: F401  (hooks use pytest.raises)
 
 import chatgrammar as cg  # noqa: F401
@@ -96,3 +98,105 @@ def granite_llamacpp_goldens(fd: FormatData) -> None:
                           warnings="none", turn_fields=("role", "generation_prompt"))
         checked += 1
     assert checked == 4
+
+
+def trl_generation_parity(fd: FormatData) -> None:
+    """``hooks``, with ``trl:`` in suite.yaml (TRL training template under
+    tests/data/templates/generation → ``template`` it copies, ``slack``: a marker TRL's span
+    may start after although the format trains it, ``prefill``: that marker is prepended to
+    TRL's span): with ``end_marker=True`` the format's spans cover TRL's ``{% generation %}``
+    spans exactly, and the TRL copy renders what the original renders. TRL's spans come from
+    the renderer, not a golden: hence a hook."""
+    import copy
+
+    from chatgrammar.render import TemplateError, render_chat_with_spans
+    from tests.format_kit import TEMPLATES, check_id_mode
+
+    for name, x in fd.data["trl"].items():
+        src = (TEMPLATES / "generation" / name).read_text(encoding="utf-8")
+        slack, prefill = x.get("slack") or "", x.get("prefill") or ""
+        t = fd.template(x["template"])
+        checked = 0
+        for case in fd.cases():
+            try:
+                res = render_chat_with_spans(src, copy.deepcopy(case.messages),
+                                             **{**(t.get("vars") or {}), **case.render_kwargs()})
+            except TemplateError:
+                continue
+            text = res.text
+            assert text == fd.render(x["template"], case), case.name
+            conv = fd.fmt.parse(text)
+            ours = conv.spans(cg.MaskPolicy(end_marker=True))
+            assert len(res.generation_spans) == sum(1 for m in case.messages
+                                                    if m["role"] == "assistant")
+            covered = set()
+            for gs, ge in res.generation_spans:
+                inside = [s for s in ours if gs - len(slack) <= s.start and s.end <= ge]
+                covered.update(id(s) for s in inside)
+                want = text[gs:ge]
+                if prefill:
+                    assert text[gs - len(prefill):gs] == prefill
+                    want = prefill + want
+                assert "".join(text[s.start:s.end] for s in inside) == want, case.name
+            assert covered == {id(s) for s in ours}, case.name
+            check_id_mode(fd.fmt, text, conv, fd.tokenizer(t["tokenizer"]),
+                          [None, cg.MaskPolicy(end_marker=True)])
+            checked += 1
+        assert checked >= x.get("min_cases", 1), name
+
+
+def deviations_need_the_tests_yaml(fd: FormatData) -> None:
+    """``hooks``: the conformance deviations the format's tests.yaml accepts are accepted for
+    it only: the same spec copied under another name without its tests.yaml fails exactly the
+    cases that deviated (each with a reason), on every template. About the checker and a
+    second spec file: hence a hook."""
+    import tempfile
+    from pathlib import Path
+
+    from chatgrammar.conformance import check_template
+
+    spec = Path(fd.fmt.path).read_text(encoding="utf-8")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / f"{fd.name}-copy.yaml"
+        path.write_text(spec.replace(f"name: {fd.name}", f"name: {fd.name}-copy", 1),
+                        encoding="utf-8")
+        copy_fmt = cg.load_format(path)
+        seen = 0
+        for t in fd.templates():
+            ours = check_template(fd.fmt, fd.source(t["file"]), variables=t.get("vars"))
+            theirs = check_template(copy_fmt, fd.source(t["file"]), variables=t.get("vars"))
+            deviated = {c.case for c in ours.cases if c.deviations}
+            failed = {c.case: c.reason for c in theirs.cases if c.status == "fail"}
+            assert set(failed) == deviated, t["file"]
+            seen += len(deviated)
+        assert seen, "no template of the format shows a deviation"
+
+
+def no_other_template_detects_as_this(fd: FormatData) -> None:
+    """``hooks``: no template of tests/data/templates outside the format's own detects as it
+    (its template detector is specific). About every other template: hence a hook."""
+    from tests.format_kit import TEMPLATES
+
+    mine = {Path(t["file"]).name for t in fd.templates()}
+    others = [p for p in TEMPLATES.glob("*.jinja") if p.name not in mine]
+    assert others
+    for p in others:
+        try:
+            got = cg.detect_format(chat_template=p.read_text(encoding="utf-8")).name
+        except cg.DetectionError:
+            continue
+        assert got != fd.name, p.name
+
+
+def cohere_fixed_suffix_is_no_message(fd: FormatData) -> None:
+    """``hooks``: R7B's tool_use template ends every rendering with `<|START_OF_TURN_TOKEN|>
+    <|CHATBOT_TOKEN|>`: the checker gives it to no message, so the last reply's expected region
+    ends at its own terminator. About the checker's expected spans: hence a hook."""
+    from chatgrammar.conformance import check_template
+
+    file = "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja"
+    res = check_template(fd.fmt, fd.source(file), variables=fd.template(file).get("vars"))
+    basic = next(c for c in res.cases if c.case == "basic")
+    tail = "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+    assert basic.status == "pass" and basic.text.endswith("<|END_OF_TURN_TOKEN|>" + tail)
+    assert basic.expected[-1][1] == len(basic.text) - len(tail + "<|END_OF_TURN_TOKEN|>")

@@ -158,6 +158,9 @@ def _params(kind: str) -> list:
         elif kind == "real":
             out += [pytest.param(name, tk, want, id=f"{name}-{tk}")
                     for tk, want in (fd.data.get("detect_real") or {}).items()]
+        elif kind == "error":
+            out += [pytest.param(name, i, id=f"{name}-{i}")
+                    for i in range(len(fd.data.get("errors") or []))]
         elif kind == "hook":
             out += [pytest.param(name, h, id=f"{name}-{h}") for h in fd.data.get("hooks") or []]
     return out
@@ -510,6 +513,20 @@ def check_typed_markers(fd: FormatData, i: int, update_goldens: bool = False) ->
         got["text_error"] = exc.message
     assert x["forged"] not in "".join(got["ids_trained"]) or x.get("forged_as")
     _expect(fd, FORMAT_FILE, "typed_markers", str(i), got, update_goldens)
+
+
+# --------------------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("name,i", _params("error"))
+def test_malformed_input_is_an_error_in_both_modes(name, i):
+    """``errors``: inputs the format must reject, in text mode and in id mode."""
+    fd = data(name)
+    x = fd.data["errors"][i]
+    tok = fd.tokenizer(x.get("tokenizer", "default"))
+    with pytest.raises(cg.ParseError, match=x["match"]):
+        fd.fmt.parse(x["text"])
+    with pytest.raises(cg.ParseError, match=x["match"]):
+        fd.fmt.parse_ids(tok.encode(x["text"], allowed_special="all"), tok)
 
 
 # --------------------------------------------------------------------------- hooks
