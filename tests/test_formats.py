@@ -158,6 +158,12 @@ def _params(kind: str) -> list:
         elif kind == "real":
             out += [pytest.param(name, tk, want, id=f"{name}-{tk}")
                     for tk, want in (fd.data.get("detect_real") or {}).items()]
+        elif kind == "text":
+            out += [pytest.param(name, i, id=f"{name}-{x['name']}")
+                    for i, x in enumerate(fd.data.get("texts") or [])]
+        elif kind == "detect_templates":
+            out += [pytest.param(name, f, w, id=f"{name}-{Path(f).stem}")
+                    for f, w in (fd.data.get("detect_templates") or {}).items()]
         elif kind == "error":
             out += [pytest.param(name, i, id=f"{name}-{i}")
                     for i in range(len(fd.data.get("errors") or []))]
@@ -515,6 +521,38 @@ def check_typed_markers(fd: FormatData, i: int, update_goldens: bool = False) ->
     _expect(fd, FORMAT_FILE, "typed_markers", str(i), got, update_goldens)
 
 
+# --------------------------------------------------------------------------- rendered texts
+
+@pytest.mark.parametrize("name,i", _params("text"))
+def test_rendered_text(name, i, update_goldens):
+    check_text(data(name), i, update_goldens)
+
+
+def check_text(fd: FormatData, i: int, update_goldens: bool = False) -> None:
+    """``texts``: a rendering given as text (a layout no template of the data writes, e.g. a
+    vendor's reference example): parsed as its golden (turns, blocks, closes, every policy's
+    spans), and id mode as text mode."""
+    x = fd.data["texts"][i]
+    text = x["text"]
+    rec = record(fd.fmt, text, fd.policies())
+    check_record(rec)
+    conv = fd.fmt.parse(text)
+    rec["closes"] = [text[t.block.close_start:t.block.close_end]
+                     if t.block.close_start is not None else None for t in conv.turns]
+    tok = fd.tokenizer(x.get("tokenizer", "default"))
+    conv_ids = check_id_mode(fd.fmt, text, conv, tok, [make_policy(p) for p in fd.policies()],
+                             warnings=fd.data.get("id_warnings", "count"), conv_mask=True)
+    rec["id_boundaries"] = [[b.offset, b.message] for b in conv_ids.boundaries]
+    _expect(fd, FORMAT_FILE, "texts", x["name"], rec, update_goldens)
+
+
+@pytest.mark.parametrize("name,file,want", _params("detect_templates"))
+def test_detect_other_template(name, file, want):
+    """``detect_templates``: templates of other formats and what they detect as (this
+    format's detector must not claim them)."""
+    assert cg.detect_format(chat_template=data(name).source(file)).name == want
+
+
 # --------------------------------------------------------------------------- errors
 
 @pytest.mark.parametrize("name,i", _params("error"))
@@ -523,10 +561,13 @@ def test_malformed_input_is_an_error_in_both_modes(name, i):
     fd = data(name)
     x = fd.data["errors"][i]
     tok = fd.tokenizer(x.get("tokenizer", "default"))
-    with pytest.raises(cg.ParseError, match=x["match"]):
-        fd.fmt.parse(x["text"])
-    with pytest.raises(cg.ParseError, match=x["match"]):
-        fd.fmt.parse_ids(tok.encode(x["text"], allowed_special="all"), tok)
+    modes = x.get("modes", ["text", "ids"])
+    if "text" in modes:
+        with pytest.raises(cg.ParseError, match=x.get("match")):
+            fd.fmt.parse(x["text"])
+    if "ids" in modes:
+        with pytest.raises(cg.ParseError, match=x.get("match")):
+            fd.fmt.parse_ids(tok.encode(x["text"], allowed_special="all"), tok)
 
 
 # --------------------------------------------------------------------------- hooks
@@ -572,3 +613,5 @@ def test_a_new_format_is_its_yaml_and_its_data(tmp_path, monkeypatch):
         check_typed_markers(fd, i)
     for i in range(len(fd.data.get("contrasts") or [])):
         check_contrast(fd, i)
+    for i in range(len(fd.data.get("texts") or [])):
+        check_text(fd, i)
