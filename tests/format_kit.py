@@ -443,7 +443,7 @@ def record(fmt: cg.Format, text: str, policies) -> dict:
     spans = {policy_key(p): [[s.kind, s.start, s.end, s.turn] for s in conv.spans(make_policy(p))]
              for p in policies}
     return {"marked": marked(text, merged_spans(conv.spans())),
-            "turns": [[t.role, t.start, t.end, t.complete, t.generation_prompt]
+            "turns": [[t.role, t.start, t.end, t.complete, t.generation_prompt, t.block.close]
                       for t in conv.turns],
             "blocks": [[[b.kind or b.name, b.start, b.end] for b in t.block.children]
                        for t in conv.turns],
@@ -489,7 +489,7 @@ def subsample(rec: dict, stride: int) -> dict:
 def truncation_record(fmt: cg.Format, text: str, tok, within_whole: bool = True,
                       stride: int = 1) -> dict:
     """Every cut of a rendering, both modes: per cut the trained count (default policy and
-    ``truncated=False``), the number of turns, the warnings and the strict-mode errors (each
+    ``truncated=False``), the number of turns and whether the last is complete, the warnings and the strict-mode errors (each
     distinct message with the cuts it appears at; -1 counts at a rejected cut). ``within_whole``: no cut trains a position the whole does not."""
     done = cg.MaskPolicy(truncated=False)
 
@@ -503,7 +503,7 @@ def truncation_record(fmt: cg.Format, text: str, tok, within_whole: bool = True,
                 errors.setdefault(exc.message, []).append(k)
                 trained.append(-1)
                 untruncated.append(-1)
-                turns.append(-1)
+                turns.append([-1, False])
                 continue
             m = mask(k, conv)
             assert len(m) == k and m == conv.mask()
@@ -511,7 +511,7 @@ def truncation_record(fmt: cg.Format, text: str, tok, within_whole: bool = True,
                 ("trains more than the whole", k)
             trained.append(sum(m))
             untruncated.append(sum(conv.mask(done)))
-            turns.append(len(conv.turns))
+            turns.append([len(conv.turns), bool(conv.turns) and conv.turns[-1].complete])
             for w in conv.warnings:
                 warns.setdefault(w.message, []).append(k)
         return {"trained": trained, "trained_untruncated": untruncated, "turns": turns,

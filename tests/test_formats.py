@@ -74,6 +74,12 @@ def _one_format_at_a_time(request):
                 cache = getattr(fmt, attr, None)
                 if isinstance(cache, dict):
                     cache.clear()
+        from chatgrammar import tokenizers as cg_tokenizers
+
+        for attr in ("_ADAPTERS", "_ADAPTERS_BY_ID"):  # adapters hold their tokenizer
+            cache = getattr(cg_tokenizers, attr, None)
+            if hasattr(cache, "clear"):
+                cache.clear()
         format_kit.id_encoding.cache_clear()
         format_kit.renumbered_encoding.cache_clear()
         fuzz_tokenizers._encoding.cache_clear()
@@ -189,6 +195,26 @@ def test_tests_yaml_is_valid(name):
     assert check_tests(facts, str(p)) == []
     missing = [t["file"] for t in facts.get("templates") or [] if not (TEMPLATES / t["file"]).is_file()]
     assert missing == []
+
+
+@pytest.mark.parametrize("name", [n for n in FORMATS if n in ("gemma4", "reka")])
+def test_special_ids_tokenizer_is_qwen_bpe_with_the_specials(name):
+    """The id-mode tokenizer built from a tests.yaml: every special is one id, at its id, every
+    marker of the spec that is special is one of them, and ordinary text splits exactly as
+    with Qwen's own ranks (the renumbering around the ids is monotone)."""
+    from tests.format_kit import qwen_ranks, id_encoding
+
+    fd = data(name)
+    enc = fd.tokenizer()
+    for text, i in fd.facts["special_ids"].items():
+        assert enc.encode(text, allowed_special="all") == [i], text
+    assert {m.text for m in fd.fmt.spec.markers.values() if m.special} <= \
+        set(fd.facts["special_ids"])
+    raw = id_encoding(())
+    assert len(qwen_ranks()) == raw.n_vocab
+    for s in ("Hello, world!", "你好，世界！🌍", "call:get_weather{city:"):
+        assert [enc.decode_single_token_bytes(t) for t in enc.encode(s)] == \
+            [raw.decode_single_token_bytes(t) for t in raw.encode(s)]
 
 
 def test_no_bundled_format_name_in_the_package():
