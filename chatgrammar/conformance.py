@@ -686,8 +686,24 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
         expected.append((a, z))
     res.expected = _merge(expected)
 
-    # nothing outside the assistant outputs trains
-    # (a trained header inside an assistant message is reported with that message, below)
+    problems += _outside_problems(R, found, regions, turns, accepted, res)
+    problems += _message_problems(R, found, found_end, end_spans, regions, case.outputs, g_of,
+                                  turn_starts, accepted, res)
+    if problems:
+        uniq = list(dict.fromkeys(problems))
+        more = f" (+{len(uniq) - 1} more)" if len(uniq) > 1 else ""
+        return fail(uniq[0] + more, "  problems:\n" + "\n".join("    - " + p for p in uniq))
+    if conv_ids.boundaries:
+        res.notes.extend(str(b) for b in conv_ids.boundaries)
+    res.notes = list(dict.fromkeys(res.notes))
+    return res
+
+
+def _outside_problems(R: str, found, regions, turns, accepted: dict,
+                      res: CaseResult) -> list[str]:
+    """Nothing outside the assistant outputs trains (a trained header inside an assistant
+    message is reported with that message): the problems, deviations recorded on ``res``."""
+    problems: list[str] = []
     allowed_mask = _mask_of(((s0, end) for _, s0, _, _, end in regions), len(R))
     for s, e in found:
         bad = [k for k in range(s, e) if not allowed_mask[k]]
@@ -708,7 +724,16 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
                             f"{_show(R[k0:k1])}")
             break
 
-    for (i, s0, start, allowed, end), case_out in zip(regions, case.outputs):
+    return problems
+
+
+def _message_problems(R: str, found, found_end, end_spans, regions, outputs, g_of: dict,
+                      turn_starts: set, accepted: dict, res: CaseResult) -> list[str]:
+    """Each assistant message trains exactly its output: from after the generation prompt (or
+    an allowed prefill) to its end, its words included, the terminator only as the format's
+    end span. The problems, deviations recorded on ``res``."""
+    problems: list[str] = []
+    for (i, s0, start, allowed, end), case_out in zip(regions, outputs):
         with_end = _clip(found_end, s0, end)
         body = _clip(found, s0, end)
         if start >= end:
@@ -757,14 +782,7 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
                 es == zb for es, _ in end_spans):
             problems.append(f"message [{i}] (assistant): {_show(R[zb:end])} after the trained "
                             "text is neither trained nor the format's end-of-turn")
-    if problems:
-        uniq = list(dict.fromkeys(problems))
-        more = f" (+{len(uniq) - 1} more)" if len(uniq) > 1 else ""
-        return fail(uniq[0] + more, "  problems:\n" + "\n".join("    - " + p for p in uniq))
-    if conv_ids.boundaries:
-        res.notes.extend(str(b) for b in conv_ids.boundaries)
-    res.notes = list(dict.fromkeys(res.notes))
-    return res
+    return problems
 
 
 def _deviate(res: CaseResult, dev: str) -> None:
