@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -21,6 +23,8 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-input / large fuzz sizes; run with --runslow")
+    if config.getoption("--runslow"):  # the longer fuzz campaign (tests/test_fuzz.py)
+        os.environ.setdefault("CHATGRAMMAR_FUZZ_SECONDS", "60")
 
 
 def pytest_collection_modifyitems(config, items):
