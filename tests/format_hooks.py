@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest  # noqa: F401  (hooks use pytest.raises)
-
-import chatgrammar as cg  # noqa: F401
-from tests.format_kit import FormatData  # noqa: F401
+import chatgrammar as cg
+from tests.format_kit import FormatData
 
 
 def straddling_only(got, want, conv_ids, policy, name) -> None:

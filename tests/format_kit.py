@@ -285,7 +285,7 @@ import yaml as _yaml  # noqa: E402
 
 from chatgrammar.format_tests import tests_for  # noqa: E402
 from chatgrammar.matrix import MatrixCase, default_matrix  # noqa: E402
-from chatgrammar.render import TemplateError, render_chat  # noqa: E402
+from chatgrammar.render import render_chat  # noqa: E402
 
 SUITE_DIR = Path(__file__).resolve().parent / "formats"
 _MARKS = ("\u27e6", "\u27e7")  # ⟦ ⟧
