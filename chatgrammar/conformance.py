@@ -696,8 +696,24 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
         expected.append((a, z))
     res.expected = _merge(expected)
 
-    # nothing outside the assistant outputs trains
-    # (a trained header inside an assistant message is reported with that message, below)
+    problems += _outside_problems(R, found, regions, turns, accepted, res)
+    problems += _message_problems(R, found, found_end, end_spans, regions, case.outputs, g_of,
+                                  turn_starts, accepted, res)
+    if problems:
+        uniq = list(dict.fromkeys(problems))
+        more = f" (+{len(uniq) - 1} more)" if len(uniq) > 1 else ""
+        return fail(uniq[0] + more, "  problems:\n" + "\n".join("    - " + p for p in uniq))
+    if conv_ids.boundaries:
+        res.notes.extend(str(b) for b in conv_ids.boundaries)
+    res.notes = list(dict.fromkeys(res.notes))
+    return res
+
+
+def _outside_problems(R: str, found, regions, turns, accepted: dict,
+                      res: CaseResult) -> list[str]:
+    """Nothing outside the assistant outputs trains (a trained header inside an assistant
+    message is reported with that message): the problems, deviations recorded on ``res``."""
+    problems: list[str] = []
     allowed_mask = _mask_of(((s0, end) for _, s0, _, _, end in regions), len(R))
     for s, e in found:
         bad = [k for k in range(s, e) if not allowed_mask[k]]
@@ -709,17 +725,24 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
             unclosed = [t for t in turns if t.start < k0 and t.end == k1 and not t.complete]
             if (R[k0:k1].isspace() and k0 > 0 and allowed_mask[k0 - 1] and unclosed
                     and "unclosed-whitespace" in accepted):
-                dev = (f"the assistant turn at char {unclosed[0].start} has no terminator: "
-                       f"{_show(R[k0:k1])} before the next turn trains with it "
-                       f"({accepted['unclosed-whitespace']})")
-                res.deviations.append(dev)
-                res.notes.append("documented deviation: " + dev)
+                _deviate(res, f"the assistant turn at char {unclosed[0].start} has no "
+                         f"terminator: {_show(R[k0:k1])} before the next turn trains with it "
+                         f"({accepted['unclosed-whitespace']})")
                 continue
             problems.append(f"trains text outside the assistant messages at char {k0}: "
                             f"{_show(R[k0:k1])}")
             break
 
-    for (i, s0, start, allowed, end), case_out in zip(regions, case.outputs):
+    return problems
+
+
+def _message_problems(R: str, found, found_end, end_spans, regions, outputs, g_of: dict,
+                      turn_starts: set, accepted: dict, res: CaseResult) -> list[str]:
+    """Each assistant message trains exactly its output: from after the generation prompt (or
+    an allowed prefill) to its end, its words included, the terminator only as the format's
+    end span. The problems, deviations recorded on ``res``."""
+    problems: list[str] = []
+    for (i, s0, start, allowed, end), case_out in zip(regions, outputs):
         with_end = _clip(found_end, s0, end)
         body = _clip(found, s0, end)
         if start >= end:
@@ -732,11 +755,9 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
         for (_, gs), (ge, _) in zip(with_end, with_end[1:]):
             if (R[gs:ge] == g_of[i] and gs in turn_starts
                     and "repeated-prompt" in accepted):
-                dev = (f"message [{i}] (assistant) is rendered as several turns; each later "
-                       f"one opens with the generation prompt {_show(g_of[i])}, untrained "
-                       f"({accepted['repeated-prompt']})")
-                res.deviations.append(dev)
-                res.notes.append("documented deviation: " + dev)
+                _deviate(res, f"message [{i}] (assistant) is rendered as several turns; each "
+                         f"later one opens with the generation prompt {_show(g_of[i])}, "
+                         f"untrained ({accepted['repeated-prompt']})")
                 continue
             problems.append(f"message [{i}] (assistant): the trained text has a gap at chars "
                             f"{gs}-{ge}: {_show(R[gs:ge])}")
@@ -770,14 +791,13 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
                 es == zb for es, _ in end_spans):
             problems.append(f"message [{i}] (assistant): {_show(R[zb:end])} after the trained "
                             "text is neither trained nor the format's end-of-turn")
-    if problems:
-        uniq = list(dict.fromkeys(problems))
-        more = f" (+{len(uniq) - 1} more)" if len(uniq) > 1 else ""
-        return fail(uniq[0] + more, "  problems:\n" + "\n".join("    - " + p for p in uniq))
-    if conv_ids.boundaries:
-        res.notes.extend(str(b) for b in conv_ids.boundaries)
-    res.notes = list(dict.fromkeys(res.notes))
-    return res
+    return problems
+
+
+def _deviate(res: CaseResult, dev: str) -> None:
+    """Record an accepted deviation on the case (it still passes, with a note)."""
+    res.deviations.append(dev)
+    res.notes.append("documented deviation: " + dev)
 
 
 def _check_real_ids(fmt: Format, tokenizer: Any, R: str, conv, res: CaseResult) -> str | None:

@@ -13,6 +13,7 @@ Schema (every key optional)::
       - file: Qwen-Qwen3.jinja     # provenance in tests/data/templates/SOURCES.md
         vars: {bos_token: "<s>"}   # template variables (a tokenizer's special_tokens_map)
         main: true                 # one of the format's main templates (reliability / fuzz tests)
+        main_vars: {}              # the variables those tests render it with (default: vars)
         content_as_parts: true     # the template reads message content as a list of parts
     special_ids: {"<|im_start|>": 151644}   # the family's special tokens at their real ids
     tokenizers:                    # more id-mode fixtures by name: special ids, or a real one
@@ -28,6 +29,8 @@ Schema (every key optional)::
                                    # also checked with system messages removed
     content_parts: true            # the template reads content parts only: the matrix is also
                                    # checked with string contents turned into text parts
+    rejects_tool_messages: "why"   # every tool conversation is a located ParseError by design
+    rejects_consecutive_tool_messages: "why"   # two tool results in a row are (hunyuan)
       repeated-prompt: "docs/formats.md, harmony: what is not trained"
 
 Example:
@@ -55,8 +58,8 @@ TESTS_SUFFIX = ".tests.yaml"
 ACCEPTED_SHAPES = ("repeated-prompt", "unclosed-whitespace")
 
 _TOP = {"templates", "special_ids", "tokenizers", "accepted", "refused", "no_system",
-        "content_parts"}
-_TEMPLATE = {"file", "vars", "main", "content_as_parts", "note"}
+        "content_parts", "rejects_tool_messages", "rejects_consecutive_tool_messages"}
+_TEMPLATE = {"file", "vars", "main", "main_vars", "content_as_parts", "note", "special_ids"}
 
 
 def is_tests_file(path: str | Path) -> bool:
@@ -92,7 +95,7 @@ def check_tests(data: Any, file: str = "<tests.yaml>") -> list[str]:
             out.append(f"{file}: templates[{i}] needs a `file:` (a .jinja name)")
             continue
         out += [f"{file}: templates[{i}]: unknown key {k!r}" for k in t if k not in _TEMPLATE]
-        if not isinstance(t.get("vars", {}), dict):
+        if not isinstance(t.get("vars", {}), dict) or not isinstance(t.get("main_vars", {}), dict):
             out.append(f"{file}: templates[{i}].vars is a mapping of template variables")
     ids = [("special_ids", data.get("special_ids") or {})]
     for name, tk in (data.get("tokenizers") or {}).items():

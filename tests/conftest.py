@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -21,9 +23,20 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-input / large fuzz sizes; run with --runslow")
+    if config.getoption("--runslow"):  # the longer fuzz campaign (tests/test_fuzz.py)
+        os.environ.setdefault("CHATGRAMMAR_FUZZ_SECONDS", "60")
 
 
 def pytest_collection_modifyitems(config, items):
+    # the format suite runs format by format (each format's tokenizers are built once, used by
+    # all its checks, and released before the next format: tests/test_formats.py)
+    suite = [i for i in items if i.nodeid.startswith("tests/test_formats.py::")]
+    if suite:
+        first = items.index(suite[0])
+        rest = [i for i in items if i not in set(suite)]
+        order = sorted(suite, key=lambda i: getattr(getattr(i, "callspec", None), "params",
+                                                    {}).get("name", ""))
+        items[:] = rest[:first] + order + rest[first:]
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow")

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
 
 REAL_IDS: dict[str, dict[str, int]] = {
     "harmony": {
@@ -79,15 +78,6 @@ SPECIAL_TOKENS: dict[str, dict[str, str]] = {
 
 
 @lru_cache(maxsize=None)
-def _ranks() -> dict:
-    from tiktoken.load import load_tiktoken_bpe
-
-    ranks = load_tiktoken_bpe(str(QWEN_TIKTOKEN))
-    assert len(ranks) == QWEN_BASE_VOCAB
-    return ranks
-
-
-@lru_cache(maxsize=None)
 def encoding_for(family: str):
     """The ``tiktoken.Encoding`` of a family (shared; treat as read-only).
 
@@ -103,16 +93,8 @@ def encoding_for(family: str):
         >>> encoding_for("harmony").encode("<|start|>", allowed_special="all")
         [200006]
     """
-    import tiktoken
+    from tests.format_kit import renumbered_encoding
 
     specials = dict(REAL_IDS[family])
-    taken = set(specials.values())
-    assert len(taken) == len(specials)
-    ranks, next_id = {}, 0
-    for piece, _ in sorted(_ranks().items(), key=lambda kv: kv[1]):
-        while next_id in taken:
-            next_id += 1
-        ranks[piece] = next_id
-        next_id += 1
-    return tiktoken.Encoding(name=f"{family}-test", pat_str=QWEN_PATTERN,
-                             mergeable_ranks=ranks, special_tokens=specials)
+    assert len(set(specials.values())) == len(specials)
+    return renumbered_encoding.__wrapped__(f"{family}-test", tuple(specials.items()))

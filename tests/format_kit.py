@@ -47,7 +47,7 @@ def qwen_ranks() -> dict:
     return ranks
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=4)
 def renumbered_encoding(name: str, specials: tuple):
     """Qwen's BPE ranks renumbered monotonically around the special ids.
 
@@ -285,7 +285,7 @@ import yaml as _yaml  # noqa: E402
 
 from chatgrammar.format_tests import tests_for  # noqa: E402
 from chatgrammar.matrix import MatrixCase, default_matrix  # noqa: E402
-from chatgrammar.render import TemplateError, render_chat  # noqa: E402
+from chatgrammar.render import render_chat  # noqa: E402
 
 SUITE_DIR = Path(__file__).resolve().parent / "formats"
 _MARKS = ("\u27e6", "\u27e7")  # ⟦ ⟧
@@ -419,10 +419,11 @@ class FormatData:
         return self.goldens[file]
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=3)
 def id_encoding(specials: tuple):
-    """Qwen's BPE renumbered around ``specials`` (kept small: each is ~100 MB)."""
-    return renumbered_encoding("suite-" + str(hash(specials) & 0xFFFFFFFF), specials)
+    """Qwen's BPE renumbered around ``specials`` (few kept: each costs tens of MB)."""
+    return renumbered_encoding.__wrapped__("suite-" + str(hash(specials) & 0xFFFFFFFF),
+                                           specials)
 
 
 def marked(text: str, spans) -> str:
@@ -442,7 +443,7 @@ def record(fmt: cg.Format, text: str, policies) -> dict:
     spans = {policy_key(p): [[s.kind, s.start, s.end, s.turn] for s in conv.spans(make_policy(p))]
              for p in policies}
     return {"marked": marked(text, merged_spans(conv.spans())),
-            "turns": [[t.role, t.start, t.end, t.complete, t.generation_prompt]
+            "turns": [[t.role, t.start, t.end, t.complete, t.generation_prompt, t.block.close]
                       for t in conv.turns],
             "blocks": [[[b.kind or b.name, b.start, b.end] for b in t.block.children]
                        for t in conv.turns],
@@ -467,23 +468,42 @@ def check_record(rec: dict) -> None:
         assert got == spans
 
 
-def truncation_record(fmt: cg.Format, text: str, tok, within_whole: bool = True) -> dict:
+def truncation_cuts(n: int, stride: int) -> list[int]:
+    """The cuts ``0..n`` checked at ``stride`` (every cut at 1; the last always)."""
+    return sorted(set(range(0, n + 1, stride)) | {n})
+
+
+def subsample(rec: dict, stride: int) -> dict:
+    """A full truncation record (every cut) reduced to the cuts of :func:`truncation_cuts`."""
+    out = {}
+    for mode, r in rec.items():
+        cuts = truncation_cuts(len(r["trained"]) - 1, stride)
+        keep = set(cuts)
+        out[mode] = {k: ([r[k][c] for c in cuts] if isinstance(r[k], list)
+                         else {m: [c for c in v if c in keep] for m, v in r[k].items()
+                               if any(c in keep for c in v)})
+                     for k in r}
+    return out
+
+
+def truncation_record(fmt: cg.Format, text: str, tok, within_whole: bool = True,
+                      stride: int = 1) -> dict:
     """Every cut of a rendering, both modes: per cut the trained count (default policy and
-    ``truncated=False``), the number of turns, the warnings and the strict-mode errors (each
+    ``truncated=False``), the number of turns and whether the last is complete, the warnings and the strict-mode errors (each
     distinct message with the cuts it appears at; -1 counts at a rejected cut). ``within_whole``: no cut trains a position the whole does not."""
     done = cg.MaskPolicy(truncated=False)
 
     def one(parse, mask, n, full):
         trained, untruncated, turns, warns = [], [], [], {}
         errors: dict[str, list[int]] = {}
-        for k in range(n + 1):
+        for k in truncation_cuts(n, stride):
             try:
                 conv = parse(k)
             except cg.ParseError as exc:  # strict parsing rejects this cut: say where
                 errors.setdefault(exc.message, []).append(k)
                 trained.append(-1)
                 untruncated.append(-1)
-                turns.append(-1)
+                turns.append([-1, False])
                 continue
             m = mask(k, conv)
             assert len(m) == k and m == conv.mask()
@@ -491,7 +511,7 @@ def truncation_record(fmt: cg.Format, text: str, tok, within_whole: bool = True)
                 ("trains more than the whole", k)
             trained.append(sum(m))
             untruncated.append(sum(conv.mask(done)))
-            turns.append(len(conv.turns))
+            turns.append([len(conv.turns), bool(conv.turns) and conv.turns[-1].complete])
             for w in conv.warnings:
                 warns.setdefault(w.message, []).append(k)
         return {"trained": trained, "trained_untruncated": untruncated, "turns": turns,

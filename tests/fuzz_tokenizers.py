@@ -217,7 +217,7 @@ def messages_for(fmt: Any, messages: list) -> list:
 def format_templates(fmt: Any) -> list[tuple[str, str, dict]]:
     """``(file name, template source, special-token kwargs)`` for each main template of a
     format: the ``templates:`` of its test facts (``formats/<name>.tests.yaml``) marked
-    ``main: true``, with their ``vars``; a template marked ``content_as_parts`` gets the
+    ``main: true``, with their ``main_vars`` (default ``vars``); a template marked ``content_as_parts`` gets the
     prelude above."""
     from chatgrammar.format_tests import tests_for
 
@@ -229,7 +229,7 @@ def format_templates(fmt: Any) -> list[tuple[str, str, dict]]:
         parts = t.get("content_as_parts") or facts.get("content_parts")
         prelude = _PARTS_PRELUDE if parts else ""
         src = (TEMPLATES_DIR / t["file"]).read_text(encoding="utf-8")
-        out.append((t["file"], prelude + src, dict(t.get("vars") or {})))
+        out.append((t["file"], prelude + src, dict(t.get("main_vars", t.get("vars")) or {})))
     return out
 
 

@@ -40,17 +40,53 @@ from chatgrammar.render import TemplateError
 from tests import format_hooks
 from tests.format_kit import (SUITE_DIR, TEMPLATES, FormatData, check_embedded_examples,
                               check_id_mode, check_record, encode_with_ranges, make_policy,
-                              parse_example, policy_key, record, truncation_record)
+                              record, subsample, truncation_record)
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = cg.list_formats()
-FORMATS = sorted(d.name for d in SUITE_DIR.iterdir() if (d / "suite.yaml").is_file()) \
-    if SUITE_DIR.is_dir() else []
+# every bundled format is checked (a format without a data folder: the matrix through its
+# tests.yaml templates, and the test says which goldens to generate)
+FORMATS = sorted(set(BUNDLED) | ({d.name for d in SUITE_DIR.iterdir() if (d / "suite.yaml").is_file()}
+                                 if SUITE_DIR.is_dir() else set()))
 
 
 @lru_cache(maxsize=None)
 def data(name: str) -> FormatData:
     return FormatData(cg.load_format(name))
+
+
+_current: list[str] = [""]
+
+
+@pytest.fixture(autouse=True)
+def _one_format_at_a_time(request):
+    """Tests run format by format (tests/conftest.py orders them); when the format changes,
+    the tokenizers built for the previous one are released: every loaded format drops its
+    per-tokenizer state (detection binds each format to each tokenizer it sees) and the
+    tokenizer caches are emptied. Peak memory is then one format's tokenizers, not all."""
+    name = getattr(getattr(request.node, "callspec", None), "params", {}).get("name")
+    if name and name != _current[0]:
+        _current[0] = name
+        import gc
+
+        from tests import format_kit, fuzz_tokenizers
+
+        for fmt in {cg.load_format(n) for n in BUNDLED}:
+            for attr in ("_id_lexers", "_fast"):
+                cache = getattr(fmt, attr, None)
+                if isinstance(cache, dict):
+                    cache.clear()
+        from chatgrammar import tokenizers as cg_tokenizers
+
+        for attr in ("_ADAPTERS", "_ADAPTERS_BY_ID"):  # adapters hold their tokenizer
+            cache = getattr(cg_tokenizers, attr, None)
+            if hasattr(cache, "clear"):
+                cache.clear()
+        format_kit.id_encoding.cache_clear()
+        format_kit.renumbered_encoding.cache_clear()
+        fuzz_tokenizers._encoding.cache_clear()
+        gc.collect()
+    yield
 
 
 def _write_golden(fd: FormatData, file: str, section: str, key: str | None, value) -> None:
@@ -130,6 +166,15 @@ def _params(kind: str) -> list:
         elif kind == "real":
             out += [pytest.param(name, tk, want, id=f"{name}-{tk}")
                     for tk, want in (fd.data.get("detect_real") or {}).items()]
+        elif kind == "text":
+            out += [pytest.param(name, i, id=f"{name}-{x['name']}")
+                    for i, x in enumerate(fd.data.get("texts") or [])]
+        elif kind == "detect_templates":
+            out += [pytest.param(name, f, w, id=f"{name}-{Path(f).stem}")
+                    for f, w in (fd.data.get("detect_templates") or {}).items()]
+        elif kind == "error":
+            out += [pytest.param(name, i, id=f"{name}-{i}")
+                    for i in range(len(fd.data.get("errors") or []))]
         elif kind == "hook":
             out += [pytest.param(name, h, id=f"{name}-{h}") for h in fd.data.get("hooks") or []]
     return out
@@ -138,9 +183,11 @@ def _params(kind: str) -> list:
 # --------------------------------------------------------------------------- the data itself
 
 def test_every_bundled_format_has_its_data():
-    """Each bundled format has its tests.yaml and its data folder."""
+    """Each bundled format has its tests.yaml, its data folder and its goldens (a new format:
+    write tests/formats/<name>/suite.yaml, then run this suite with --update-goldens)."""
     assert [n for n in BUNDLED if not facts_path(cg.load_format(n).path).is_file()] == []
-    assert [n for n in BUNDLED if n not in FORMATS] == []
+    assert [n for n in BUNDLED if not (SUITE_DIR / n / "suite.yaml").is_file()] == []
+    assert [n for n in BUNDLED if not (SUITE_DIR / n / "goldens").is_dir()] == []
 
 
 @pytest.mark.parametrize("name", BUNDLED)
@@ -152,6 +199,26 @@ def test_tests_yaml_is_valid(name):
     assert check_tests(facts, str(p)) == []
     missing = [t["file"] for t in facts.get("templates") or [] if not (TEMPLATES / t["file"]).is_file()]
     assert missing == []
+
+
+@pytest.mark.parametrize("name", [n for n in FORMATS if n in ("gemma4", "reka")])
+def test_special_ids_tokenizer_is_qwen_bpe_with_the_specials(name):
+    """The id-mode tokenizer built from a tests.yaml: every special is one id, at its id, every
+    marker of the spec that is special is one of them, and ordinary text splits exactly as
+    with Qwen's own ranks (the renumbering around the ids is monotone)."""
+    from tests.format_kit import qwen_ranks, id_encoding
+
+    fd = data(name)
+    enc = fd.tokenizer()
+    for text, i in fd.facts["special_ids"].items():
+        assert enc.encode(text, allowed_special="all") == [i], text
+    assert {m.text for m in fd.fmt.spec.markers.values() if m.special} <= \
+        set(fd.facts["special_ids"])
+    raw = id_encoding(())
+    assert len(qwen_ranks()) == raw.n_vocab
+    for s in ("Hello, world!", "你好，世界！🌍", "call:get_weather{city:"):
+        assert [enc.decode_single_token_bytes(t) for t in enc.encode(s)] == \
+            [raw.decode_single_token_bytes(t) for t in raw.encode(s)]
 
 
 def test_no_bundled_format_name_in_the_package():
@@ -212,6 +279,8 @@ def check_matrix(fd: FormatData, file: str, case: str, update: bool = False) -> 
         conv_ids = check_id_mode(
             fd.fmt, text, conv, fd.tokenizer(tk), [make_policy(p) for p in fd.policies()],
             warnings=fd.data.get("id_warnings", "count"),
+            turn_fields=tuple(fd.data.get("id_turn_fields") or
+                              ("role", "complete", "generation_prompt")),
             boundaries=bounds.get(tk) if isinstance(bounds, dict) else bounds, conv_mask=True,
             straddling=bool(fd.data.get("straddling")), per_kind=bool(fd.data.get("per_kind")))
         reported[tk] = [[b.offset, b.message] for b in conv_ids.boundaries]
@@ -429,17 +498,28 @@ def test_detect_real_tokenizer(name, tk, want):
 # --------------------------------------------------------------------------- truncation
 
 @pytest.mark.parametrize("name,file,case", _params("truncation"))
-def test_truncation(name, file, case, update_goldens):
-    check_truncation(data(name), file, case, update_goldens)
+def test_truncation(name, file, case, update_goldens, request):
+    # every cut with --runslow; every third (and the last) in the default run
+    stride = 1 if request.config.getoption("--runslow") else 3
+    check_truncation(data(name), file, case, update_goldens, stride)
 
 
-def check_truncation(fd: FormatData, file: str, case: str, update_goldens: bool = False):
-    """Every cut of the rendering in text mode and every prefix of its ids: no cut raises,
-    none trains what the whole does not, each trains and reads as the golden."""
+def check_truncation(fd: FormatData, file: str, case: str, update_goldens: bool = False,
+                     stride: int = 1):
+    """Every cut of the rendering in text mode and every prefix of its ids (every
+    ``stride``-th): each trains, reads and warns as the golden, none trains what the whole
+    does not (unless the data says a cut may)."""
     text = fd.render(file, fd.case(case))
     tok = fd.tokenizer(fd.template(file)["tokenizer"])
-    _expect(fd, file, "truncation", case, truncation_record(fd.fmt, text, tok,
-                                                             fd.data.get("truncation_within_whole", True)), update_goldens)
+    within = fd.data.get("truncation_within_whole", True)
+    if update_goldens or stride == 1:  # the golden holds every cut
+        got = truncation_record(fd.fmt, text, tok, within)
+        _expect(fd, file, "truncation", case, got, update_goldens)
+        return
+    got = truncation_record(fd.fmt, text, tok, within, stride=stride)
+    gold = fd.golden(file).get("truncation", {}).get(case)
+    assert gold is not None, f"no truncation golden for {fd.name} {file} {case}"
+    assert got == subsample(gold, stride), f"{fd.name} × {file}: truncation {case}"
 
 
 # --------------------------------------------------------------------------- typed markers
@@ -469,6 +549,55 @@ def check_typed_markers(fd: FormatData, i: int, update_goldens: bool = False) ->
         got["text_error"] = exc.message
     assert x["forged"] not in "".join(got["ids_trained"]) or x.get("forged_as")
     _expect(fd, FORMAT_FILE, "typed_markers", str(i), got, update_goldens)
+
+
+# --------------------------------------------------------------------------- rendered texts
+
+@pytest.mark.parametrize("name,i", _params("text"))
+def test_rendered_text(name, i, update_goldens):
+    check_text(data(name), i, update_goldens)
+
+
+def check_text(fd: FormatData, i: int, update_goldens: bool = False) -> None:
+    """``texts``: a rendering given as text (a layout no template of the data writes, e.g. a
+    vendor's reference example): parsed as its golden (turns, blocks, closes, every policy's
+    spans), and id mode as text mode."""
+    x = fd.data["texts"][i]
+    text = x["text"]
+    rec = record(fd.fmt, text, fd.policies())
+    check_record(rec)
+    conv = fd.fmt.parse(text)
+    rec["closes"] = [text[t.block.close_start:t.block.close_end]
+                     if t.block.close_start is not None else None for t in conv.turns]
+    tok = fd.tokenizer(x.get("tokenizer", "default"))
+    conv_ids = check_id_mode(fd.fmt, text, conv, tok, [make_policy(p) for p in fd.policies()],
+                             warnings=fd.data.get("id_warnings", "count"), conv_mask=True)
+    rec["id_boundaries"] = [[b.offset, b.message] for b in conv_ids.boundaries]
+    _expect(fd, FORMAT_FILE, "texts", x["name"], rec, update_goldens)
+
+
+@pytest.mark.parametrize("name,file,want", _params("detect_templates"))
+def test_detect_other_template(name, file, want):
+    """``detect_templates``: templates of other formats and what they detect as (this
+    format's detector must not claim them)."""
+    assert cg.detect_format(chat_template=data(name).source(file)).name == want
+
+
+# --------------------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("name,i", _params("error"))
+def test_malformed_input_is_an_error_in_both_modes(name, i):
+    """``errors``: inputs the format must reject, in text mode and in id mode."""
+    fd = data(name)
+    x = fd.data["errors"][i]
+    tok = fd.tokenizer(x.get("tokenizer", "default"))
+    modes = x.get("modes", ["text", "ids"])
+    if "text" in modes:
+        with pytest.raises(cg.ParseError, match=x.get("match")):
+            fd.fmt.parse(x["text"])
+    if "ids" in modes:
+        with pytest.raises(cg.ParseError, match=x.get("match")):
+            fd.fmt.parse_ids(tok.encode(x["text"], allowed_special="all"), tok)
 
 
 # --------------------------------------------------------------------------- hooks
@@ -514,3 +643,5 @@ def test_a_new_format_is_its_yaml_and_its_data(tmp_path, monkeypatch):
         check_typed_markers(fd, i)
     for i in range(len(fd.data.get("contrasts") or [])):
         check_contrast(fd, i)
+    for i in range(len(fd.data.get("texts") or [])):
+        check_text(fd, i)
