@@ -419,6 +419,10 @@ def decode_spec(data: dict, file: str, text: bytes) -> tuple:
 
     def marks() -> dict:
         try:
+            if spec.extends:  # positions of inherited keys are the parent file's
+                from .spec import read_spec
+
+                return read_spec(file)[1].marks
             return load_yaml(text.decode("utf-8"), file)[1]
         except Exception:  # (cannot happen for the bytes that compiled; no position then)
             return {}

@@ -224,8 +224,9 @@ def format_templates(fmt: Any) -> list[tuple[str, str, dict]]:
     out = []
     facts = tests_for(fmt)
     ts = facts.get("templates") or []
-    # a format that marks none: its first template (formats added as data need not say)
-    for t in [t for t in ts if t.get("main")] or ts[:1]:
+    for t in ts:
+        if not t.get("main"):
+            continue
         parts = t.get("content_as_parts") or facts.get("content_parts")
         prelude = _PARTS_PRELUDE if parts else ""
         src = (TEMPLATES_DIR / t["file"]).read_text(encoding="utf-8")

@@ -278,7 +278,9 @@ def test_rendered_conversations_roundtrip(name, template_name):
 
         # text mode on the real text
         strict, _lenient = check_contract(fmt, real, "text")
-        if not typed:
+        # (text mode cannot tell a typed marker from the template's, soft ones included: a
+        # typed "\n\nAssistant: " forms deepseek-llm's soft header — docs/engine.md)
+        if not typed and not typed_soft:
             assert not isinstance(strict, ParseError), f"{tname}: {strict}"
             assert strict.mask() == ref_mask, f"{tname}: text mode differs from the reference"
         elif isinstance(strict, ParseError):
