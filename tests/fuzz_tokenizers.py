@@ -214,6 +214,28 @@ def messages_for(fmt: Any, messages: list) -> list:
     return messages
 
 
+def engine_templates(fmt: Any) -> list[tuple[str, str, dict]]:
+    """The templates the fast-path equality tests render: the main ones, else the format's
+    first template (every format is checked fast == full pipeline, including formats whose
+    templates are not yet in the fuzz and property suites)."""
+    main = format_templates(fmt)
+    if main:
+        return main
+    ts = tests_for_format(fmt).get("templates") or []
+    out = []
+    for t in ts[:1]:
+        parts = t.get("content_as_parts") or tests_for_format(fmt).get("content_parts")
+        src = (TEMPLATES_DIR / t["file"]).read_text(encoding="utf-8")
+        out.append((t["file"], (_PARTS_PRELUDE if parts else "") + src, dict(t.get("vars") or {})))
+    return out
+
+
+def tests_for_format(fmt: Any) -> dict:
+    from chatgrammar.format_tests import tests_for
+
+    return tests_for(fmt)
+
+
 def format_templates(fmt: Any) -> list[tuple[str, str, dict]]:
     """``(file name, template source, special-token kwargs)`` for each main template of a
     format: the ``templates:`` of its test facts (``formats/<name>.tests.yaml``) marked
