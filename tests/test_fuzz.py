@@ -394,7 +394,12 @@ def _lstrip_tail(want: np.ndarray, units, n: int, is_space, lstrip_at) -> None:
         want[s:n] = want[s - 1]
 
 
-@pytest.mark.parametrize("name", FORMATS)
+#: formats whose main templates the fuzz suites render (``main: true`` in their tests.yaml; the
+#: others are checked on their templates by the conformance and format suites)
+MAIN_FORMATS = [n for n in FORMATS if format_templates(cg.load_format(n))]
+
+
+@pytest.mark.parametrize("name", MAIN_FORMATS)
 def test_every_prefix_trains_what_is_there(name):
     """A sample cut anywhere (max_length) parses strictly and trains exactly the part of the
     full rendering's trained tokens / chars that it still holds."""
