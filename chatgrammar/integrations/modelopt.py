@@ -113,7 +113,10 @@ def needs_decoding(fmt: cg.Format, tokenizer: Any = None) -> bool:
         True
     """
     spec = fmt.spec
-    if spec.between or any(el.lead or el.tag or el.kind_by_tag or el.kind_by_attr
+    # whitespace between turns (Kimi-K2's current template: "\n" after its default system turn)
+    # needs no decoding where a sample has none; where one has, decode() is called, fails, and
+    # that sample is counted and trains nothing (never a wrong mask)
+    if (spec.between and spec.between not in (r"\s*", r"\s+", r"\n*", r"\n")) or any(el.lead or el.tag or el.kind_by_tag or el.kind_by_attr
                            for el in spec.elements.values()):
         return True
     for name, el in spec.elements.items():
