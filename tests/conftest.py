@@ -21,6 +21,27 @@ def pytest_addoption(parser):
                      help="also run tests marked slow (the longer run)")
 
 
+class _FixedClock:
+    """Templates that print today's date (``strftime_now``: Hunyuan, Llama 3.1, …) render the
+    same text in every run, so that goldens of their renderings hold on any day."""
+
+    @staticmethod
+    def now(tz=None):
+        import datetime as _dt
+
+        return _dt.datetime(2026, 1, 15, 12, 0, 0, tzinfo=tz)
+
+
+@pytest.fixture(autouse=True)
+def _fixed_clock_for_goldens(request, monkeypatch):
+    # only the format suite's goldens need it; render parity tests compare with transformers,
+    # whose strftime_now reads the real clock
+    if request.node.nodeid.startswith("tests/test_formats.py::"):
+        import chatgrammar.render as _render
+
+        monkeypatch.setattr(_render, "datetime", _FixedClock)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-input / large fuzz sizes; run with --runslow")
     if config.getoption("--runslow"):  # the longer fuzz campaign (tests/test_fuzz.py)
