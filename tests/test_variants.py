@@ -50,7 +50,6 @@ MIN_PASS = {
     "LFM2-8B-A1B.jinja": 19,
     "derived/llama-cpp-microsoft-Phi-4-mini-instruct.jinja": 19,
     "derived/gemma4.jinja": 20,
-    "derived/llama-cpp-ibm-granite-granite-3.3-2B-Instruct.jinja": 19,
     "derived/unsloth-Magistral-Small-2509.jinja": 20,
     "derived/unsloth-mistral-Devstral-Small-2507.jinja": 20,
     "derived/unsloth-Apriel-1.5.jinja": 20,
@@ -77,6 +76,10 @@ def _variants() -> list[tuple[str, str, dict]]:
             f = t["file"]
             if f.startswith("derived/") or f in VARIANTS_AT_TOP:
                 out.append((name, f, dict(t.get("vars") or {})))
+    # Apriel 1.6 is not in apriel.tests.yaml (not claimed yet: 17/20, no detector); its
+    # matrix is still pinned here with its known failures
+    out.append(("apriel", "derived/Apriel-1.6-15b-Thinker-fixed.jinja",
+                {"bos_token": "<s>", "eos_token": "</s>"}))
     return out
 
 
