@@ -352,28 +352,27 @@ def content_key(tokenizer: Any) -> tuple:
     return tuple(parts)
 
 
-_ADAPTERS: "weakref.WeakKeyDictionary[Any, TokenizerAdapter]" = weakref.WeakKeyDictionary()
-_ADAPTERS_BY_ID: dict[int, tuple[Any, TokenizerAdapter]] = {}
+_ADAPTERS: "weakref.WeakKeyDictionary[Any, tuple[tuple, TokenizerAdapter]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def adapt(tokenizer: Any) -> TokenizerAdapter:
-    """Cached :class:`TokenizerAdapter` for a tokenizer object."""
+    """Cached :class:`TokenizerAdapter` for a tokenizer object, built anew when the tokenizer's
+    content changed since (:func:`content_version`: added/special tokens, vocabulary size), so
+    its marker lookups never go stale. A tokenizer that cannot be weakly referenced gets a
+    fresh adapter each call (never a cache keyed by ``id()``, which is reused after a free)."""
     if isinstance(tokenizer, TokenizerAdapter):
         return tokenizer
+    ver = content_version(tokenizer)
     try:
-        a = _ADAPTERS.get(tokenizer)
-        if a is None:
-            a = _ADAPTERS[tokenizer] = TokenizerAdapter(tokenizer)
-        return a
+        hit = _ADAPTERS.get(tokenizer)
     except TypeError:  # not weak-referenceable / not hashable
-        hit = _ADAPTERS_BY_ID.get(id(tokenizer))
-        if hit is not None and hit[0] is tokenizer:
-            return hit[1]
-        a = TokenizerAdapter(tokenizer)
-        if len(_ADAPTERS_BY_ID) > 64:
-            _ADAPTERS_BY_ID.clear()
-        _ADAPTERS_BY_ID[id(tokenizer)] = (tokenizer, a)
-        return a
+        return TokenizerAdapter(tokenizer)
+    if hit is not None and hit[0] == ver:
+        return hit[1]
+    a = TokenizerAdapter(tokenizer)
+    _ADAPTERS[tokenizer] = (ver, a)
+    return a
 
 
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any:

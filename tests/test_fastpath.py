@@ -470,3 +470,20 @@ def test_loss_masks_records_errors_per_sample():
     assert arrs[0].tolist() == want and arrs[1] is None
     with pytest.raises(ValueError):
         fmt.loss_masks([ids], enc, on_error="ignore")
+
+
+def test_adapter_follows_a_tokenizer_that_gains_special_tokens():
+    # adapt() is cached per object but checked against the tokenizer's content: a marker added
+    # after first use is found (a cache keyed by the object alone kept the old lookups)
+    from chatgrammar.tokenizers import adapt
+    from tests.tokenizers import qwen_fast_tokenizer
+
+    import copy
+
+    tok = copy.deepcopy(qwen_fast_tokenizer())  # (the shared one stays as it is)
+    before = adapt(tok)
+    assert before.token_id("<|cg_new|>", True) is None
+    tok.add_special_tokens({"additional_special_tokens": ["<|cg_new|>"]})
+    after = adapt(tok)
+    assert after is not before
+    assert after.token_id("<|cg_new|>", True) == tok.convert_tokens_to_ids("<|cg_new|>")

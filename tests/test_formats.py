@@ -78,7 +78,7 @@ def _one_format_at_a_time(request):
                     cache.clear()
         from chatgrammar import tokenizers as cg_tokenizers
 
-        for attr in ("_ADAPTERS", "_ADAPTERS_BY_ID"):  # adapters hold their tokenizer
+        for attr in ("_ADAPTERS",):  # adapters hold their tokenizer
             cache = getattr(cg_tokenizers, attr, None)
             if hasattr(cache, "clear"):
                 cache.clear()

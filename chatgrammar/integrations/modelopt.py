@@ -174,27 +174,42 @@ class ChatGrammarRecovery:
         self.policy = policy
         self.strict = strict
         self._lock = threading.Lock()
-        self._by_tok: "weakref.WeakKeyDictionary[Any, _Resolved]" = weakref.WeakKeyDictionary()
-        self._by_id: dict[int, tuple[Any, _Resolved]] = {}
+        # resolutions by the tokenizer's content (content_key); each object remembers its key
+        # and the content_version it was computed at, so one that gains tokens is resolved again
+        self._by_content: dict[tuple, _Resolved] = {}
+        self._by_tok: "weakref.WeakKeyDictionary[Any, tuple[tuple, tuple]]" = \
+            weakref.WeakKeyDictionary()
         self.counts = {"samples": 0, "malformed": 0, "failed": 0, "undetected": 0}
 
     # -------------------------------------------------------------- resolution (cached)
     def _resolve(self, tokenizer: Any) -> _Resolved:
+        """The format for ``tokenizer``, cached by its content (see the cache above)."""
+        from chatgrammar.tokenizers import content_key, content_version
+
+        ver = content_version(tokenizer)
         try:
-            hit = self._by_tok.get(tokenizer)
-        except TypeError:  # not weak-referenceable / not hashable
-            pair = self._by_id.get(id(tokenizer))
-            hit = pair[1] if pair is not None and pair[0] is tokenizer else None
-        if hit is not None:
-            return hit
-        res = self._resolve_uncached(tokenizer)
+            seen = self._by_tok.get(tokenizer)
+        except TypeError:  # not weak-referenceable / not hashable: by content each call
+            seen = None
+        if seen is not None and seen[0] == ver and seen[1] in self._by_content:
+            return self._by_content[seen[1]]
+        as_tok = tokenizer if callable(getattr(tokenizer, "decode", None)) else \
+            _IdsOnly(tokenizer, _marker_strings())
+        try:
+            ckey = content_key(as_tok)
+        except TypeError:  # no tokenizer protocol at all: nothing to cache
+            return self._resolve_uncached(tokenizer)
+        res = self._by_content.get(ckey)
+        if res is None:
+            res = self._resolve_uncached(tokenizer)
         with self._lock:
+            if len(self._by_content) >= 64:
+                self._by_content.clear()
+            self._by_content[ckey] = res
             try:
-                self._by_tok[tokenizer] = res
+                self._by_tok[tokenizer] = (ver, ckey)
             except TypeError:
-                if len(self._by_id) > 64:
-                    self._by_id.clear()
-                self._by_id[id(tokenizer)] = (tokenizer, res)
+                pass
         return res
 
     def _resolve_uncached(self, tokenizer: Any) -> _Resolved:
