@@ -15,6 +15,7 @@ Data ``map_batches`` function (batch format ``"default"`` / dict of lists) and i
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from .format import Format
@@ -191,26 +192,32 @@ def _is_batched(conversation: Any) -> bool:
         isinstance(conversation[0], (list, tuple)) or hasattr(conversation[0], "messages"))
 
 
-_DETECTED: dict = {}
+_DETECTED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 def _resolve_format(fmt: Any, tokenizer: Any, chat_template: str | None) -> Format:
     """``fmt`` loaded, or (None) the format detected from the tokenizer and template, memoised
-    per (tokenizer, template) so a data loader does not re-run detection per sample."""
+    per tokenizer object (weakly: nothing is kept alive) and its content version and template,
+    so a data loader does not re-run detection per sample and a tokenizer that gains tokens
+    is detected again."""
     if fmt is not None:
         return load_format(fmt)
-    own = getattr(tokenizer, "chat_template", None)
-    key = (id(tokenizer), chat_template, own if isinstance(own, str) else repr(own))
-    hit = _DETECTED.get(key)
-    if hit is not None and hit[0] is tokenizer:
-        return hit[1]
     from .detect import detect_format
+    from .tokenizers import content_version
 
-    got = detect_format(tokenizer, chat_template=chat_template)
-    if len(_DETECTED) > 64:
-        _DETECTED.clear()
-    _DETECTED[key] = (tokenizer, got)
-    return got
+    own = getattr(tokenizer, "chat_template", None)
+    key = (content_version(tokenizer), chat_template,
+           own if isinstance(own, str) else repr(own))
+    try:
+        seen = _DETECTED.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: detect each call
+        return detect_format(tokenizer, chat_template=chat_template)
+    hit = seen.get(key)
+    if hit is None:
+        if len(seen) > 8:
+            seen.clear()
+        hit = seen[key] = detect_format(tokenizer, chat_template=chat_template)
+    return hit
 
 
 def _chat_template_of(tokenizer: Any, chat_template: str | None, tools: Any) -> str:
