@@ -257,6 +257,7 @@ class _Shape:
     heads: dict = field(default_factory=dict)      # role -> header text (not first turn)
     terms: dict = field(default_factory=dict)      # role -> terminator text
     first: dict = field(default_factory=dict)      # role -> head of a first turn (preamble in)
+    first_sys: str | None = None                   # a first user head holding a folded system
     gens: list = field(default_factory=list)       # generation prompts seen
     closing: list = field(default_factory=list)    # text only the very end carries
     bare_system: bool = False
@@ -426,6 +427,9 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
     _header_in_terminator(lex, sh)
     for role, vals in first.items():
         sh.first[role] = vals[0][0]
+    for head, shape in first.get("user", []):
+        if shape.startswith("s-") and SYS in head and "system" not in first:
+            sh.first_sys = head   # the system text folded before the first user header
     # what the last message's terminator adds to the ordinary one (an EOS at the very end)
     for role, vals in last.items():
         base = sh.terms.get(role)
@@ -841,7 +845,7 @@ def _heads(lex: _Lexicon, sh: _Shape, h_a: str) -> tuple[dict, list, bool]:
         # before the header: BOS or a default system turn; after it: a folded system text
         pre = first_u[:at] if not first_u.endswith(user.lstrip()) else \
             first_u[:len(first_u) - len(user.lstrip())]
-        ps = lex.pieces(pre)
+        ps = [q for q in lex.pieces(pre) if q[0] or q[1].strip()]   # whitespace: between
         k = 0
         while k < len(ps) and ps[k][0] and ps[k][1] not in openers:
             k += 1
@@ -851,6 +855,19 @@ def _heads(lex: _Lexicon, sh: _Shape, h_a: str) -> tuple[dict, list, bool]:
             # a default system text, bare before the first turn, after the BOS (Magicoder's
             # "<bos>You are an exceptionally intelligent coding assistant …\n\n")
             preamble = [p for _, p in ps[:k]]
+            bare = True
+    if sh.first_sys is not None and user.strip() and not bare:
+        # a system message rendered as bare text before the first user turn, only once a user
+        # message follows it (AmberChat's "<s>SYSTEM\n###Human: …", ChatQA's "System: …")
+        fs = sh.first_sys
+        pre = fs[:fs.rfind(user.lstrip())] if fs.rfind(user.lstrip()) >= 0 else ""
+        ps = [q for q in lex.pieces(pre) if q[0] or q[1].strip()]
+        k = 0
+        while k < len(ps) and ps[k][0] and ps[k][1] not in openers:
+            k += 1
+        rest = "".join(p for _, p in ps[k:])
+        if SYS in rest and not any(m for m, _ in ps[k:]):
+            preamble = list(dict.fromkeys(preamble + [p for _, p in ps[:k]]))
             bare = True
     if "system" in sh.first:
         head = sh.first["system"]
@@ -1259,6 +1276,10 @@ def _forced_suffix(probe: _Probe) -> str:
     # the reply goes on from (GLM-Edge ends with "<|assistant|>", its replies with "\n")
     if not tail.strip() or not r_ua[:r_ua.rfind(A1)].endswith(tail):
         return ""
+    for text in (x, y):   # never from inside a marker ("|>\n" of two different markers)
+        at = len(text) - len(tail)
+        if _snap(_PLAIN, text, at) != at or (0 < at and _snap(_PLAIN, text, at + 1) < at):
+            return ""
     return tail
 
 
@@ -1279,6 +1300,9 @@ def _variants(spec: dict) -> list[dict]:
     for name in alt["top"]:
         o = alt["elements"][name].get("open")
         for m in [o] if isinstance(o, str) else o or []:
+            alt["markers"][m]["lstrip"] = True
+    for m in alt.get("preamble", []):   # a BOS after the template's indentation (AmberChat)
+        if m in alt["markers"]:
             alt["markers"][m]["lstrip"] = True
     out.append(alt)
     closeless = [n for n in alt["top"] + alt.get("preamble", [])

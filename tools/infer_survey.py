@@ -38,6 +38,20 @@ def known_vars() -> dict:
     return out
 
 
+def default_vars(template: str) -> dict:
+    """What a tokenizer of the template's family would likely pass (the same guess as
+    helper W2's tools/wild.py), for templates no bundled format's facts name."""
+    if "<|im_start|>" in template:
+        return {"bos_token": "", "eos_token": "<|im_end|>"}
+    if "<|start_header_id|>" in template:
+        return {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    if "<start_of_turn>" in template:
+        return {"bos_token": "<bos>", "eos_token": "<eos>"}
+    if "<|endoftext|>" in template:
+        return {"bos_token": "<s>", "eos_token": "<|endoftext|>"}
+    return {"bos_token": "<s>", "eos_token": "</s>"}
+
+
 def group(reason: str) -> str:
     r = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", reason)
     r = re.sub(r"\(.*", "", r)
@@ -63,7 +77,7 @@ def main() -> int:
             if h in seen:
                 continue
             seen.add(h)
-            v = kv.get(p.name, {})
+            v = kv.get(p.name) or default_vars(text)
             t0 = time.time()
             try:
                 fmt = inf.infer_format(text, **v)
