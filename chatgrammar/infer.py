@@ -1270,10 +1270,24 @@ def _forced_suffix(probe: _Probe) -> str:
     if not r_u or r_u != r_ug or not r_ua or U1 not in r_u or A1 not in r_ua:
         return ""
     x, y = r_u[r_u.rfind(U1) + len(U1):], r_ua[r_ua.rfind(A1) + len(A1):]
-    n = len(os.path.commonprefix([x[::-1], y[::-1]]))
+    ends = [x[::-1], y[::-1]]
+    # with no message at all, only the forced prompt is left (Llama-3-style templates whose
+    # turns all end with the same <|eot_id|> the prompt would otherwise take)
+    r_0 = probe.render([], shape="no messages")
+    if r_0:
+        ends.append(r_0[::-1])
+    n = len(os.path.commonprefix(ends))
     tail = x[len(x) - n:] if n else ""
     # only the assistant's whole header (what precedes its value), never a part of it that
     # the reply goes on from (GLM-Edge ends with "<|assistant|>", its replies with "\n")
+    # a marker every turn ends with (<|eot_id|>) is the turn's, not the prompt's: what an
+    # assistant turn is followed by before a user turn starts with it too
+    r_uau = probe.render([_u(U1), _a(A1), _u(U2)], shape="u-a-u")
+    if r_uau and A1 in r_uau and U2 in r_uau:
+        between = r_uau[r_uau.find(A1) + len(A1):r_uau.find(U2)]
+        ps = _PLAIN.pieces(between)
+        if ps and ps[0][0] and tail.startswith(ps[0][1]) and len(tail) > len(ps[0][1]):
+            tail = tail[len(ps[0][1]):]
     if not tail.strip() or not r_ua[:r_ua.rfind(A1)].endswith(tail):
         return ""
     for text in (x, y):   # never from inside a marker ("|>\n" of two different markers)
@@ -1301,8 +1315,10 @@ def _variants(spec: dict) -> list[dict]:
         o = alt["elements"][name].get("open")
         for m in [o] if isinstance(o, str) else o or []:
             alt["markers"][m]["lstrip"] = True
+    used = {m for el in alt["elements"].values()
+            for m in (el.get("close") or {}).get("markers", [])}
     for m in alt.get("preamble", []):   # a BOS after the template's indentation (AmberChat)
-        if m in alt["markers"]:
+        if m in alt["markers"] and m not in used:   # (OLMo's EOS is also its BOS)
             alt["markers"][m]["lstrip"] = True
     out.append(alt)
     closeless = [n for n in alt["top"] + alt.get("preamble", [])

@@ -87,6 +87,11 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001
                 status, why = "CRASH", f"{type(exc).__name__}: {exc}"
             dt = time.time() - t0
+            try:
+                det = cg.detect_format(chat_template=text).name
+            except cg.ChatGrammarError:
+                det = "-"
+            why = f"[{det}] {why}"
             rows.append({"file": str(p), "status": status, "why": why, "s": round(dt, 2)})
             print(f"{status:8} {dt:5.1f}s {p.relative_to(d) if p.is_relative_to(d) else p}: "
                   f"{why[:160]}", flush=True)
