@@ -269,6 +269,7 @@ class _Shape:
     renders: list = field(default_factory=list)    # every probe rendering
     opening: set = field(default_factory=set)      # markers that start a header
     after_tool_head: str | None = None
+    reply_after_reply: bool = False                # a headerless answer after a dropped tool
     notes: list = field(default_factory=list)
 
 
@@ -598,6 +599,15 @@ def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
     if R is None:
         msgs = [_s(SYS)] + msgs
         R = probe.render(msgs, tools=_TOOLS, shape="tool-call")
+    if R is not None and TR1 not in R and A2 in R:
+        before = R[:R.find(A2)]
+        term = sh.terms.get("assistant") or ""
+        if term.strip() and before.endswith(term) and not before.endswith(h_a):
+            # the tool message is dropped and the answer follows the tool-calling reply with
+            # no header of its own (Phi-3's template prints the assistant header in the user
+            # turn): a headerless reply may follow an assistant turn
+            sh.reply_after_reply = True
+            sh.notes.append("tool messages are dropped; the answer after them has no header")
     if R is None or TR1 not in R or A2 not in R:
         sh.notes.append("no tool-call probe renders: tool calls are left to verification")
         return
@@ -1021,13 +1031,20 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
             raise InferenceError("assistant turns have neither a header nor a terminator",
                                  where="role headers")
         plan.elements["reply"] = {"role": "assistant", "close": close}
+    a_el = plan.elements.get("assistant_turn") or plan.elements.get("turn")
+    if sh.reply_after_reply and a_el is not None and a_el.get("close") \
+            and "reply" not in plan.elements:
+        plan.elements["reply_after_reply"] = {
+            "role": "assistant", "close": json.loads(json.dumps(a_el["close"])),
+            "follow": "reply_after_reply"}
+        a_el["follow"] = "reply_after_reply"
     if sh.decl:
         plan.elements["tool_declarations"] = {"open": plan.m(sh.decl[0]), "role": "system",
                                               "close": {"markers": [plan.m(sh.decl[1])]}}
         plan.top.append("tool_declarations")
     children = _blocks(plan, sh)
     for ename, el in plan.elements.items():
-        if ename in plan.top or ename == "reply":
+        if ename in plan.top or ename in ("reply", "reply_after_reply"):
             if children:
                 el["children"] = list(children)
             if "reply" in plan.elements and ename in plan.top:
@@ -1046,7 +1063,7 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
         structural.update((el.get("close") or {}).get("after", []))
     loose = [n for n in plan.names.by_text.values() if n not in structural]
     for ename, el in plan.elements.items():
-        if (ename in plan.top or ename == "reply") and loose:
+        if (ename in plan.top or ename in ("reply", "reply_after_reply")) and loose:
             el["inner_markers"] = list(loose)
     glue = [g for g in dict.fromkeys(glue + sh.glue)]
     closing = [c for c in sh.closing if lex.pieces(c) and all(m for m, _ in lex.pieces(c))]
@@ -1323,8 +1340,9 @@ def _variants(spec: dict) -> list[dict]:
     out.append(alt)
     closeless = [n for n in alt["top"] + alt.get("preamble", [])
                  if n in alt["elements"] and "close" not in alt["elements"][n]]
-    if ws_after and closeless:
-        # turns without a terminator cannot share text with between-turn whitespace: the
+    follows = any("follow" in el for el in alt["elements"].values())
+    if ws_after and (closeless or follows):
+        # turns without a terminator (or a headerless reply that may follow a turn's close) cannot share text with between-turn whitespace: the
         # whitespace a terminator is always followed by becomes part of it (soft). A marker of
         # its own: the same marker elsewhere (OLMo's <|endoftext|> is also its BOS) stays as is
         for base in (alt, spec):
@@ -1408,7 +1426,8 @@ def _add_loose(spec: dict, texts: list, lex: _Lexicon, tokenizer: Any) -> bool:
         while mname in spec["markers"]:
             mname, n = f"{base}_{n}", n + 1
         spec["markers"][mname] = {"text": t, "special": lex.special(t, tokenizer)}
-        for ename in list(spec["top"]) + (["reply"] if "reply" in spec["elements"] else []):
+        for ename in list(spec["top"]) + [e for e in ("reply", "reply_after_reply")
+                                          if e in spec["elements"]]:
             el = spec["elements"].get(ename)
             if el is not None:
                 el["inner_markers"] = list(dict.fromkeys(el.get("inner_markers", []) + [mname]))
