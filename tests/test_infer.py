@@ -63,6 +63,10 @@ CROSS = {
                 "Mistral-Small-3.2-24B-Instruct-2506.jinja",
                 "mistralai-Ministral-3-14B-Reasoning-2512.jinja"],
     "phi3": ["microsoft-Phi-3-mini-4k-instruct.jinja", "microsoft-Phi-4-mini-instruct.jinja"],
+    # no terminator at all: the EOS is an optional close, as the bundled specs say
+    "falcon": ["tiiuae-falcon-11B.jinja"],
+    "solar-instruct": ["Deci-DeciLM-7B.jinja"],
+    "sea-lion": ["aisingapore-sea-lion-7b-instruct.jinja"],
     "phi4": ["microsoft-phi-4.jinja", "microsoft-Phi-4-reasoning.jinja"],
 }
 
@@ -91,6 +95,14 @@ NEW = {
     # Llama-2 [INST] <<SYS>>: a default system prompt folded into the first user turn
     "llama2-sys-vigogne.jinja": ({"bos_token": "<s>", "eos_token": "</s>"},
                                  [" Hello there ", " Later "]),
+    # the user turn prints the assistant header; tool messages are dropped, so the answer
+    # after one follows the tool-calling reply with no header (a follow element)
+    "phi3-medium.jinja": ({}, ["Hello there", "Later"]),
+    "phi3-mini.jinja": ({}, ["Hello there", "Later"]),
+    "phi4-llamacpp.jinja": ({}, ["Hello there", "Later"]),
+    # the assistant header is printed even without add_generation_prompt; every turn ends
+    # with <|eot_id|>, which stays the turn's
+    "llama3-llamacpp.jinja": ({"bos_token": "<|begin_of_text|>"}, ["Hello there", "Later"]),
 }
 TWO_EXCHANGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
                  {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Later"}]
@@ -168,6 +180,41 @@ def test_new_family_verified_with_correct_masks(name):
     bounds = starts + [len(text)]
     spans = fmt.parse_ids(ids, tok).spans()
     assert [text[bounds[s.start]:bounds[s.end]] for s in spans] == trained
+
+
+@pytest.mark.parametrize("name", ["phi3-medium.jinja", "phi4-llamacpp.jinja"])
+def test_answer_after_a_dropped_tool_message_trains_as_the_assistant(name):
+    tpl = _read("infer/" + name)
+    fmt = cg.infer_format(tpl)
+    assert "tool-call" in fmt.verification.checked
+    for case in ("tool-call", "tool-call-with-content"):
+        c = next(x for x in default_matrix() if x.name == case)
+        text = render_case(tpl, c).text
+        answers = [m["content"] for m in c.messages if m["role"] == "assistant"]
+        assert "".join(fmt.parse(text).trained_text(OUTPUT_POLICY)) == "".join(answers)
+
+
+def test_closeless_layout_reports_its_whitespace_deviation():
+    # DeciLM: '### User:\n…\n### Assistant:\n…\n', no terminator: the '\n' before the next
+    # header trains with the reply (the checker's documented unclosed-whitespace shape)
+    fmt = _infer("Deci-DeciLM-7B.jinja", "solar-instruct")
+    assert fmt.verification.deviations and "unclosed-whitespace" in fmt.verification.summary()
+    text = render_chat(_read("Deci-DeciLM-7B.jinja"), TWO_EXCHANGES, bos_token="<s>",
+                       eos_token="</s>")
+    assert fmt.parse(text).trained_text() == ["Hello there\n", "Later\n"]
+    # without an EOS to end a reply at, no such spec is tried: refused as before
+    with pytest.raises(cg.InferenceError, match="trains text outside"):
+        cg.infer_format(_read("derived/llama-cpp-rwkv-world.jinja"))
+    fmt = cg.infer_format(_read("derived/llama-cpp-rwkv-world.jinja"), eos_token="<|endoftext|>")
+    assert fmt.verification.deviations
+
+
+def test_forced_generation_prompt_and_tool_results_as_responses():
+    # StarCoder2-Instruct prints '### Response\n' after every conversation; the turns are
+    # read past it, but the template writes tool results as '### Response' turns too:
+    # refused by name rather than training tool results
+    with pytest.raises(cg.InferenceError, match="tool results as assistant turns"):
+        _infer("bigcode-starcoder2-15b-instruct-v0.1.jinja", "starcoder2-instruct")
 
 
 def test_llama2_without_system_support_records_the_rejected_shapes():
