@@ -273,7 +273,8 @@ class _Shape:
     notes: list = field(default_factory=list)
 
 
-def _split_term(lex: _Lexicon, term: str, opening: set = frozenset()) -> tuple[str, str]:
+def _split_term(lex: _Lexicon, term: str, opening: set = frozenset(),
+                closers: set = frozenset()) -> tuple[str, str]:
     """A terminator as ``[text] markers [whitespace]``, and what follows it (the next turn's
     header, printed by this turn: from a marker that starts headers, ``opening``)."""
     ps = lex.pieces(term)
@@ -281,8 +282,14 @@ def _split_term(lex: _Lexicon, term: str, opening: set = frozenset()) -> tuple[s
     if k < len(ps) and not ps[k][0] and k + 1 < len(ps):
         k += 1                                  # text before the close marker (body)
     k0 = k
-    while k < len(ps) and ps[k][0] and (k == k0 or ps[k][1] not in opening):
-        k += 1
+    while k < len(ps):
+        if ps[k][0] and (k == k0 or ps[k][1] not in opening):
+            k += 1
+        elif k > k0 and not ps[k][0] and not ps[k][1].strip() and k + 1 < len(ps) and \
+                ps[k + 1][0] and ps[k + 1][1] in closers and ps[k + 1][1] not in opening:
+            k += 1   # '</tool_response>\n<|im_end|>': whitespace between two closing markers
+        else:
+            break
     if k < len(ps) and not ps[k][0] and not ps[k][1].strip():
         k += 1
     if k < len(ps) and not any(p[0] for p in ps[:k]):
@@ -330,7 +337,8 @@ def _one(lex: _Lexicon, values: dict, role: str, what: str, suffix: bool) -> tup
 
 
 def _collect(lex: _Lexicon, located: list[_Msg], shape: str, heads: dict, terms: dict,
-             first: dict, last_terms: dict, opening: set = frozenset()) -> None:
+             first: dict, last_terms: dict, opening: set = frozenset(),
+             closers: set = frozenset()) -> None:
     """Heads and terms of one probe's messages, with a header printed by the previous turn
     moved to the turn it opens."""
     carry = ""
@@ -348,7 +356,7 @@ def _collect(lex: _Lexicon, located: list[_Msg], shape: str, heads: dict, terms:
             continue
         if located[k + 1].index != m.index + 1:
             continue  # messages in between are not located: no terminator to tell
-        term, carry = _split_term(lex, m.term, opening)
+        term, carry = _split_term(lex, m.term, opening, closers)
         terms.setdefault(m.role, []).append((term, shape))
 
 
@@ -613,11 +621,21 @@ def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
         return
     # the tool turn and the answer after it
     located = _locate(probe, msgs, R, "tool-call", tools=_TOOLS)
+    closes = {p for t in sh.terms.values() for m, p in lex.pieces(t)[:1] if m}
+    for prev, cur in zip(located, located[1:]):
+        # a tool turn whose close the next message prints (Hermes writes <|im_end|> after a
+        # run of tool messages): the close is the tool turn's, not the next header's
+        ps = lex.pieces(cur.head or "")
+        k = 1 if ps and not ps[0][0] and not ps[0][1].strip() else 0
+        if prev.role == "tool" and prev.term is not None and len(ps) > k + 1 and ps[k][0] \
+                and ps[k][1] in closes and ps[k][1] not in prev.term:
+            cut = sum(len(p) for _, p in ps[:k + 1])
+            prev.term, cur.head = prev.term + cur.head[:cut], cur.head[cut:]
     heads: dict = {}
     terms: dict = {}
     first: dict = {}
     last: dict = {}
-    _collect(lex, located, "tool-call", heads, terms, first, last, sh.opening)
+    _collect(lex, located, "tool-call", heads, terms, first, last, sh.opening, closes)
     if heads.get("tool"):
         sh.tool_head = heads["tool"][0][0]
     else:  # from the last marker before the result that starts a header
@@ -921,6 +939,15 @@ def _close(plan: _Plan, lex: _Lexicon, sh: _Shape, roles: list[str]) -> dict | N
             tail = term[term.rfind(marks[-1]) + len(marks[-1]):]
             if tail and not tail.strip():
                 plan.ws_after.setdefault(marks[-1], set()).add(tail)
+        if primary and primary not in marks and marks and r == "tool":
+            # Hermes' tool turn ends '</tool_response>\n<|im_end|>': the others' close, further
+            # on after whitespace, closes it too (the wrapper is text of its body)
+            ps = [q for q in lex.pieces(term) if q[0] or q[1].strip()]
+            names = [p for _, p in ps]
+            if primary in names and all(m for m, _ in ps[:names.index(primary)]):
+                marks = names[names.index(primary):]
+                marks = marks[:next((k for k, (m, _) in enumerate(ps[names.index(primary):])
+                                     if not m), len(marks))]
         if primary in marks:
             marks = marks[marks.index(primary):]
         if marks:
