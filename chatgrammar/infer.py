@@ -1027,6 +1027,10 @@ def _blocks(plan: _Plan, sh: _Shape) -> list[str]:
     return children
 
 
+#: Headerless assistant elements (``follow`` targets): they hold the same blocks as a turn.
+_REPLIES = ("reply", "reply_after_reply", "reply_after_tool")
+
+
 def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> dict:
     """The spec (a plain dict) the shape describes."""
     plan = _Plan()
@@ -1065,13 +1069,23 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
             "role": "assistant", "close": json.loads(json.dumps(a_el["close"])),
             "follow": "reply_after_reply"}
         a_el["follow"] = "reply_after_reply"
+    t_el = plan.elements.get("tool_turn")
+    if sh.after_tool_head is not None and not sh.after_tool_head.strip() and t_el is not None \
+            and t_el.get("close") and "reply" not in plan.elements and a_el is not None \
+            and a_el.get("close"):
+        # the answer after a tool result has no header of its own (DeepSeek-R1-Distill:
+        # '<｜tool▁outputs▁end｜>It is sunny…<｜end▁of▁sentence｜>'): a headerless assistant reply
+        # may follow a tool turn
+        plan.elements["reply_after_tool"] = {
+            "role": "assistant", "close": {"markers": list(a_el["close"]["markers"])}}
+        t_el["follow"] = "reply_after_tool"
     if sh.decl:
         plan.elements["tool_declarations"] = {"open": plan.m(sh.decl[0]), "role": "system",
                                               "close": {"markers": [plan.m(sh.decl[1])]}}
         plan.top.append("tool_declarations")
     children = _blocks(plan, sh)
     for ename, el in plan.elements.items():
-        if ename in plan.top or ename in ("reply", "reply_after_reply"):
+        if ename in plan.top or ename in _REPLIES:
             if children:
                 el["children"] = list(children)
             if "reply" in plan.elements and ename in plan.top:
@@ -1090,7 +1104,7 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
         structural.update((el.get("close") or {}).get("after", []))
     loose = [n for n in plan.names.by_text.values() if n not in structural]
     for ename, el in plan.elements.items():
-        if (ename in plan.top or ename in ("reply", "reply_after_reply")) and loose:
+        if (ename in plan.top or ename in _REPLIES) and loose:
             el["inner_markers"] = list(loose)
     glue = [g for g in dict.fromkeys(glue + sh.glue)]
     closing = [c for c in sh.closing if lex.pieces(c) and all(m for m, _ in lex.pieces(c))]
@@ -1453,8 +1467,7 @@ def _add_loose(spec: dict, texts: list, lex: _Lexicon, tokenizer: Any) -> bool:
         while mname in spec["markers"]:
             mname, n = f"{base}_{n}", n + 1
         spec["markers"][mname] = {"text": t, "special": lex.special(t, tokenizer)}
-        for ename in list(spec["top"]) + [e for e in ("reply", "reply_after_reply")
-                                          if e in spec["elements"]]:
+        for ename in list(spec["top"]) + [e for e in _REPLIES if e in spec["elements"]]:
             el = spec["elements"].get(ename)
             if el is not None:
                 el["inner_markers"] = list(dict.fromkeys(el.get("inner_markers", []) + [mname]))

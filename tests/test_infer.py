@@ -51,7 +51,12 @@ CROSS = {
                "HuggingFaceTB-SmolLM3-3B.jinja", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja",
                "LiquidAI-LFM2.jinja", "stepfun-ai-Step-3.5-Flash.jinja",
                # the tool-declaring system turn has no <|im_end|>: a terminator may be missing
-               "tiiuae-Falcon-H1.jinja", "Bielik-11B-v3.0-Instruct.jinja"],
+               "tiiuae-Falcon-H1.jinja", "Bielik-11B-v3.0-Instruct.jinja",
+               # the tool turn's <|im_end|> is printed by the next message
+               "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja"],
+    # the answer after the tool outputs has no header: a follow element of the tool turn
+    "deepseek-v3": ["deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+                    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"],
     "seed-oss": ["ByteDance-Seed-OSS.jinja"],
     "cohere": ["CohereForAI-c4ai-command-r-v01.jinja"],
     "gemma": ["google-gemma-2-2b-it.jinja", "google-gemma-3-it.jinja"],
