@@ -643,6 +643,15 @@ def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
         at = max((seg.rfind(o) for o in sh.opening), default=-1)
         if at >= 0 and not any(x in seg[at:] for x in _ALL):
             sh.tool_head = seg[at:]
+        else:
+            # after the tool-calling reply's terminator (Apriel 1.5: '<|end|>\n</s>' then
+            # '<|tool_result|>\n'): what is left before the result is the tool's header
+            ends = [p for m, p in lex.pieces(sh.terms.get("assistant") or "") if m]
+            at = seg.rfind(ends[0]) if ends else -1
+            rest = seg[at + len(ends[0]):] if at >= 0 else ""
+            if rest.strip() and not any(x in rest for x in _ALL) and \
+                    any(m for m, _ in lex.pieces(rest)):
+                sh.tool_head = rest.lstrip()
     if terms.get("tool"):
         sh.terms.setdefault("tool", terms["tool"][0][0])
     if heads.get("assistant"):
@@ -1132,6 +1141,9 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
         spec["between"] = "\\s*"
     if betweens:
         spec["between_markers"] = [plan.m(b) for b in betweens]
+    # markers between turns or only at the very end (InternLM2's '</s>' after the last reply,
+    # Apriel 1.5's after every reply): a candidate ends the turns with them (close.after)
+    spec["_closing"] = [plan.m(b) for b in betweens]
     if plan.aliases:
         spec["role_aliases"] = dict(plan.aliases)
     gens = [g for g in dict.fromkeys([h_a.lstrip()] + sh.gens) if g]
@@ -1360,6 +1372,7 @@ def _variants(spec: dict) -> list[dict]:
     before a turn's opener absorbed by it (``lstrip``) instead."""
     ws_after = spec.pop("_ws_after", {})
     eos = spec.pop("_eos", None)
+    closing = spec.pop("_closing", [])
     out = [spec]
     alt = json.loads(json.dumps(spec))
     if "between" in alt:
@@ -1382,7 +1395,7 @@ def _variants(spec: dict) -> list[dict]:
     closeless = [n for n in alt["top"] + alt.get("preamble", [])
                  if n in alt["elements"] and "close" not in alt["elements"][n]]
     follows = any("follow" in el for el in alt["elements"].values())
-    if ws_after and (closeless or follows):
+    if ws_after and (closeless or follows or closing):
         # turns without a terminator (or a headerless reply that may follow a turn's close) cannot share text with between-turn whitespace: the
         # whitespace a terminator is always followed by becomes part of it (soft). A marker of
         # its own: the same marker elsewhere (OLMo's <|endoftext|> is also its BOS) stays as is
@@ -1411,6 +1424,21 @@ def _variants(spec: dict) -> list[dict]:
             alt["markers"]["eos"] = dict(eos)
             for n in closeless:
                 alt["elements"][n]["close"] = {"markers": ["eos"], "required": False}
+            out.append(alt)
+    if closing:
+        for cand in list(out):
+            alt = json.loads(json.dumps(cand))
+            alt["between_markers"] = [b for b in alt.get("between_markers", [])
+                                      if b not in closing]
+            if not alt["between_markers"]:
+                del alt["between_markers"]
+            for ename, el in alt["elements"].items():
+                close = el.get("close")
+                if ename not in alt["top"] and ename not in _REPLIES:
+                    continue
+                if close and not close.get("header") and not close.get("opens_follow") \
+                        and not close.get("follow_after"):
+                    close["after"] = list(dict.fromkeys(close.get("after", []) + closing))
             out.append(alt)
     # last resort, after every strict candidate: a turn's terminator may be missing, the turn
     # then ends at the next turn's opener (Falcon-H1 / Bielik leave the tool-declaring system

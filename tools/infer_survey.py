@@ -52,6 +52,17 @@ def default_vars(template: str) -> dict:
     return {"bos_token": "<s>", "eos_token": "</s>"}
 
 
+def wild_vars(p: Path) -> dict:
+    """The variables an ``expected.yaml`` beside the template names (helper W2's wild set)."""
+    e = p.parent / "expected.yaml"
+    if not e.exists():
+        return {}
+    import yaml
+
+    data = yaml.safe_load(e.read_text(encoding="utf-8")) or {}
+    return dict(((data.get("templates") or {}).get(p.name) or {}).get("vars") or {})
+
+
 def group(reason: str) -> str:
     r = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", reason)
     r = re.sub(r"\(.*", "", r)
@@ -77,7 +88,7 @@ def main() -> int:
             if h in seen:
                 continue
             seen.add(h)
-            v = kv.get(p.name) or default_vars(text)
+            v = kv.get(p.name) or wild_vars(p) or default_vars(text)
             t0 = time.time()
             try:
                 fmt = inf.infer_format(text, **v)
