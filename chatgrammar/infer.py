@@ -917,7 +917,7 @@ def _heads(lex: _Lexicon, sh: _Shape, h_a: str) -> tuple[dict, list, bool]:
                 and c.opener not in lex.extra:
             c = _Head(c.glue + [c.opener], None, [])
         if c.opener is None or (c.opener not in openers and c.opener in lex.extra
-                                and not c.rest):
+                                and not c.rest and not c.opener.endswith((":", "："))):
             bare = True
         else:
             cut["system"] = c
@@ -1124,6 +1124,18 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
     preamble = [p for p in preamble if p not in betweens]
     if bare:
         plan.elements["system_text"] = {"role": "system"}
+        # a bare system text ended by a marker (Taiwan-LLM's 'SYSTEM TEXT</s>USER: …',
+        # TenyxChat's 'System:…<|end_of_turn|>'): that marker closes it
+        marks = _term_parts(lex, sh.terms.get("system"))[0]
+        if not marks and sh.first.get("user"):
+            ps = [q for q in lex.pieces(sh.first["user"]) if q[0] or q[1].strip()]
+            k = next((i for i, q in enumerate(ps) if not q[0]), None)
+            if k is not None:
+                marks = [p for _, p in ps[k + 1:k + 2] if _] if len(ps) > k + 1 and \
+                    ps[k + 1][0] and ps[k + 1][1] not in lex.extra and \
+                    ps[k + 1][1] not in {c.opener for c in cut.values()} else []
+        if marks:
+            plan.elements["system_text"]["close"] = {"markers": [plan.m(marks[0])]}
         if children:
             plan.elements["system_text"]["children"] = list(children)
     spec: dict = {
