@@ -310,6 +310,7 @@ def _one(lex: _Lexicon, values: dict, role: str, what: str, suffix: bool) -> tup
         return uniq[0], []
     rev = (lambda t: t[::-1]) if suffix else (lambda t: t)
     common = rev(os.path.commonprefix([rev(t) for t in uniq]))
+    raw = common.lstrip() if suffix else common
     # never cut inside a marker
     ref = uniq[0]
     cut = len(ref) - len(common) if suffix else len(common)
@@ -322,6 +323,12 @@ def _one(lex: _Lexicon, values: dict, role: str, what: str, suffix: bool) -> tup
     else:
         cut = max((b for b in bounds if b <= cut), default=0)
         common = ref[:cut]
+    if suffix and raw.strip() and len(raw) > len(common) and all(
+            all(m or not p.strip() for m, p in lex.pieces(t[:len(t) - len(raw)]))
+            for t in uniq):
+        # headers that differ only by whitespace or markers before a common text header
+        # (WizardLM-2's '\nUSER: ' vs ' USER: ', OpenBuddy's '</s>\nUser: ' vs 'User: ')
+        common = raw
     extra = []
     for t in uniq:
         rest = t[:len(t) - len(common)] if suffix else t[len(common):]
