@@ -614,6 +614,12 @@ def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
     if R is None:
         msgs = [_s(SYS)] + msgs
         R = probe.render(msgs, tools=_TOOLS, shape="tool-call")
+    if R is None:   # templates that only take arguments as a JSON string (FireFunction v2)
+        call = _call()
+        call["function"]["arguments"] = json.dumps({ARGK: ARGV})
+        msgs = [m if m.get("role") != "assistant" or "tool_calls" not in m
+                else {**m, "tool_calls": [call]} for m in msgs]
+        R = probe.render(msgs, tools=_TOOLS, shape="tool-call (string arguments)")
     if R is not None and TR1 not in R and A2 in R:
         before = R[:R.find(A2)]
         term = sh.terms.get("assistant") or ""
