@@ -1285,15 +1285,24 @@ def _messages(case: str) -> list:
         return []
 
 
+#: Matrix cases a candidate spec is checked on first: one that fails there is not checked on
+#: the rest (most candidates fail on these; the survivor is then checked on every case).
+_QUICK = ("basic", "no-system", "multi-turn", "tool-call", "parallel-tool-calls")
+
+
 def _verify(fmt: Format, template: str, variables: dict, tokenizer: Any,
-            timeout: float) -> tuple[Any, list]:
+            timeout: float, quick: bool = False) -> tuple[Any, list]:
     from .conformance import check_template
+    from .matrix import default_matrix
+
+    cases = [c for c in default_matrix() if c.name in _QUICK] if quick else None
 
     # the one deviation a bundled closeless format (falcon, sea-lion, nemotron4) also makes,
     # in the checker's precise shape: an assistant turn the template never closes ends where
     # the next turn opens, and the whitespace the template writes there trains with it
     res = check_template(fmt, template, name="template", variables=variables,
-                         tokenizer=tokenizer, timeout=timeout, accepted=ACCEPTED, refused={})
+                         tokenizer=tokenizer, timeout=timeout, accepted=ACCEPTED, refused={},
+                         cases=cases)
     if res.error:
         raise InferenceError(res.error, where="verification")
     fails = [c for c in res.cases if c.status == "fail"]
@@ -1544,7 +1553,9 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
                 f"the inferred spec does not compile: {str(exc).splitlines()[0]}",
                 where="compile", details=text)
             continue
-        res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT)
+        res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT, quick=True)
+        if not fails:
+            res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT)
         tool_as_assistant = "tool results are rendered with the assistant's header" in sh.notes \
             or all(f.reason.startswith("trains text outside the assistant messages")
                    and f.text is not None and any(
