@@ -56,12 +56,17 @@ CROSS = {
                "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja"],
     # the answer after the tool outputs has no header: a follow element of the tool turn
     "deepseek-v3": ["deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
-                    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"],
+                    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja",
+                    # tool-call probes with the arguments as a JSON string
+                    "deepseek-ai-DeepSeek-V3.jinja", "deepseek-ai-DeepSeek-R1.jinja"],
     "seed-oss": ["ByteDance-Seed-OSS.jinja"],
     "cohere": ["CohereForAI-c4ai-command-r-v01.jinja"],
     "gemma": ["google-gemma-2-2b-it.jinja", "google-gemma-3-it.jinja"],
     "granite": ["ibm-granite-granite-3.3-2B-Instruct.jinja", "ibm-granite-granite-4.0.jinja"],
-    "llama3": ["meta-llama-Llama-3.1-8B-Instruct.jinja", "meta-llama-Llama-3.2-3B-Instruct.jinja"],
+    "llama3": ["meta-llama-Llama-3.1-8B-Instruct.jinja", "meta-llama-Llama-3.2-3B-Instruct.jinja",
+               # FireFunction v2 takes tool-call arguments only as a JSON string; every
+               # rendering ends with the assistant header (a forced generation prompt)
+               "fireworks-ai-llama-3-firefunction-v2.jinja"],
     "llama4": ["meta-llama-Llama-4-Scout-17B-16E-Instruct.jinja"],
     "mistral": ["mistralai-Mistral-7B-Instruct-v0.3.jinja",
                 "mistralai-Mistral-Small-24B-Instruct-2501.jinja",
@@ -146,6 +151,29 @@ def test_inferred_masks_equal_bundled(family, name):
     for case, text in renders:
         for pol in (OUTPUT_POLICY, WITH_END):
             assert fmt.parse(text).mask(pol) == bundled.parse(text).mask(pol), (case, pol)
+
+
+@pytest.mark.parametrize("family,name", [
+    ("internlm2", "internlm-internlm2-chat-7b.jinja"),       # '<|im_end|>\n</s>' at the end
+    ("tulu", "allenai-OLMo-7B-Instruct.jinja"),               # '<|endoftext|>\n', also the BOS
+    ("alpaca", "chujiezheng-chat_templates-alpaca.jinja"),
+])
+def test_whitespace_after_the_terminator_only_differs_in_the_end_span(family, name):
+    # where turns without a terminator (or a closing marker after it) leave no room for
+    # between-turn whitespace, the whitespace after the terminator joins it in a soft marker:
+    # the output masks equal the bundled ones, the end span (end_marker) holds that whitespace
+    tpl, kw = _read(name), _variables(family, name)
+    fmt, bundled = _infer(name, family), cg.load_format(family)
+    cc = inf.cross_check(fmt, bundled, tpl, **kw)
+    assert cc.differ and all("(with the terminator)" in why for _, why in cc.differ)
+    for case, text in _renders(name, family):
+        a, b = fmt.parse(text), bundled.parse(text)
+        assert a.mask(OUTPUT_POLICY) == b.mask(OUTPUT_POLICY), case
+        ends_a = [t.strip() for t in a.trained_text(WITH_END) if t not in
+                  a.trained_text(OUTPUT_POLICY)]
+        ends_b = [t.strip() for t in b.trained_text(WITH_END) if t not in
+                  b.trained_text(OUTPUT_POLICY)]
+        assert ends_a == ends_b, case
 
 
 def test_cohere_r7b_differs_on_purpose():
