@@ -400,6 +400,7 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
         if located:   # the first turn's header shows every marker a header starts with
             opening.update(p for is_m, p in lex.pieces(located[0].head or "") if is_m)
     opening -= closers
+    _lazy_terminator(lex, runs, opening)
     sh.opening = opening
     for name, located in runs:
         if name.startswith("s-") and not any(m.role == "system" for m in located):
@@ -456,6 +457,41 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
                     sh.closing.append(rest.strip())
             elif base is None and t.strip():
                 sh.terms.setdefault(role, _split_term(lex, t)[0])
+
+
+def _lazy_terminator(lex: _Lexicon, runs: list, opening: set) -> None:
+    """A terminator the template prints only once another message follows (FinguAI's ChatML:
+    '<|im_end|>\n' before each next '<|im_start|>', never after the last message): every later
+    header starts with the same marker before its opener, and no terminator has it. It is
+    moved back to the turn it ends (the last turn of a conversation then has none: the
+    candidates with an optional terminator take it)."""
+    later = [m for _, located in runs for m in located[1:] if m.head is not None]
+    if not later or any((m.term or "").strip() for _, located in runs for m in located[:-1]):
+        return
+    firsts = set()
+    for m in later:
+        ps = [q for q in lex.pieces(m.head) if q[0] or q[1].strip()]
+        if len(ps) < 2 or not ps[0][0] or not ps[1][0]:
+            return
+        firsts.add(ps[0][1])
+    if len(firsts) != 1:
+        return
+    marker = firsts.pop()
+    if any(marker in (located[0].head or "") .split(marker, 1)[0] for _, located in runs
+           if located) or marker in opening and all(
+               (located[0].head or "").lstrip().startswith(marker) for _, located in runs
+               if located):
+        return
+    for _, located in runs:
+        for prev, cur in zip(located, located[1:]):
+            if cur.head is None or prev.term is None:
+                continue
+            at = cur.head.find(marker)
+            rest = cur.head[at + len(marker):]
+            ws = rest[:len(rest) - len(rest.lstrip())]
+            cut = at + len(marker) + len(ws)
+            prev.term, cur.head = prev.term + cur.head[:cut], cur.head[cut:]
+    opening.discard(marker)
 
 
 def _header_in_terminator(lex: _Lexicon, sh: _Shape) -> None:
@@ -549,6 +585,9 @@ def _assistant_head(lex: _Lexicon, sh: _Shape, g: str | None) -> str:
     body = head[len(head_ws):]
     if not g or body.endswith(g):
         return body
+    if g.endswith(body) and body.strip() and all(
+            m or not p.strip() for m, p in lex.pieces(g[:len(g) - len(body)])):
+        return body   # the prompt closes the last turn first ('<|im_end|>\n' + header)
     if body.startswith(g) or g.startswith(body):
         return g if body.startswith(g) else body
     cut = _snap(lex, body, len(os.path.commonprefix([body, g])))
@@ -665,6 +704,12 @@ def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
             if rest.strip() and not any(x in rest for x in _ALL) and \
                     any(m for m, _ in lex.pieces(rest)):
                 sh.tool_head = rest.lstrip()
+    if sh.tool_head:   # a terminator printed lazily before the tool's header (FinguAI)
+        ps = lex.pieces(sh.tool_head.lstrip())
+        ends = {p for t in sh.terms.values() for m, p in lex.pieces(t)[:1] if m}
+        if len(ps) > 1 and ps[0][0] and ps[0][1] in ends and ps[1:] and \
+                any(m for m, _ in ps[1:]):
+            sh.tool_head = "".join(p for _, p in ps[1:]).lstrip()
     if terms.get("tool"):
         sh.terms.setdefault("tool", terms["tool"][0][0])
     if heads.get("assistant"):
