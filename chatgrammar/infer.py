@@ -946,7 +946,10 @@ def _heads(lex: _Lexicon, sh: _Shape, h_a: str) -> tuple[dict, list, bool]:
             k += 1
         if ps and k == len(ps):
             preamble = [p for _, p in ps]
-        elif ps[k:] and not any(m for m, _ in ps[k:]) and "".join(p for _, p in ps[k:]).strip():
+        elif ps[k:] and not any(m for m, _ in ps[k:]) and "".join(p for _, p in ps[k:]).strip() \
+                and not ("system" in sh.first and sh.first["system"].strip()
+                         and pre.startswith(sh.first["system"].rstrip())):
+            # (not a default system *turn*: Vigogne's '<s><|system|>: DEFAULT\n' is one)
             # a default system text, bare before the first turn, after the BOS (Magicoder's
             # "<bos>You are an exceptionally intelligent coding assistant …\n\n")
             preamble = [p for _, p in ps[:k]]

@@ -113,6 +113,9 @@ NEW = {
     # the assistant header is printed even without add_generation_prompt; every turn ends
     # with <|eot_id|>, which stays the turn's
     "llama3-llamacpp.jinja": ({"bos_token": "<|begin_of_text|>"}, ["Hello there", "Later"]),
+    # ChatML whose '<|im_end|>' is printed only once another message follows (none after the
+    # last one): the terminator moves back to the turn it ends
+    "finguai-chat-v1.jinja": ({}, ["Hello there", "Later"]),
 }
 TWO_EXCHANGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
                  {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Later"}]
