@@ -1455,6 +1455,7 @@ def _variants(spec: dict) -> list[dict]:
     ws_after = spec.pop("_ws_after", {})
     eos = spec.pop("_eos", None)
     closing = spec.pop("_closing", [])
+    nolead = spec.pop("_nolead", False)
     out = [spec]
     alt = json.loads(json.dumps(spec))
     if "between" in alt:
@@ -1507,6 +1508,19 @@ def _variants(spec: dict) -> list[dict]:
             for n in closeless:
                 alt["elements"][n]["close"] = {"markers": ["eos"], "required": False}
             out.append(alt)
+    if nolead:
+        # a template without a generation prompt (aanaphi2's '### Assistant: A\n'): the space
+        # after the role word is the reply's first character, not a header lead
+        for cand in list(out):
+            alt = json.loads(json.dumps(cand))
+            hit = False
+            for el in alt["elements"].values():
+                if el.get("role") == "assistant" and el.get("lead") is not None \
+                        and not el["lead"].strip():
+                    del el["lead"]
+                    hit = True
+            if hit:
+                out.append(alt)
     if closing:
         for cand in list(out):
             alt = json.loads(json.dumps(cand))
@@ -1547,6 +1561,8 @@ def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> Inferre
     lex = _Lexicon(specials=_tokenizer_specials(tokenizer))
     sh, h_a = _shape(probe, lex)
     spec = _design(lex, sh, h_a, tokenizer, name)
+    if not [g for g in sh.gens if g.strip()]:
+        spec["_nolead"] = True   # no generation prompt: the oracle starts output after the word
     eos = variables.get("eos_token")
     if isinstance(eos, str) and eos.strip() and "eos" not in spec["markers"]:
         spec["_eos"] = {"text": eos, "special": lex.special(eos, tokenizer)}
