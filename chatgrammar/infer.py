@@ -1536,6 +1536,28 @@ def _variants(spec: dict) -> list[dict]:
                         and not close.get("follow_after"):
                     close["after"] = list(dict.fromkeys(close.get("after", []) + closing))
             out.append(alt)
+    blocks = [n for n, el in spec["elements"].items() if el.get("kind") == "tool_call"]
+    if blocks:
+        # tool-call markers a system prompt also writes as text ('use <tools> tags like
+        # these …'): no call block; its markers are loose markers of every body (the call is
+        # then trained as plain assistant text, the oracle's output all the same)
+        for cand in list(out):
+            alt = json.loads(json.dumps(cand))
+            loose = []
+            for n in blocks:
+                el = alt["elements"].pop(n)
+                o = el.get("open")
+                loose += ([o] if isinstance(o, str) else list(o or []))
+                loose += (el.get("close") or {}).get("markers", []) + el.get("inner_markers", [])
+            for ename, el in alt["elements"].items():
+                if "children" in el:
+                    el["children"] = [c for c in el["children"] if c not in blocks]
+                    if not el["children"]:
+                        del el["children"]
+                if ename in alt["top"] or ename in _REPLIES:
+                    el["inner_markers"] = list(dict.fromkeys(el.get("inner_markers", [])
+                                                             + loose))
+            out.append(alt)
     # last resort, after every strict candidate: a turn's terminator may be missing, the turn
     # then ends at the next turn's opener (Falcon-H1 / Bielik leave the tool-declaring system
     # turn without <|im_end|>; the bundled chatml says the same). Roles are still told by the
@@ -1550,7 +1572,19 @@ def _variants(spec: dict) -> list[dict]:
                 changed = True
         if changed:
             out.append(opt)
-    return out
+    # identical candidates once; at most _MAX_CANDIDATES, in this order (deterministic: the
+    # combinations of several alternatives come last and are the first to go)
+    seen, uniq = set(), []
+    for cand in out:
+        key = json.dumps(cand, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            uniq.append(cand)
+    return uniq[:_MAX_CANDIDATES]
+
+
+#: How many candidate specs inference verifies at most for one template.
+_MAX_CANDIDATES = 40
 
 
 _UNKNOWN = re.compile(r"unknown marker '([^']+)'")
