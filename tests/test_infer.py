@@ -116,6 +116,8 @@ NEW = {
     # ChatML whose '<|im_end|>' is printed only once another message follows (none after the
     # last one): the terminator moves back to the turn it ends
     "finguai-chat-v1.jinja": ({}, ["Hello there", "Later"]),
+    # no generation prompt, no terminator: the space after '### Assistant:' is the reply's
+    "aanaphi2.jinja": ({"eos_token": "</s>"}, [" Hello there\n", " Later\n"]),
 }
 TWO_EXCHANGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
                  {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Later"}]
@@ -243,6 +245,20 @@ def test_closeless_layout_reports_its_whitespace_deviation():
         cg.infer_format(_read("derived/llama-cpp-rwkv-world.jinja"))
     fmt = cg.infer_format(_read("derived/llama-cpp-rwkv-world.jinja"), eos_token="<|endoftext|>")
     assert fmt.verification.deviations
+
+
+def test_tool_markers_written_as_text_in_the_system_prompt():
+    # vLLM's Qwen2.5-Coder tool template explains '<tools>' calls with examples inside the
+    # system prompt: the call block cannot be an element; its markers are loose, the call
+    # trains as the assistant's text
+    tpl = _read("infer/vllm-qwen2.5-coder-tools.jinja")
+    fmt = cg.infer_format(tpl, eos_token="<|im_end|>")
+    assert "tool_call" not in fmt.spec.elements and "tools-declared" in fmt.verification.checked
+    c = next(x for x in default_matrix() if x.name == "tool-call")
+    text = render_case(tpl, c, eos_token="<|im_end|>").text
+    trained = fmt.parse(text).trained_text(OUTPUT_POLICY)
+    assert any("<tools>" in t and "get_weather" in t for t in trained)
+    assert not any('"temperature": 22' in t for t in trained)   # the tool result never trains
 
 
 def test_forced_generation_prompt_and_tool_results_as_responses():
