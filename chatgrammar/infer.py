@@ -1449,21 +1449,59 @@ def _forced_suffix(probe: _Probe) -> str:
     return tail
 
 
+def _copy(spec: dict) -> dict:
+    return json.loads(json.dumps(spec))
+
+
 def _variants(spec: dict) -> list[dict]:
-    """The designed spec, then the cheap alternatives: between-turn text or not; whitespace
-    before a turn's opener absorbed by it (``lstrip``) instead."""
+    """The designed spec, then the cheap alternatives, in a fixed order: between-turn text or
+    not; whitespace before a turn's opener absorbed by it (``lstrip``) instead; the
+    terminator joined with its whitespace; the EOS as an optional close; no whitespace lead;
+    markers after the terminator; no tool-call block; last, optional terminators."""
     ws_after = spec.pop("_ws_after", {})
     eos = spec.pop("_eos", None)
     closing = spec.pop("_closing", [])
     nolead = spec.pop("_nolead", False)
     out = [spec]
-    alt = json.loads(json.dumps(spec))
+    alt = _copy(spec)
     if "between" in alt:
         del alt["between"]
     else:
         alt["between"] = "\\s*"
     out.append(alt)
-    alt = json.loads(json.dumps(spec))
+    out.append(_lstrip_variant(spec))
+    out += _joined_terminators(spec, out[2], ws_after, bool(closing))
+    out += _eos_variants(spec, out[2], eos)
+    if nolead:
+        out += _each(out, _without_lead)
+    if closing:
+        out += _each(out, lambda cand: _closing_after(cand, closing))
+    blocks = [n for n, el in spec["elements"].items() if el.get("kind") == "tool_call"]
+    if blocks:
+        out += _each(out, lambda cand: _without_blocks(cand, blocks))
+    # last resort, after every strict candidate: a turn's terminator may be missing, the turn
+    # then ends at the next turn's opener (Falcon-H1 / Bielik leave the tool-declaring system
+    # turn without <|im_end|>; the bundled chatml says the same). Roles are still told by the
+    # header, so nothing is trained that a strict spec would not train.
+    out += _each(out, _optional_close)
+    # identical candidates once; at most _MAX_CANDIDATES, in this order (deterministic: the
+    # combinations of several alternatives come last and are the first to go)
+    seen, uniq = set(), []
+    for cand in out:
+        key = json.dumps(cand, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            uniq.append(cand)
+    return uniq[:_MAX_CANDIDATES]
+
+
+def _each(out: list, make: Any) -> list:
+    """``make(candidate)`` for each candidate so far, where it changes something."""
+    return [alt for alt in (make(cand) for cand in list(out)) if alt is not None]
+
+
+def _lstrip_variant(spec: dict) -> dict:
+    alt = _copy(spec)
     alt.pop("between", None)
     for name in alt["top"]:
         o = alt["elements"][name].get("open")
@@ -1474,113 +1512,114 @@ def _variants(spec: dict) -> list[dict]:
     for m in alt.get("preamble", []):   # a BOS after the template's indentation (AmberChat)
         if m in alt["markers"] and m not in used:   # (OLMo's EOS is also its BOS)
             alt["markers"][m]["lstrip"] = True
-    out.append(alt)
-    closeless = [n for n in alt["top"] + alt.get("preamble", [])
-                 if n in alt["elements"] and "close" not in alt["elements"][n]]
-    follows = any("follow" in el for el in alt["elements"].values())
-    if ws_after and (closeless or follows or closing):
-        # turns without a terminator (or a headerless reply that may follow a turn's close) cannot share text with between-turn whitespace: the
-        # whitespace a terminator is always followed by becomes part of it (soft). A marker of
-        # its own: the same marker elsewhere (OLMo's <|endoftext|> is also its BOS) stays as is
-        for base in (alt, spec):
-            alt = json.loads(json.dumps(base))
-            alt.pop("between", None)
-            for name, ws in ws_after.items():
-                new = name + "_ws"
-                alt["markers"][new] = {"text": alt["markers"][name]["text"] + ws,
-                                       "special": False}
-                for el in alt["elements"].values():
-                    close = el.get("close") or {}
-                    for key in ("markers", "after"):
-                        if name in close.get(key, []):
-                            close[key] = [new if n == name else n for n in close[key]]
-            out.append(alt)
+    return alt
+
+
+def _joined_terminators(spec: dict, lstripped: dict, ws_after: dict, closing: bool) -> list:
+    """Turns without a terminator (or a headerless reply that may follow a turn's close, or
+    markers after the close) cannot share text with between-turn whitespace: the whitespace a
+    terminator is always followed by becomes part of it (soft). A marker of its own: the same
+    marker elsewhere (OLMo's <|endoftext|> is also its BOS) stays as is."""
+    closeless = [n for n in lstripped["top"] + lstripped.get("preamble", [])
+                 if n in lstripped["elements"] and "close" not in lstripped["elements"][n]]
+    follows = any("follow" in el for el in lstripped["elements"].values())
+    if not ws_after or not (closeless or follows or closing):
+        return []
+    out = []
+    for base in (lstripped, spec):
+        alt = _copy(base)
+        alt.pop("between", None)
+        for name, ws in ws_after.items():
+            new = name + "_ws"
+            alt["markers"][new] = {"text": alt["markers"][name]["text"] + ws, "special": False}
+            for el in alt["elements"].values():
+                close = el.get("close") or {}
+                for key in ("markers", "after"):
+                    if name in close.get(key, []):
+                        close[key] = [new if n == name else n for n in close[key]]
+        out.append(alt)
+    return out
+
+
+def _eos_variants(spec: dict, lstripped: dict, eos: dict | None) -> list:
+    """A layout with no terminator at all (DeciLM's "### User:\n…\n### Assistant:\n…\n"): a
+    turn ends where the next opens, or at the EOS a pipeline appends, as the bundled falcon /
+    sea-lion specs say. Such a turn is unclosed, so the whitespace the template writes before
+    the next turn trains with it: the one accepted deviation (ACCEPTED)."""
     closeless = [n for n in spec["top"] if n in spec["elements"]
                  and "close" not in spec["elements"][n]]
-    if eos and closeless and not any(m["text"] == eos["text"] for m in spec["markers"].values()):
-        # a layout with no terminator at all (DeciLM's "### User:\n…\n### Assistant:\n…\n"):
-        # a turn ends where the next opens, or at the EOS a pipeline appends, as the bundled
-        # falcon / sea-lion specs say. Such a turn is unclosed, so the whitespace the template
-        # writes before the next turn trains with it: the one accepted deviation (ACCEPTED)
-        for base in (spec, out[2]):
-            alt = json.loads(json.dumps(base))
-            alt["markers"]["eos"] = dict(eos)
-            for n in closeless:
-                alt["elements"][n]["close"] = {"markers": ["eos"], "required": False}
-            out.append(alt)
-    if nolead:
-        # a template without a generation prompt (aanaphi2's '### Assistant: A\n'): the space
-        # after the role word is the reply's first character, not a header lead
-        for cand in list(out):
-            alt = json.loads(json.dumps(cand))
-            hit = False
-            for el in alt["elements"].values():
-                if el.get("role") == "assistant" and el.get("lead") is not None \
-                        and not el["lead"].strip():
-                    del el["lead"]
-                    hit = True
-            if hit:
-                out.append(alt)
-    if closing:
-        for cand in list(out):
-            alt = json.loads(json.dumps(cand))
-            alt["between_markers"] = [b for b in alt.get("between_markers", [])
-                                      if b not in closing]
-            if not alt["between_markers"]:
-                del alt["between_markers"]
-            for ename, el in alt["elements"].items():
-                close = el.get("close")
-                if ename not in alt["top"] and ename not in _REPLIES:
-                    continue
-                if close and not close.get("header") and not close.get("opens_follow") \
-                        and not close.get("follow_after"):
-                    close["after"] = list(dict.fromkeys(close.get("after", []) + closing))
-            out.append(alt)
-    blocks = [n for n, el in spec["elements"].items() if el.get("kind") == "tool_call"]
-    if blocks:
-        # tool-call markers a system prompt also writes as text ('use <tools> tags like
-        # these …'): no call block; its markers are loose markers of every body (the call is
-        # then trained as plain assistant text, the oracle's output all the same)
-        for cand in list(out):
-            alt = json.loads(json.dumps(cand))
-            loose = []
-            for n in blocks:
-                el = alt["elements"].pop(n)
-                o = el.get("open")
-                loose += ([o] if isinstance(o, str) else list(o or []))
-                loose += (el.get("close") or {}).get("markers", []) + el.get("inner_markers", [])
-            for ename, el in alt["elements"].items():
-                if "children" in el:
-                    el["children"] = [c for c in el["children"] if c not in blocks]
-                    if not el["children"]:
-                        del el["children"]
-                if ename in alt["top"] or ename in _REPLIES:
-                    el["inner_markers"] = list(dict.fromkeys(el.get("inner_markers", [])
-                                                             + loose))
-            out.append(alt)
-    # last resort, after every strict candidate: a turn's terminator may be missing, the turn
-    # then ends at the next turn's opener (Falcon-H1 / Bielik leave the tool-declaring system
-    # turn without <|im_end|>; the bundled chatml says the same). Roles are still told by the
-    # header, so nothing is trained that a strict spec would not train.
-    for cand in list(out):
-        opt = json.loads(json.dumps(cand))
-        changed = False
-        for name in opt["top"]:
-            close = opt["elements"].get(name, {}).get("close")
-            if close and close.get("required", True):
-                close["required"] = False
-                changed = True
-        if changed:
-            out.append(opt)
-    # identical candidates once; at most _MAX_CANDIDATES, in this order (deterministic: the
-    # combinations of several alternatives come last and are the first to go)
-    seen, uniq = set(), []
-    for cand in out:
-        key = json.dumps(cand, sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            uniq.append(cand)
-    return uniq[:_MAX_CANDIDATES]
+    if not eos or not closeless or any(m["text"] == eos["text"]
+                                       for m in spec["markers"].values()):
+        return []
+    out = []
+    for base in (spec, lstripped):
+        alt = _copy(base)
+        alt["markers"]["eos"] = dict(eos)
+        for n in closeless:
+            alt["elements"][n]["close"] = {"markers": ["eos"], "required": False}
+        out.append(alt)
+    return out
+
+
+def _without_lead(cand: dict) -> dict | None:
+    """A template without a generation prompt (aanaphi2's '### Assistant: A\n'): the space
+    after the role word is the reply's first character, not a header lead."""
+    alt = _copy(cand)
+    hit = False
+    for el in alt["elements"].values():
+        if el.get("role") == "assistant" and el.get("lead") is not None \
+                and not el["lead"].strip():
+            del el["lead"]
+            hit = True
+    return alt if hit else None
+
+
+def _closing_after(cand: dict, closing: list) -> dict:
+    """Markers between turns or at the very end as ``close.after`` of the top-level turns."""
+    alt = _copy(cand)
+    alt["between_markers"] = [b for b in alt.get("between_markers", []) if b not in closing]
+    if not alt["between_markers"]:
+        del alt["between_markers"]
+    for ename, el in alt["elements"].items():
+        close = el.get("close")
+        if ename not in alt["top"] and ename not in _REPLIES:
+            continue
+        if close and not close.get("header") and not close.get("opens_follow") \
+                and not close.get("follow_after"):
+            close["after"] = list(dict.fromkeys(close.get("after", []) + closing))
+    return alt
+
+
+def _without_blocks(cand: dict, blocks: list) -> dict:
+    """Tool-call markers a system prompt also writes as text ('use <tools> tags like these
+    …'): no call block; its markers are loose markers of every body (the call is then trained
+    as plain assistant text, the oracle's output all the same)."""
+    alt = _copy(cand)
+    loose: list = []
+    for n in blocks:
+        el = alt["elements"].pop(n)
+        o = el.get("open")
+        loose += ([o] if isinstance(o, str) else list(o or []))
+        loose += (el.get("close") or {}).get("markers", []) + el.get("inner_markers", [])
+    for ename, el in alt["elements"].items():
+        if "children" in el:
+            el["children"] = [c for c in el["children"] if c not in blocks]
+            if not el["children"]:
+                del el["children"]
+        if ename in alt["top"] or ename in _REPLIES:
+            el["inner_markers"] = list(dict.fromkeys(el.get("inner_markers", []) + loose))
+    return alt
+
+
+def _optional_close(cand: dict) -> dict | None:
+    opt = _copy(cand)
+    changed = False
+    for name in opt["top"]:
+        close = opt["elements"].get(name, {}).get("close")
+        if close and close.get("required", True):
+            close["required"] = False
+            changed = True
+    return opt if changed else None
 
 
 #: How many candidate specs inference verifies at most for one template.
