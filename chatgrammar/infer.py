@@ -1097,6 +1097,28 @@ def _blocks(plan: _Plan, sh: _Shape) -> list[str]:
     return children
 
 
+def _headerless_replies(plan: _Plan, sh: _Shape) -> None:
+    """Headerless assistant replies that may ``follow`` an assistant turn (the answer after a
+    dropped tool message) or a tool turn (the answer after a tool result)."""
+    a_el = plan.elements.get("assistant_turn") or plan.elements.get("turn")
+    if sh.reply_after_reply and a_el is not None and a_el.get("close") \
+            and "reply" not in plan.elements:
+        plan.elements["reply_after_reply"] = {
+            "role": "assistant", "close": json.loads(json.dumps(a_el["close"])),
+            "follow": "reply_after_reply"}
+        a_el["follow"] = "reply_after_reply"
+    t_el = plan.elements.get("tool_turn")
+    if sh.after_tool_head is not None and not sh.after_tool_head.strip() and t_el is not None \
+            and t_el.get("close") and "reply" not in plan.elements and a_el is not None \
+            and a_el.get("close"):
+        # the answer after a tool result has no header of its own (DeepSeek-R1-Distill:
+        # '<｜tool▁outputs▁end｜>It is sunny…<｜end▁of▁sentence｜>'): a headerless assistant reply
+        # may follow a tool turn
+        plan.elements["reply_after_tool"] = {
+            "role": "assistant", "close": {"markers": list(a_el["close"]["markers"])}}
+        t_el["follow"] = "reply_after_tool"
+
+
 #: Headerless assistant elements (``follow`` targets): they hold the same blocks as a turn.
 _REPLIES = ("reply", "reply_after_reply", "reply_after_tool")
 
@@ -1132,23 +1154,7 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
             raise InferenceError("assistant turns have neither a header nor a terminator",
                                  where="role headers")
         plan.elements["reply"] = {"role": "assistant", "close": close}
-    a_el = plan.elements.get("assistant_turn") or plan.elements.get("turn")
-    if sh.reply_after_reply and a_el is not None and a_el.get("close") \
-            and "reply" not in plan.elements:
-        plan.elements["reply_after_reply"] = {
-            "role": "assistant", "close": json.loads(json.dumps(a_el["close"])),
-            "follow": "reply_after_reply"}
-        a_el["follow"] = "reply_after_reply"
-    t_el = plan.elements.get("tool_turn")
-    if sh.after_tool_head is not None and not sh.after_tool_head.strip() and t_el is not None \
-            and t_el.get("close") and "reply" not in plan.elements and a_el is not None \
-            and a_el.get("close"):
-        # the answer after a tool result has no header of its own (DeepSeek-R1-Distill:
-        # '<｜tool▁outputs▁end｜>It is sunny…<｜end▁of▁sentence｜>'): a headerless assistant reply
-        # may follow a tool turn
-        plan.elements["reply_after_tool"] = {
-            "role": "assistant", "close": {"markers": list(a_el["close"]["markers"])}}
-        t_el["follow"] = "reply_after_tool"
+    _headerless_replies(plan, sh)
     if sh.decl:
         plan.elements["tool_declarations"] = {"open": plan.m(sh.decl[0]), "role": "system",
                                               "close": {"markers": [plan.m(sh.decl[1])]}}
