@@ -709,9 +709,9 @@ class Detection:
         verification: per format verified against the chat template, its verdict
             (:func:`verify_candidate`: ``status`` one of :data:`VERDICTS`, ``reason``,
             ``passed``, ``failed``, ``skipped``, ``vars``); empty without a template. Only the
-            formats precedence reached are verified. The rule then also has ``verified`` (the
-            winner's status) and, when a candidate failed, ``verification_ruled_out`` and
-            ``precedence_before_verification``.
+            formats precedence reached are verified (``verification[format]["status"]`` is
+            the winner's verdict). When a candidate failed, the rule also has
+            ``verification_ruled_out`` and ``precedence_before_verification``.
         fmt: the :class:`Format` object.
     """
 
@@ -978,7 +978,6 @@ def _with_verification(name: str, why: str, rule: dict, verification: dict[str, 
     """The decision sentence and notes, with what the verification did."""
     whose = "given" if template_source == "argument" else "tokenizer's own"
     v = verification[name]
-    rule["verified"] = v["status"]
     if ruled:
         by_prec, _, _ = _resolve(candidates, by_name)
         rule["verification_ruled_out"] = list(ruled)

@@ -303,12 +303,32 @@ class IdLexer:
                 self._body(arr, h_end, e, toks, boundary, soft)
         elif prev in decode_after:
             m = decode_after[prev]
+            cut = self._soft_cut(arr, s, e, soft)
+            if cut is not None:
+                # A header that ends at a soft marker (an element without opener whose header
+                # runs to `USER:`): the header is the run up to it, the rest is a body, as text
+                # mode reads it.
+                if cut > s:
+                    self._gap(arr, s, cut, prev, toks, boundary, split_after, decode_after, None)
+                self._body(arr, cut, e, toks, boundary, soft)
+                return
             if e - s <= m:
                 toks.append((TEXT, s, e, dec(arr[s:e].tolist())))
             else:  # an over-long header: decode only the budget, the check will reject it
                 toks.append((TEXT, s, e, dec(arr[s:s + m].tolist()) + "…"))
         else:
             self._body(arr, s, e, toks, boundary, soft)
+
+    def _soft_cut(self, arr, s, e, soft) -> int | None:
+        """Where the first soft marker of a header run starts, when it starts on a token
+        boundary; None when there is none (or no soft marker at all)."""
+        if soft is None:
+            return None
+        text, starts = self.adapter.decode_offsets(arr[s:e].tolist())
+        m = soft.search(text)
+        if m is None or m.start() not in starts:
+            return None
+        return s + starts.index(m.start())
 
     def _body(self, arr, s, e, toks, boundary, soft) -> None:
         if soft is None:

@@ -270,7 +270,6 @@ def test_tokenizer_template_cannot_override_tokens(kimi_slow):
     # the real K2 template verifies
     det = explain_detection(with_template(kimi_slow("k2"), template(K2_T)))
     assert det.format == "kimi-k2" and det.verification["kimi-k2"]["status"] == "verified"
-    assert det.rule["verified"] == "verified"
 
 
 def test_given_template_must_agree_with_tokenizer(kimi_slow):
@@ -364,7 +363,7 @@ def test_partial_verification_is_kept_with_a_note():
     # Gemma 4's template renders one tool shape the format refuses with a located ParseError
     src = (TEMPLATES / "google-gemma-4-31B-it.jinja").read_text(encoding="utf-8")
     det = explain_detection(chat_template=src)
-    assert det.format == "gemma4" and det.rule["verified"] == "partial"
+    assert det.format == "gemma4" and det.verification["gemma4"]["status"] == "partial"
     assert any("ParseError" in n for n in det.notes)
 
 
@@ -383,7 +382,8 @@ def test_every_bundled_template_detects_as_its_format_verified():
             except cg.DetectionError:
                 continue
             det = explain_detection(chat_template=src)
-            assert (det.format, det.rule["verified"] in ("verified", "partial")) == (
+            status = det.verification[det.format]["status"]
+            assert (det.format, status in ("verified", "partial")) == (
                 plain, True), (t["file"], det.decided_by)
 
 
@@ -588,7 +588,7 @@ def test_cli_template(capsys):
     rc, out, err = run_cli(capsys, "--template", str(TEMPLATES / K2T_T), "--output", "json")
     data = json.loads(out)
     assert rc == 0 and data["format"] == "kimi-k2"
-    assert data["rule"] == {"kind": "only-match", "verified": "verified"}
+    assert data["rule"] == {"kind": "only-match"}
     assert data["verification"]["kimi-k2"]["status"] == "verified"
     assert data["evidence"]["kimi-k2"]["template"]["found"] == ["<|im_assistant|>",
                                                                 "<|im_middle|>"]
