@@ -342,8 +342,11 @@ class IdLexer:
             return
         starts_a = np.asarray(starts + [len(text)])
         last = s
-        for m in found:
+        for k, m in enumerate(found):
             cs, ce = m.span()
+            # the next soft marker starts right where this one ends (`<|model|><|user|>`): a
+            # token straddling the two holds no text, so it stays a marker's, never text
+            touching = k + 1 < len(found) and found[k + 1].start() == ce
             t0 = int(np.searchsorted(starts_a, cs, side="right")) - 1
             t1 = int(np.searchsorted(starts_a, ce, side="left"))
             a, b = t0, max(t1, t0 + 1)
@@ -357,7 +360,7 @@ class IdLexer:
                     a += 1
             if starts_a[t1] != ce:
                 boundary.append((s + b - 1, f"soft marker {m.group()!r} ends inside a token"))
-                if b - a > 1:
+                if b - a > 1 and not touching:
                     b -= 1
             a, b = s + a, s + b
             if a < last:
