@@ -292,6 +292,7 @@ def test_template_alone_does_not_make_a_tokenizer_match(kimi_slow):
 # --------------------------------------------------------------------------- verification
 
 TULU2 = "allenai-tulu-2-7b.jinja"
+GRITLM = "GritLM-GritLM-7B.jinja"   # Tulu 2's layout: the case verification exists for
 
 
 def _loose_zephyr(tmp_path, over=("tulu",)) -> cg.Format:
@@ -308,8 +309,9 @@ def _loose_zephyr(tmp_path, over=("tulu",)) -> cg.Format:
     return cg.load_format(str(p))
 
 
-def test_verification_rules_out_a_literal_match_that_masks_wrongly(tmp_path):
-    src = (TEMPLATES / TULU2).read_text(encoding="utf-8")
+@pytest.mark.parametrize("name", [TULU2, GRITLM])
+def test_verification_rules_out_a_literal_match_that_masks_wrongly(tmp_path, name):
+    src = (TEMPLATES / name).read_text(encoding="utf-8")
     loose, tulu = _loose_zephyr(tmp_path), cg.load_format("tulu")
     # marker evidence and precedence alone pick the loose Zephyr: every answer untrained
     assert explain_detection(chat_template=src, formats=[loose, tulu],
