@@ -307,10 +307,17 @@ class IdLexer:
             if cut is not None:
                 # A header that ends at a soft marker (an element without opener whose header
                 # runs to `USER:`): the header is the run up to it, the rest is a body, as text
-                # mode reads it.
-                if cut > s:
-                    self._gap(arr, s, cut, prev, toks, boundary, split_after, decode_after, None)
-                self._body(arr, cut, e, toks, boundary, soft)
+                # mode reads it. A token that straddles the marker's start (` USER`) stays with
+                # the header text, as `_body` keeps it with the text before a marker.
+                rest: list = []
+                self._body(arr, cut, e, rest, boundary, soft)
+                h_end = cut
+                if rest and rest[0][0] == TEXT and rest[0][1] == cut:
+                    h_end, rest = rest[0][2], rest[1:]
+                if h_end > s:
+                    self._gap(arr, s, h_end, prev, toks, boundary, split_after, decode_after,
+                              None)
+                toks.extend(rest)
                 return
             if e - s <= m:
                 toks.append((TEXT, s, e, dec(arr[s:e].tolist())))
@@ -320,15 +327,15 @@ class IdLexer:
             self._body(arr, s, e, toks, boundary, soft)
 
     def _soft_cut(self, arr, s, e, soft) -> int | None:
-        """Where the first soft marker of a header run starts, when it starts on a token
-        boundary; None when there is none (or no soft marker at all)."""
+        """The token where the first soft marker of a header run starts (the one holding its
+        first character); None when there is none (or no soft marker at all)."""
         if soft is None:
             return None
         text, starts = self.adapter.decode_offsets(arr[s:e].tolist())
         m = soft.search(text)
-        if m is None or m.start() not in starts:
+        if m is None:
             return None
-        return s + starts.index(m.start())
+        return s + int(np.searchsorted(np.asarray(starts), m.start(), side="right")) - 1
 
     def _body(self, arr, s, e, toks, boundary, soft) -> None:
         if soft is None:
