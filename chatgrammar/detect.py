@@ -32,18 +32,25 @@ Among the remaining candidates, declared precedence picks exactly one.
 """
 from __future__ import annotations
 
+import copy
 import difflib
+import hashlib
+import json
 import threading
+import warnings
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from .errors import DetectionError, PrecedenceError  # (PrecedenceError: defined there, re-exported)
 from .format import Format
+from .format_tests import tests_for
 from .tokenizers import adapt
 
-__all__ = ["Detection", "PrecedenceError", "check_precedence", "detect_format",
-           "detection_formats", "explain_detection", "prove_precedence"]
+__all__ = ["Detection", "PrecedenceError", "VERDICTS", "check_precedence", "detect_format",
+           "detection_formats", "explain_detection", "prove_precedence", "verify_candidate"]
 
 
 # --------------------------------------------------------------------------- the proof
@@ -427,6 +434,218 @@ def _template_evidence(fmt: Format, template: str) -> dict:
             "match": status == "match"}
 
 
+# --------------------------------------------------------------------------- verification
+#
+# Literal evidence only says a template *mentions* a family's markers; a template with the same
+# tags in another layout (GritLM's Tulu-2 template, which Zephyr's literals accept) then gets a
+# format that trains nothing, silently. So a candidate is also checked against the template
+# itself: the conformance matrix is rendered with it in the sandbox and parsed with the
+# candidate (chatgrammar.conformance.check_template, text mode and id mode with one id per
+# marker), and a candidate that trains a wrong mask, or parses none of the renderings, is out.
+
+#: Per-render time limit of a verification (a timeout is a case skipped, never a crash).
+VERIFY_TIMEOUT = 2.0
+#: Template variables tried, after the format's own test facts, when no tokenizer gives them
+#: (the Llama / Mistral SentencePiece defaults most templates that print them expect).
+_GUESSED_VARS = ({}, {"bos_token": "<s>", "eos_token": "</s>"})
+_VERDICTS_MAX = 1024
+_verdict_lock = threading.Lock()
+_verdicts: "OrderedDict[str, dict]" = OrderedDict()
+_spec_keys: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+#: What a verdict's ``status`` means, best first.
+VERDICTS = {
+    "verified": "every matrix case the template renders parses and trains the assistant output",
+    "partial": "some renderings do not parse (a located ParseError, never a wrong mask); the "
+               "others train exactly the assistant output",
+    "unverified": "no rendering could be checked (the template renders no matrix case, or "
+                  "needs a variable detection does not have)",
+    "unparsable": "none of the template's renderings parses with this format",
+    "wrong": "the format trains a wrong mask on a rendering of this template",
+}
+_RANK = {s: i for i, s in enumerate(VERDICTS)}
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _spec_key(fmt: Format) -> str:
+    """A format's content: its spec and the deviations its test facts accept (both change a
+    verdict), hashed once per Format object (held weakly)."""
+    try:
+        hit = _spec_keys.get(fmt)
+    except TypeError:
+        hit = None
+    if hit is not None:
+        return hit
+    facts = tests_for(fmt)
+    payload = json.dumps([fmt.spec.model_dump(mode="json"), facts.get("accepted"),
+                          facts.get("refused")], sort_keys=True, default=str)
+    key = _sha(payload)
+    try:
+        _spec_keys[fmt] = key
+    except TypeError:
+        pass
+    return key
+
+
+def _variable_sets(fmt: Format, given: dict | None) -> list[dict]:
+    """The template variables a candidate is verified with: the tokenizer's special tokens
+    when it has any, else those the format's test facts render its real templates with, then
+    none, then Llama's ``<s>`` / ``</s>``."""
+    if given:
+        return [dict(given)]
+    sets: list[dict] = []
+    for t in tests_for(fmt).get("templates") or []:
+        v = {k: x for k, x in (t.get("vars") or {}).items() if isinstance(x, str)}
+        if v not in sets:
+            sets.append(v)
+    for v in _GUESSED_VARS:
+        if v not in sets:
+            sets.append(dict(v))
+    return sets[:6]
+
+
+def _verify_once(fmt: Format, template: str, variables: dict) -> dict:
+    from .conformance import check_template
+
+    res = check_template(fmt, template, variables=variables, timeout=VERIFY_TIMEOUT)
+    if res.error:
+        return {"status": "unverified", "vars": variables, "reason": res.error,
+                "passed": 0, "failed": [], "skipped": 0}
+    passed = [c.case for c in res.cases if c.status == "pass"]
+    skipped = [c for c in res.cases if c.status == "skip"]
+    fails = [c for c in res.cases if c.status == "fail"]
+    needs = [c for c in fails if c.reason.startswith("the template needs the variable")]
+    refused = [c for c in fails if c.reason.startswith(("does not parse", "text mode parses "
+                                                        "but id mode does not"))]
+    wrong = [c for c in fails if c not in needs and c not in refused]
+    failed = [[c.case, c.reason.splitlines()[0][:300]] for c in wrong + refused + needs]
+    if wrong:
+        status = "wrong"
+    elif needs:
+        status = "unverified"   # these variables are not the ones the template needs
+    elif refused and not passed:
+        status = "unparsable"
+    elif refused:
+        status = "partial"
+    elif passed:
+        status = "verified"
+    else:
+        status = "unverified"
+    reason = ""
+    if failed:
+        reason = f"{failed[0][0]}: {failed[0][1]}" + (
+            f" (+{len(failed) - 1} more case{'s' if len(failed) > 2 else ''})"
+            if len(failed) > 1 else "")
+    elif status == "unverified":
+        reason = "the template renders no matrix case" + (
+            f" ({skipped[0].reason.splitlines()[0][:200]})" if skipped else "")
+    return {"status": status, "vars": variables, "reason": reason, "passed": len(passed),
+            "failed": failed, "skipped": len(skipped), "lacks_variables": bool(needs)}
+
+
+def verify_candidate(fmt: Format, templates: Sequence[str], variables: dict | None = None
+                     ) -> dict:
+    """Check a format against chat templates over the conformance matrix; cached by content.
+
+    Each template is rendered over the built-in matrix in the sandbox and every rendering is
+    parsed with the format (:func:`chatgrammar.conformance.check_template`); the verdict is
+    the best over the variable sets tried (:func:`_variable_sets`) and the worst over the
+    templates. Cached by (template hash, spec hash, variables), in memory, bounded; no Format,
+    tokenizer or template object is kept.
+
+    Args:
+        fmt: the candidate format.
+        templates: the chat templates' sources (a named set: each of them).
+        variables: template variables from the tokenizer (``bos_token`` …); None or empty:
+            those of the format's test facts, then a few usual ones.
+
+    Returns:
+        ``{"status": one of VERDICTS, "reason": one line, "vars": the variables used,
+        "passed": n, "failed": [[case, reason], …], "skipped": n}``.
+
+    Example:
+        >>> verify_candidate(load_format("zephyr"), [gritlm_template])["status"]  # doctest: +SKIP
+        'wrong'
+    """
+    worst: dict | None = None
+    for template in templates:
+        best: dict | None = None
+        for v in _variable_sets(fmt, variables):
+            key = _sha(json.dumps([_sha(template), _spec_key(fmt), v], sort_keys=True))
+            with _verdict_lock:
+                hit = _verdicts.get(key)
+                if hit is not None:
+                    _verdicts.move_to_end(key)
+            if hit is None:
+                hit = _verify_once(fmt, template, v)
+                with _verdict_lock:
+                    _verdicts[key] = hit
+                    while len(_verdicts) > _VERDICTS_MAX:
+                        _verdicts.popitem(last=False)
+            # a variable set the template lacks a variable of says nothing about the format
+            if best is None or (best.get("lacks_variables") and not hit.get("lacks_variables")) \
+                    or (best.get("lacks_variables") == hit.get("lacks_variables")
+                        and _RANK[hit["status"]] < _RANK[best["status"]]):
+                best = hit
+            if best["status"] == "verified":
+                break
+        assert best is not None
+        if worst is None or _RANK[best["status"]] > _RANK[worst["status"]]:
+            worst = best
+    assert worst is not None
+    return copy.deepcopy(worst)
+
+
+def _templates_to_verify(t: Any) -> list[str]:
+    """The renderable templates of a chat template value: the string, the ``default`` of a
+    named set, else every named one."""
+    if isinstance(t, str):
+        return [t] if t.strip() else []
+    if isinstance(t, dict):
+        if isinstance(t.get("default"), str):
+            return [t["default"]]
+        return [v for v in t.values() if isinstance(v, str) and v.strip()]
+    if isinstance(t, (list, tuple)):
+        named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+        if isinstance(named.get("default"), str):
+            return [named["default"]]
+        return [v for v in named.values() if isinstance(v, str) and v.strip()]
+    return []
+
+
+def _verified_pick(candidates: list[str], by_name: dict[str, Format], templates: list[str],
+                   variables: dict | None, verification: dict[str, dict]
+                   ) -> tuple[list[str], list[str]]:
+    """Precedence among the candidates, each winner verified before it is taken: a winner
+    that fails is ruled out and precedence picks again among the rest (the same answer as
+    verifying all of them first, at the cost of the ones actually tried).
+
+    Returns:
+        ``(left, ruled_out)``: ``left`` starts with the verified winner (empty when every
+        candidate fails); formats never reached are not verified.
+    """
+    left = list(candidates)
+    ruled_out: list[str] = []
+    while left:
+        name, _, _ = _resolve(left, by_name)
+        v = verification[name] = verify_candidate(by_name[name], templates, variables)
+        if v["status"] in ("verified", "partial", "unverified"):
+            return [name] + [n for n in left if n != name], ruled_out
+        left.remove(name)
+        ruled_out.append(name)
+    return [], ruled_out
+
+
+def _verification_line(name: str, v: dict) -> str:
+    s = f"{name}: {v['status']}"
+    if v.get("reason"):
+        s += f" ({v['reason']})"
+    return s
+
+
 def _score(ev: dict) -> tuple[float, int]:
     f = m = 0
     for kind in ("tokens", "template"):
@@ -485,7 +704,14 @@ class Detection:
         evidence: per format, what was looked for and found (``tokens`` / ``template``).
         inputs: ``{"tokenizer": type name or None, "tokenizer_kind", "template": "argument" |
             "tokenizer" | None}``.
-        notes: how the tokenizer's own chat template was used (narrowed, or ignored and why).
+        notes: how the tokenizer's own chat template was used (narrowed, or ignored and why),
+            and what the verification against the chat template found.
+        verification: per format verified against the chat template, its verdict
+            (:func:`verify_candidate`: ``status`` one of :data:`VERDICTS`, ``reason``,
+            ``passed``, ``failed``, ``skipped``, ``vars``); empty without a template. Only the
+            formats precedence reached are verified (``verification[format]["status"]`` is
+            the winner's verdict). When a candidate failed, the rule also has
+            ``verification_ruled_out`` and ``precedence_before_verification``.
         fmt: the :class:`Format` object.
     """
 
@@ -498,6 +724,7 @@ class Detection:
     evidence: dict[str, dict]
     inputs: dict
     notes: list[str] = field(default_factory=list)
+    verification: dict[str, dict] = field(default_factory=dict)
     fmt: Format | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
@@ -553,8 +780,10 @@ def _no_match(what: str, evidence: dict[str, dict], considered: list[str],
 
 
 def explain_detection(tokenizer: Any = None, *, chat_template: Any = None,
-                      formats: Iterable[Format] | None = None) -> Detection:
-    """Detect a format and say why (the evidence per format and the deciding rule).
+                      formats: Iterable[Format] | None = None, verify: bool = True
+                      ) -> Detection:
+    """Detect a format and say why (the evidence per format, the verification against the
+    chat template and the deciding rule).
 
     Args:
         tokenizer: a transformers tokenizer (fast or slow), a ``tiktoken.Encoding`` or an
@@ -562,13 +791,17 @@ def explain_detection(tokenizer: Any = None, *, chat_template: Any = None,
         chat_template: a Jinja chat template's source (or a dict of named templates).
         formats: the formats to choose from (default: the registry, bundled + plugins); the
             precedence proof runs on them either way.
+        verify: check each candidate against the chat template (given, or the tokenizer's
+            own) over the conformance matrix before it is taken (default). ``False``: marker
+            evidence and precedence only, as :func:`check_precedence` reasons.
 
     Returns:
         A :class:`Detection`.
 
     Raises:
-        DetectionError: nothing matches (message: what was looked for, nearest candidates),
-            or the tokenizer and the given template disagree.
+        DetectionError: nothing matches (message: what was looked for, nearest candidates);
+            the tokenizer and the given template disagree; or no candidate parses the chat
+            template correctly (the message gives each one's failing case).
         PrecedenceError: the format set's declared precedence is not total (also a
             DetectionError).
         TypeError: the tokenizer offers no supported protocol.
@@ -585,14 +818,16 @@ def explain_detection(tokenizer: Any = None, *, chat_template: Any = None,
 
     template_source = None
     template = None
+    raw_template = None
     if chat_template is not None:
         template = _template_text(chat_template)
         if template is None:
             raise TypeError(f"chat_template must be a str (a Jinja template's source), got "
                             f"{type(chat_template).__name__}")
-        template_source = "argument"
+        template_source, raw_template = "argument", chat_template
     elif tokenizer is not None:
-        template = _template_text(getattr(tokenizer, "chat_template", None))
+        raw_template = getattr(tokenizer, "chat_template", None)
+        template = _template_text(raw_template)
         if template is not None:
             template_source = "tokenizer"
 
@@ -610,78 +845,162 @@ def explain_detection(tokenizer: Any = None, *, chat_template: Any = None,
               "tokenizer_kind": adapter.kind if adapter is not None else None,
               "template": template_source}
     notes: list[str] = []
-    tok_what = (f"this tokenizer ({inputs['tokenizer']})" if adapter is not None else "")
+    matched, candidates = _candidates(by_name, evidence, adapter, template, template_source,
+                                      inputs, notes)
 
-    if adapter is None:
-        matched = [n for n in sorted(by_name) if evidence[n]["template"]["match"]]
-        if not matched:
-            raise _no_match("this chat template", evidence,
-                            [n for n in sorted(by_name) if by_name[n].spec.detect.template
-                             or by_name[n].spec.detect.template_absent] or sorted(by_name))
-        candidates = matched
-    else:
-        matched = [n for n in sorted(by_name)
-                   if evidence[n]["tokens"] is not None and evidence[n]["tokens"]["match"]]
-        considered = [n for n in sorted(by_name) if evidence[n]["tokens"] is not None]
-        if not matched:
-            extra = ""
-            if template is not None:
-                tpl = [n for n in sorted(by_name) if evidence[n]["template"]["match"]]
-                if tpl:
-                    extra = (f"the {'given' if template_source == 'argument' else 'tokenizer'}"
-                             f"'s chat template looks like {_quote(tpl)}, but the tokenizer "
-                             "lacks its markers as special tokens")
-            raise _no_match(tok_what, evidence, considered or sorted(by_name), extra)
-        if template is None:
-            candidates = matched
-        else:
-            compatible = [n for n in matched if evidence[n]["template"]["status"] != "mismatch"]
-            ruled_out = [n for n in matched if n not in compatible]
-            tpl_says = [n for n in sorted(by_name) if evidence[n]["template"]["match"]]
-            if compatible:
-                candidates = compatible
-                if ruled_out:
-                    whose = "given" if template_source == "argument" else "tokenizer's"
-                    notes.append(
-                        f"the {whose} chat template rules out {_quote(ruled_out)} ("
-                        + "; ".join(f"{n}: " + _template_gap(evidence[n]["template"])
-                                    for n in ruled_out) + ")")
-            elif template_source == "argument":
-                raise DetectionError(
-                    f"the tokenizer and the chat template disagree: the tokenizer's special "
-                    f"tokens match {_quote(matched)}, the chat template "
-                    + (f"matches {_quote(tpl_says)}" if tpl_says else "matches no format")
-                    + " (" + "; ".join(f"{n}: " + _template_gap(evidence[n]["template"])
-                                      for n in matched) + ")",
-                    candidates=matched + [n for n in tpl_says if n not in matched],
-                    evidence=evidence)
-            else:
-                candidates = matched
-                notes.append(
-                    "the tokenizer's own chat template "
-                    + (f"looks like {_quote(tpl_says)}" if tpl_says else "matches no format")
-                    + ", which its special tokens do not support; ignored (token evidence "
-                    "wins: ids are what gets parsed)")
+    verification: dict[str, dict] = {}
+    ruled_by_check: list[str] = []
+    verified = candidates
+    vtemplates = _templates_to_verify(raw_template) if (verify and template is not None) else []
+    if vtemplates:
+        from .conformance import _special_vars
 
-    name, rule, why = _resolve(candidates, by_name)
+        variables = _special_vars(tokenizer) if tokenizer is not None else None
+        verified, ruled_by_check = _verified_pick(candidates, by_name, vtemplates, variables,
+                                                  verification)
+        if not verified:
+            raise _verification_failed(candidates, verification, template_source, adapter,
+                                       evidence)
+
+    name, rule, why = _resolve(verified, by_name)
     if len(candidates) < len(matched):
-        # The template narrowed the token matches: say so, and whether precedence alone (over
-        # the token matches) would have picked the same format.
+        # The template's literals narrowed the token matches: say so, and whether precedence
+        # alone (over the token matches) would have picked the same format.
         by_prec, _, _ = _resolve(matched, by_name)
         ruled_out = [n for n in matched if n not in candidates]
         whose = "given" if template_source == "argument" else "tokenizer's"
         why = (f"{name}: the {whose} chat template rules out {_quote(ruled_out)}, which "
-               f"the tokens also match; " + (why if len(candidates) > 1 else
+               f"the tokens also match; " + (why if len(verified) > 1 else
                                              f"{name} is the only candidate left")
                + (f"; precedence alone agrees ({by_prec})" if by_prec == name else
                   f"; precedence alone would have picked {by_prec}"))
         rule = {**rule, "template_ruled_out": ruled_out, "precedence_alone": by_prec}
         if rule["kind"] == "only-match":
             rule["kind"] = "template"
+    if vtemplates:
+        why = _with_verification(name, why, rule, verification, ruled_by_check, candidates,
+                                 by_name, template_source, notes)
     fmt = by_name[name]
-    return Detection(format=name, path=str(fmt.path), matched=matched, candidates=candidates,
+    return Detection(format=name, path=str(fmt.path), matched=matched, candidates=verified,
                      decided_by=why, rule=rule, evidence=evidence, inputs=inputs, notes=notes,
-                     fmt=fmt)
+                     verification=verification, fmt=fmt)
+
+
+def _candidates(by_name: dict[str, Format], evidence: dict, adapter: Any, template: str | None,
+                template_source: str | None, inputs: dict, notes: list[str]
+                ) -> tuple[list[str], list[str]]:
+    """``(matched, candidates)`` from the marker evidence: what matched (tokens, else the
+    template's literals) and what the template's literals leave of it."""
+    if adapter is None:
+        matched = [n for n in sorted(by_name) if evidence[n]["template"]["match"]]
+        if not matched:
+            raise _no_match("this chat template", evidence,
+                            [n for n in sorted(by_name) if by_name[n].spec.detect.template
+                             or by_name[n].spec.detect.template_absent] or sorted(by_name))
+        return matched, matched
+    tok_what = f"this tokenizer ({inputs['tokenizer']})"
+    matched = [n for n in sorted(by_name)
+               if evidence[n]["tokens"] is not None and evidence[n]["tokens"]["match"]]
+    considered = [n for n in sorted(by_name) if evidence[n]["tokens"] is not None]
+    if not matched:
+        extra = ""
+        if template is not None:
+            tpl = [n for n in sorted(by_name) if evidence[n]["template"]["match"]]
+            if tpl:
+                extra = (f"the {'given' if template_source == 'argument' else 'tokenizer'}"
+                         f"'s chat template looks like {_quote(tpl)}, but the tokenizer "
+                         "lacks its markers as special tokens")
+        raise _no_match(tok_what, evidence, considered or sorted(by_name), extra)
+    if template is None:
+        return matched, matched
+    compatible = [n for n in matched if evidence[n]["template"]["status"] != "mismatch"]
+    ruled_out = [n for n in matched if n not in compatible]
+    tpl_says = [n for n in sorted(by_name) if evidence[n]["template"]["match"]]
+    if compatible:
+        if ruled_out:
+            whose = "given" if template_source == "argument" else "tokenizer's"
+            notes.append(
+                f"the {whose} chat template rules out {_quote(ruled_out)} ("
+                + "; ".join(f"{n}: " + _template_gap(evidence[n]["template"])
+                            for n in ruled_out) + ")")
+        return matched, compatible
+    if template_source == "argument":
+        raise DetectionError(
+            f"the tokenizer and the chat template disagree: the tokenizer's special "
+            f"tokens match {_quote(matched)}, the chat template "
+            + (f"matches {_quote(tpl_says)}" if tpl_says else "matches no format")
+            + " (" + "; ".join(f"{n}: " + _template_gap(evidence[n]["template"])
+                              for n in matched) + ")",
+            candidates=matched + [n for n in tpl_says if n not in matched],
+            evidence=evidence)
+    # The tokenizer's own template lacks the literals of every format its tokens match. The
+    # literals may just be spelled otherwise: the verification against the template (when it
+    # runs) decides whether the token matches can parse it.
+    notes.append(
+        "the tokenizer's own chat template "
+        + (f"looks like {_quote(tpl_says)}" if tpl_says else "matches no format")
+        + f", which its special tokens do not support (its literals rule out {_quote(matched)})"
+        "; token evidence kept, the template only verifies it")
+    return matched, matched
+
+
+def _verification_failed(candidates: list[str], verification: dict[str, dict],
+                         template_source: str | None, adapter: Any,
+                         evidence: dict) -> DetectionError:
+    lines = ["  " + _verification_line(n, verification[n]) for n in candidates]
+    looks = sorted(n for n, ev in evidence.items()
+                   if (ev.get("template") or {}).get("match") and n not in candidates)
+    if template_source == "tokenizer":
+        head = (f"the tokenizer's special tokens match {_quote(candidates)}, but "
+                + ("it does not parse" if len(candidates) == 1 else "none of them parses")
+                + " the tokenizer's own chat template correctly"
+                + (f" (the template looks like {_quote(looks)}, whose markers are not special "
+                   "tokens of this tokenizer)" if looks else "")
+                + ": data rendered with "
+                "that template would not get a correct loss mask (pass chat_template= the "
+                "template your data is rendered with, or, if that template is not how your "
+                "data is rendered, load the format by name)")
+    else:
+        what = ("the tokenizer's special tokens and the chat template both point to"
+                if adapter is not None else "the chat template's markers point to")
+        head = (f"{what} {_quote(candidates)}, but "
+                + ("it does not parse" if len(candidates) == 1 else "none of them parses")
+                + " the chat template correctly (checked over the conformance "
+                "matrix); no bundled format is used rather than a wrong mask")
+    return DetectionError("\n".join([head, "verification:"] + lines), candidates=candidates,
+                          evidence={n: {**evidence.get(n, {}), "verification": verification[n]}
+                                    for n in candidates})
+
+
+def _with_verification(name: str, why: str, rule: dict, verification: dict[str, dict],
+                       ruled: list[str], candidates: list[str], by_name: dict[str, Format],
+                       template_source: str | None, notes: list[str]) -> str:
+    """The decision sentence and notes, with what the verification did."""
+    whose = "given" if template_source == "argument" else "tokenizer's own"
+    v = verification[name]
+    if ruled:
+        by_prec, _, _ = _resolve(candidates, by_name)
+        rule["verification_ruled_out"] = list(ruled)
+        rule["precedence_before_verification"] = by_prec
+        notes.append(f"verification against the {whose} chat template rules out "
+                     + "; ".join(_verification_line(n, verification[n]) for n in ruled))
+        why += (f"; {_quote(ruled)} ruled out: "
+                + "; ".join(f"{n} {verification[n]['status']} on the template" for n in ruled))
+    if v["status"] == "verified":
+        why += (f"; verified against the {whose} chat template ({v['passed']} matrix case"
+                f"{'s' if v['passed'] != 1 else ''} pass)")
+    elif v["status"] == "partial":
+        why += f"; partly verified against the {whose} chat template"
+        notes.append(f"{name} parses only part of what the {whose} chat template renders: "
+                     f"{v['reason']}; samples of those shapes raise a located ParseError "
+                     "(lenient mode: train nothing there and warn)")
+    else:
+        why += f"; not verified against the {whose} chat template"
+        msg = (f"{name} could not be verified against the {whose} chat template "
+               f"({v['reason']}); detected from marker evidence only")
+        notes.append(msg)
+        warnings.warn(f"chatgrammar detection: {msg}", RuntimeWarning, stacklevel=4)
+    return why
 
 
 def _template_gap(ev: dict) -> str:
@@ -693,15 +1012,21 @@ def _template_gap(ev: dict) -> str:
     return ", ".join(bits) or "matches"
 
 
-def detect_format(tokenizer: Any = None, *, chat_template: Any = None) -> Format:
+def detect_format(tokenizer: Any = None, *, chat_template: Any = None,
+                  verify: bool = True) -> Format:
     """Which format a tokenizer (and/or chat template) speaks.
 
     The tokenizer's special ids are the evidence that counts (they are what gets parsed); a
-    ``chat_template`` the tokenizer carries can only rule candidates out (when it rules out all
-    of them it is ignored); a ``chat_template`` given here must agree with the tokenizer.
-    Among the candidates left, the precedence declared in the specs decides. Before anything is
-    detected, the registry proves that declared precedence is total wherever two detectors
-    overlap. Use :func:`explain_detection` for the reasons.
+    ``chat_template`` the tokenizer carries can only rule candidates out; a ``chat_template``
+    given here must agree with the tokenizer. Among the candidates left, the precedence
+    declared in the specs decides, and the winner is **verified against the chat template**
+    (given, or the tokenizer's own): the conformance matrix is rendered with it in the sandbox
+    and must parse with the format and train exactly the assistant output. A candidate that
+    trains a wrong mask, or parses none of the renderings, is ruled out and precedence picks
+    again; when none is left, :class:`DetectionError` says why (never a silently wrong mask).
+    Verdicts are cached by content (template, spec, variables). Before anything is detected,
+    the registry proves that declared precedence is total wherever two detectors overlap. Use
+    :func:`explain_detection` for the reasons.
 
     Args:
         tokenizer: a transformers tokenizer (fast or slow, including remote-code slow ones such
@@ -709,6 +1034,7 @@ def detect_format(tokenizer: Any = None, *, chat_template: Any = None) -> Format
             ``convert_tokens_to_ids`` and ``decode``; markers count only as single
             special/added ids.
         chat_template: a Jinja chat template's source.
+        verify: verify the candidates against the chat template (default True).
 
     Returns:
         The :class:`Format`.
@@ -716,11 +1042,13 @@ def detect_format(tokenizer: Any = None, *, chat_template: Any = None) -> Format
     Raises:
         DetectionError: nothing matches (listing what was looked for and the nearest
             candidates, also on ``.candidates`` / ``.evidence``), the tokenizer and the template
-            disagree, or the registry's precedence is not total (:class:`PrecedenceError`).
+            disagree, no candidate parses the chat template (the given one or the tokenizer's
+            own) correctly, or the registry's precedence is not total
+            (:class:`PrecedenceError`).
 
     Example:
         >>> cg.detect_format(k3_tokenizer).name   # doctest: +SKIP
         'kimi-k3'
     """
-    det = explain_detection(tokenizer, chat_template=chat_template)
+    det = explain_detection(tokenizer, chat_template=chat_template, verify=verify)
     return det.fmt  # type: ignore[return-value]

@@ -303,12 +303,39 @@ class IdLexer:
                 self._body(arr, h_end, e, toks, boundary, soft)
         elif prev in decode_after:
             m = decode_after[prev]
+            cut = self._soft_cut(arr, s, e, soft)
+            if cut is not None:
+                # A header that ends at a soft marker (an element without opener whose header
+                # runs to `USER:`): the header is the run up to it, the rest is a body, as text
+                # mode reads it. A token that straddles the marker's start (` USER`) stays with
+                # the header text, as `_body` keeps it with the text before a marker.
+                rest: list = []
+                self._body(arr, cut, e, rest, boundary, soft)
+                h_end = cut
+                if rest and rest[0][0] == TEXT and rest[0][1] == cut:
+                    h_end, rest = rest[0][2], rest[1:]
+                if h_end > s:
+                    self._gap(arr, s, h_end, prev, toks, boundary, split_after, decode_after,
+                              None)
+                toks.extend(rest)
+                return
             if e - s <= m:
                 toks.append((TEXT, s, e, dec(arr[s:e].tolist())))
             else:  # an over-long header: decode only the budget, the check will reject it
                 toks.append((TEXT, s, e, dec(arr[s:s + m].tolist()) + "…"))
         else:
             self._body(arr, s, e, toks, boundary, soft)
+
+    def _soft_cut(self, arr, s, e, soft) -> int | None:
+        """The token where the first soft marker of a header run starts (the one holding its
+        first character); None when there is none (or no soft marker at all)."""
+        if soft is None:
+            return None
+        text, starts = self.adapter.decode_offsets(arr[s:e].tolist())
+        m = soft.search(text)
+        if m is None:
+            return None
+        return s + int(np.searchsorted(np.asarray(starts), m.start(), side="right")) - 1
 
     def _body(self, arr, s, e, toks, boundary, soft) -> None:
         if soft is None:
@@ -322,8 +349,11 @@ class IdLexer:
             return
         starts_a = np.asarray(starts + [len(text)])
         last = s
-        for m in found:
+        for k, m in enumerate(found):
             cs, ce = m.span()
+            # the next soft marker starts right where this one ends (`<|model|><|user|>`): a
+            # token straddling the two holds no text, so it stays a marker's, never text
+            touching = k + 1 < len(found) and found[k + 1].start() == ce
             t0 = int(np.searchsorted(starts_a, cs, side="right")) - 1
             t1 = int(np.searchsorted(starts_a, ce, side="left"))
             a, b = t0, max(t1, t0 + 1)
@@ -337,7 +367,7 @@ class IdLexer:
                     a += 1
             if starts_a[t1] != ce:
                 boundary.append((s + b - 1, f"soft marker {m.group()!r} ends inside a token"))
-                if b - a > 1:
+                if b - a > 1 and not touching:
                     b -= 1
             a, b = s + a, s + b
             if a < last:

@@ -254,10 +254,22 @@ def test_tokenizer_template_can_rule_a_candidate_out(kimi_slow):
 
 def test_tokenizer_template_cannot_override_tokens(kimi_slow):
     # K2 vocabulary carrying a K3 template: K3's markers are not ids of this tokenizer, so the
-    # template cannot be what its ids say; token evidence wins and the note says why.
-    det = explain_detection(with_template(kimi_slow("k2"), template(K3_T)))
-    assert det.format == "kimi-k2"
-    assert any("ignored" in n and "kimi-k3" in n for n in det.notes)
+    # template cannot make it K3; and kimi-k2, what the tokens say, parses none of what that
+    # template renders. Data rendered with the tokenizer's own template would get no correct
+    # mask: an error naming both sides, never a silent pick.
+    with pytest.raises(cg.DetectionError, match="does not parse the tokenizer's own chat "
+                       "template") as ei:  # (one candidate: "it does not parse")
+        explain_detection(with_template(kimi_slow("k2"), template(K3_T)))
+    msg = str(ei.value)
+    assert "kimi-k2: unparsable" in msg and "looks like kimi-k3" in msg
+    assert ei.value.candidates == ["kimi-k2"]
+    # without verification the token evidence is kept, the template's literals noted
+    det = explain_detection(with_template(kimi_slow("k2"), template(K3_T)), verify=False)
+    assert det.format == "kimi-k2" and det.verification == {}
+    assert any("kimi-k3" in n and "token evidence kept" in n for n in det.notes)
+    # the real K2 template verifies
+    det = explain_detection(with_template(kimi_slow("k2"), template(K2_T)))
+    assert det.format == "kimi-k2" and det.verification["kimi-k2"]["status"] == "verified"
 
 
 def test_given_template_must_agree_with_tokenizer(kimi_slow):
@@ -275,6 +287,106 @@ def test_template_alone_does_not_make_a_tokenizer_match(kimi_slow):
     with pytest.raises(cg.DetectionError) as ei:
         cg.detect_format(with_template(kimi_slow("none"), template(K2_T)))
     assert "chat template looks like kimi-k2" in str(ei.value)
+
+
+# --------------------------------------------------------------------------- verification
+
+TULU2 = "allenai-tulu-2-7b.jinja"
+GRITLM = "GritLM-GritLM-7B.jinja"   # Tulu 2's layout: the case verification exists for
+
+
+def _loose_zephyr(tmp_path, over=("tulu",)) -> cg.Format:
+    """Zephyr's spec with a detector that only asks for the tags (no `template_absent`):
+    its literals accept Tulu 2's template, whose user turns have no EOS (GritLM's case)."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "formats" / "zephyr.yaml").read_text(encoding="utf-8"))
+    data["name"] = "zephyr-loose"
+    data["detect"] = {"template": ["<|user|>", "<|assistant|>"], "precedence_over": list(over)}
+    data.pop("examples", None)
+    p = tmp_path / "zephyr-loose.yaml"
+    p.write_text(yaml.safe_dump(data, allow_unicode=True), encoding="utf-8")
+    return cg.load_format(str(p))
+
+
+@pytest.mark.parametrize("name", [TULU2, GRITLM])
+def test_verification_rules_out_a_literal_match_that_masks_wrongly(tmp_path, name):
+    src = (TEMPLATES / name).read_text(encoding="utf-8")
+    loose, tulu = _loose_zephyr(tmp_path), cg.load_format("tulu")
+    # marker evidence and precedence alone pick the loose Zephyr: every answer untrained
+    assert explain_detection(chat_template=src, formats=[loose, tulu],
+                             verify=False).format == "zephyr-loose"
+    det = explain_detection(chat_template=src, formats=[loose, tulu])
+    assert det.format == "tulu" and det.candidates == ["tulu"]
+    assert det.verification["zephyr-loose"]["status"] == "wrong"
+    assert "nothing of it is trained" in det.verification["zephyr-loose"]["reason"]
+    assert det.verification["tulu"]["status"] == "verified"
+    assert det.rule["verification_ruled_out"] == ["zephyr-loose"]
+    assert det.rule["precedence_before_verification"] == "zephyr-loose"
+    assert any("rules out zephyr-loose: wrong" in n for n in det.notes)
+    assert "ruled out" in det.decided_by and "verified against the given" in det.decided_by
+    # the order the formats come in changes nothing
+    assert explain_detection(chat_template=src, formats=[tulu, loose]).format == "tulu"
+
+
+def test_verification_failing_everywhere_is_an_error(tmp_path):
+    src = (TEMPLATES / TULU2).read_text(encoding="utf-8")
+    with pytest.raises(cg.DetectionError, match="does not parse the chat template "
+                       "correctly") as ei:
+        explain_detection(chat_template=src, formats=[_loose_zephyr(tmp_path, ())])
+    assert ei.value.candidates == ["zephyr-loose"]
+    assert ei.value.evidence["zephyr-loose"]["verification"]["status"] == "wrong"
+    assert "zephyr-loose: wrong (" in str(ei.value)
+
+
+def test_verification_is_cached_by_content(monkeypatch):
+    import chatgrammar.conformance as conformance
+    import chatgrammar.detect as detect
+
+    src = (TEMPLATES / "HuggingFaceH4-zephyr-7b-beta.jinja").read_text(encoding="utf-8")
+    src += "{# a comment no other test renders #}"
+    calls = []
+    real = conformance.check_template
+    monkeypatch.setattr(conformance, "check_template",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = explain_detection(chat_template=src)
+    n = len(calls)
+    assert first.format == "zephyr" and n >= 1
+    again = explain_detection(chat_template=src)
+    assert len(calls) == n and again.verification == first.verification
+    # a fresh Format object of the same spec hits the same entry (keyed by content, not id)
+    detect.verify_candidate(cg.load_format(str(ROOT / "formats" / "zephyr.yaml")), [src])
+    assert len(calls) == n
+    explain_detection(chat_template="{#- another #}" + src)   # another template: verified again
+    assert len(calls) > n
+
+
+def test_partial_verification_is_kept_with_a_note():
+    # Gemma 4's template renders one tool shape the format refuses with a located ParseError
+    src = (TEMPLATES / "google-gemma-4-31B-it.jinja").read_text(encoding="utf-8")
+    det = explain_detection(chat_template=src)
+    assert det.format == "gemma4" and det.verification["gemma4"]["status"] == "partial"
+    assert any("ParseError" in n for n in det.notes)
+
+
+def test_every_bundled_template_detects_as_its_format_verified():
+    """Each real template a format's test facts list (and that detects by template) is
+    verified for that format: verification never loses a right answer."""
+    import yaml
+
+    for facts_file in sorted((ROOT / "formats").glob("*.tests.yaml")):
+        name = facts_file.name[: -len(".tests.yaml")]
+        for t in (yaml.safe_load(facts_file.read_text(encoding="utf-8")) or {}).get(
+                "templates") or []:
+            src = (TEMPLATES / t["file"]).read_text(encoding="utf-8")
+            try:
+                plain = explain_detection(chat_template=src, verify=False).format
+            except cg.DetectionError:
+                continue
+            det = explain_detection(chat_template=src)
+            status = det.verification[det.format]["status"]
+            assert (det.format, status in ("verified", "partial")) == (
+                plain, True), (t["file"], det.decided_by)
 
 
 # --------------------------------------------------------------------------- the proof
@@ -477,7 +589,9 @@ def test_cli_template(capsys):
 
     rc, out, err = run_cli(capsys, "--template", str(TEMPLATES / K2T_T), "--output", "json")
     data = json.loads(out)
-    assert rc == 0 and data["format"] == "kimi-k2" and data["rule"] == {"kind": "only-match"}
+    assert rc == 0 and data["format"] == "kimi-k2"
+    assert data["rule"] == {"kind": "only-match"}
+    assert data["verification"]["kimi-k2"]["status"] == "verified"
     assert data["evidence"]["kimi-k2"]["template"]["found"] == ["<|im_assistant|>",
                                                                 "<|im_middle|>"]
 
