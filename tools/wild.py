@@ -187,6 +187,37 @@ def run(paths: list[Path], expected: dict | None = None) -> list[WildResult]:
     return out
 
 
+def expected_entry(r: WildResult) -> dict:
+    """What ``expected.yaml`` pins for one result: ``outcome`` is ``bundled <name>``,
+    ``inferred`` or ``refused`` (with the first reason)."""
+    if r.outcome == "detected":
+        return {"outcome": f"bundled {r.format}"}
+    if r.outcome == "inferred":
+        return {"outcome": "inferred"}
+    return {"outcome": "refused" if r.outcome == "safe" else r.outcome,
+            "reason": r.reason[:160]}
+
+
+def write_expected(results: list[WildResult], wild: Path = WILD) -> None:
+    """Record ``results`` in ``expected.yaml`` (the variables already there are kept)."""
+    old = load_expected(wild)
+    out = {}
+    for r in sorted(results, key=lambda r: r.template):
+        entry = {k: v for k, v in (old.get(r.template) or {}).items() if k == "vars"}
+        entry.update(expected_entry(r))
+        out[r.template] = entry
+    head = ("# tests/data/templates/wild/expected.yaml: what a user gets from each real template\n"
+            "# (tools/wild.py --write-expected; checked by tests/test_wild.py). outcome:\n"
+            "# `bundled NAME` (detected, every matrix case right), `inferred` (cg.infer_format,\n"
+            "# every case right) or `refused` (a clear error: DetectionError + InferenceError, or\n"
+            "# located ParseErrors on the shapes that do not fit; never a wrong mask). vars: what\n"
+            "# the model's tokenizer passes to the template (default: tools/wild.py default_vars /\n"
+            "# the detected family's).\n")
+    (wild / "expected.yaml").write_text(
+        head + yaml.safe_dump({"templates": out}, sort_keys=False, allow_unicode=True, width=100),
+        encoding="utf-8")
+
+
 def table(results: list[WildResult]) -> str:
     """The markdown report: totals, then one row per template."""
     n = len(results)
@@ -226,15 +257,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-o", "--output", type=Path, help="write the markdown table here")
     ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every failing case")
+    ap.add_argument("--write-expected", action="store_true",
+                    help="record the outcomes in the wild folder's expected.yaml (keeps vars)")
     args = ap.parse_args(argv)
     paths = args.templates or sorted(WILD.glob("*.jinja"))
     results = run(paths)
+    if args.write_expected:
+        write_expected(results)
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=1))
     else:
         md = table(results)
         if args.output:
-            args.output.write_text(md, encoding="utf-8")
+            notes = Path("/work/wild_notes.md")  # the session's hand-written notes, if any
+            extra = notes.read_text(encoding="utf-8") if notes.is_file() else ""
+            args.output.write_text(md + extra, encoding="utf-8")
         print(md)
         if args.verbose:
             for r in results:
