@@ -23,7 +23,7 @@ Each template is then one of:
 Usage::
 
     python tools/wild.py                          # print the markdown table
-    python tools/wild.py -o /work/wild_results.md # write it
+    python tools/wild.py -o /work/wild_results.md # write it (--append NOTES.md adds notes)
     python tools/wild.py -v FILE.jinja …          # some templates, with failure reasons
     python tools/wild.py --json                   # machine-readable
 
@@ -255,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("templates", nargs="*", type=Path, help="template files (default: all wild)")
     ap.add_argument("-o", "--output", type=Path, help="write the markdown table here")
+    ap.add_argument("--append", type=Path, action="append", default=[],
+                    help="with -o: append this (markdown notes) file after the table")
     ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every failing case")
     ap.add_argument("--write-expected", action="store_true",
@@ -269,8 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         md = table(results)
         if args.output:
-            notes = Path("/work/wild_notes.md")  # the session's hand-written notes, if any
-            extra = notes.read_text(encoding="utf-8") if notes.is_file() else ""
+            extra = "".join(p.read_text(encoding="utf-8") for p in args.append)
             args.output.write_text(md + extra, encoding="utf-8")
         print(md)
         if args.verbose:
