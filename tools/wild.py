@@ -111,10 +111,10 @@ def family_vars(fmt, template: str) -> dict:
 
 
 def _unsafe(reason: str) -> bool:
-    """A failing case is safe when the format refused to parse it (a located ParseError);
-    anything else (a mask that differs, id mode disagreeing) trained wrongly without an
-    error."""
-    return "does not parse" not in reason
+    """A failing case is safe when the format refused to parse it (a located ParseError, in
+    text mode or in id mode); anything else (a mask that differs, id mode training otherwise
+    than text mode) trained wrongly without an error."""
+    return "does not parse" not in reason and "but id mode does not" not in reason
 
 
 def classify(path: Path, variables: dict | None = None, *, timeout: float = 10.0) -> WildResult:
