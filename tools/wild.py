@@ -1,0 +1,287 @@
+"""Templates in the wild: what a user gets from each real chat template, as a table.
+
+For every template in ``tests/data/templates/wild`` (provenance in its ``SOURCES.md``; the
+variables a template is rendered with — ``bos_token``, ``eos_token`` — in its
+``expected.yaml``), do what a user does with nothing but the template:
+
+1. ``cg.detect_format(chat_template=T)``. When a bundled format is detected, check it against
+   the template over the conversation matrix (``chatgrammar.conformance.check_template``: text
+   mode and id mode with one id per marker), exactly what ``chatgrammar validate FORMAT
+   --template T`` does.
+2. Else ``cg.infer_format(T)`` (it verifies itself over the same matrix; a refusal is an
+   ``InferenceError``), and check the inferred format the same way.
+
+Each template is then one of:
+
+- ``detected`` / ``inferred``: every case the template renders gets exactly the assistant
+  output trained.
+- ``safe``: a clear error (DetectionError + InferenceError, or a located ParseError on the
+  shapes that do not fit) and no wrong mask.
+- ``SILENT WRONG``: some case trains something other than the assistant output and nothing
+  raised — the outcome that must never happen.
+
+Usage::
+
+    python tools/wild.py                          # print the markdown table
+    python tools/wild.py -o /work/wild_results.md # write it (--append NOTES.md adds notes)
+    python tools/wild.py -v FILE.jinja …          # some templates, with failure reasons
+    python tools/wild.py --json                   # machine-readable
+
+Exit code: 0 when nothing is SILENT WRONG, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+
+import yaml  # noqa: E402
+
+import chatgrammar as cg  # noqa: E402
+from chatgrammar.conformance import check_template  # noqa: E402
+
+WILD = ROOT / "tests" / "data" / "templates" / "wild"
+
+
+@dataclass
+class WildResult:
+    """The outcome of one template.
+
+    Attributes:
+        template: file name.
+        outcome: ``detected``, ``inferred``, ``safe`` or ``SILENT WRONG``.
+        format: the format used (bundled name or ``inferred-…``), or None.
+        how: ``detected`` / ``inferred`` / ``none``.
+        counts: matrix counts of the check (pass / fail / skip) and ``unsafe`` (fails that
+            train wrongly instead of raising).
+        reason: why it is not fully correct (the first failure or the refusal).
+        failures: ``case: reason`` of every failing case.
+        seconds: time taken.
+    """
+
+    template: str
+    outcome: str
+    format: str | None = None
+    how: str = "none"
+    counts: dict = field(default_factory=dict)
+    reason: str = ""
+    failures: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def load_expected(wild: Path = WILD) -> dict:
+    """``expected.yaml`` of the wild folder: template file -> entry (``vars``, ``outcome``…)."""
+    p = wild / "expected.yaml"
+    if not p.exists():
+        return {}
+    data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    return data.get("templates") or {}
+
+
+def default_vars(template: str) -> dict:
+    """The special tokens a family's tokenizer would pass, guessed from the template's own
+    markers when ``expected.yaml`` names none (transformers passes the tokenizer's
+    ``special_tokens_map``; a template that prints ``bos_token`` needs the real one)."""
+    if "<|im_end|>" in template or "<|im_start|>" in template:
+        return {"bos_token": "", "eos_token": "<|im_end|>"}
+    if "<|eot_id|>" in template or "<|start_header_id|>" in template:
+        return {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    if "<start_of_turn>" in template:
+        return {"bos_token": "<bos>", "eos_token": "<eos>"}
+    if "<|end|>" in template and "<|assistant|>" in template:
+        return {"bos_token": "<s>", "eos_token": "<|endoftext|>"}
+    return {"bos_token": "<s>", "eos_token": "</s>"}
+
+
+def family_vars(fmt, template: str) -> dict:
+    """The variables the detected family's own templates are checked with (its tests.yaml:
+    what that family's tokenizer passes), else :func:`default_vars`."""
+    from chatgrammar.format_tests import tests_for
+    for t in tests_for(fmt).get("templates") or []:
+        if t.get("vars"):
+            return {**default_vars(template), **t["vars"]}
+    return default_vars(template)
+
+
+def _unsafe(reason: str) -> bool:
+    """A failing case is safe when the format refused to parse it (a located ParseError, in
+    text mode or in id mode); anything else (a mask that differs, id mode training otherwise
+    than text mode) trained wrongly without an error."""
+    return "does not parse" not in reason and "but id mode does not" not in reason
+
+
+def classify(path: Path, variables: dict | None = None, *, timeout: float = 10.0) -> WildResult:
+    """Run what a user runs on one template and classify the result.
+
+    Args:
+        path: the template file.
+        variables: template variables (default: :func:`default_vars`).
+        timeout: per-render time limit.
+
+    Returns:
+        A :class:`WildResult`.
+    """
+    t0 = time.perf_counter()
+    text = path.read_text(encoding="utf-8")
+    vars_ = dict(default_vars(text) if variables is None else variables)
+    res = WildResult(path.name, "safe")
+    try:
+        fmt = cg.detect_format(chat_template=text)
+        res.how = "detected"
+    except cg.DetectionError as exc:
+        det_reason = str(exc).splitlines()[0]
+        try:
+            fmt = cg.infer_format(text, **vars_)
+            res.how = "inferred"
+        except cg.ChatGrammarError as exc2:
+            res.reason = (f"not detected ({det_reason[:80]}); inference refused: "
+                          f"{str(exc2).splitlines()[0][:160]}")
+            res.seconds = time.perf_counter() - t0
+            return res
+        except Exception as exc2:  # a traceback is a bug, never a safe failure
+            res.outcome = "CRASH"
+            res.reason = f"infer_format raised {type(exc2).__name__}: {exc2}"[:200]
+            res.seconds = time.perf_counter() - t0
+            return res
+    res.format = fmt.name
+    if variables is None and res.how == "detected":
+        vars_ = family_vars(fmt, text)
+    chk = check_template(fmt, text, name=path.name, variables=vars_, timeout=timeout)
+    if chk.error:
+        res.reason = chk.error[:200]
+        res.seconds = time.perf_counter() - t0
+        return res
+    counts = chk.counts()
+    fails = [c for c in chk.cases if c.status == "fail"]
+    counts["unsafe"] = sum(_unsafe(c.reason) for c in fails)
+    res.counts = counts
+    res.failures = [f"{c.case}: {c.reason.splitlines()[0][:200] if c.reason else ''}"
+                    for c in fails]
+    if counts["pass"] == 0 and not fails:
+        res.reason = "the template rejects every case of the matrix"
+    elif not fails:
+        res.outcome = res.how
+    elif counts["unsafe"]:
+        res.outcome = "SILENT WRONG"
+        res.reason = next(f for f, c in zip(res.failures, fails) if _unsafe(c.reason))
+    else:
+        res.reason = res.failures[0]
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def run(paths: list[Path], expected: dict | None = None) -> list[WildResult]:
+    """Classify every template (variables from ``expected``)."""
+    expected = load_expected() if expected is None else expected
+    out = []
+    for p in paths:
+        entry = expected.get(p.name) or {}
+        out.append(classify(p, entry.get("vars")))
+    return out
+
+
+def expected_entry(r: WildResult) -> dict:
+    """What ``expected.yaml`` pins for one result: ``outcome`` is ``bundled <name>``,
+    ``inferred`` or ``refused`` (with the first reason)."""
+    if r.outcome == "detected":
+        return {"outcome": f"bundled {r.format}"}
+    if r.outcome == "inferred":
+        return {"outcome": "inferred"}
+    return {"outcome": "refused" if r.outcome == "safe" else r.outcome,
+            "reason": r.reason[:160]}
+
+
+def write_expected(results: list[WildResult], wild: Path = WILD) -> None:
+    """Record ``results`` in ``expected.yaml`` (the variables already there are kept)."""
+    old = load_expected(wild)
+    out = {}
+    for r in sorted(results, key=lambda r: r.template):
+        entry = {k: v for k, v in (old.get(r.template) or {}).items() if k == "vars"}
+        entry.update(expected_entry(r))
+        out[r.template] = entry
+    head = ("# tests/data/templates/wild/expected.yaml: what a user gets from each real template\n"
+            "# (tools/wild.py --write-expected; checked by tests/test_wild.py). outcome:\n"
+            "# `bundled NAME` (detected, every matrix case right), `inferred` (cg.infer_format,\n"
+            "# every case right) or `refused` (a clear error: DetectionError + InferenceError, or\n"
+            "# located ParseErrors on the shapes that do not fit; never a wrong mask). vars: what\n"
+            "# the model's tokenizer passes to the template (default: tools/wild.py default_vars /\n"
+            "# the detected family's).\n")
+    (wild / "expected.yaml").write_text(
+        head + yaml.safe_dump({"templates": out}, sort_keys=False, allow_unicode=True, width=100),
+        encoding="utf-8")
+
+
+def table(results: list[WildResult]) -> str:
+    """The markdown report: totals, then one row per template."""
+    n = len(results)
+    tally: dict[str, int] = {}
+    for r in results:
+        tally[r.outcome] = tally.get(r.outcome, 0) + 1
+    correct = tally.get("detected", 0) + tally.get("inferred", 0)
+    lines = [
+        "# Templates in the wild",
+        "",
+        f"Generated by `python tools/wild.py -o …` over tests/data/templates/wild "
+        f"({n} real templates, provenance in its SOURCES.md).",
+        "",
+        f"- fully correct: **{correct}/{n}** ({100 * correct / max(n, 1):.0f}%): detected "
+        f"{tally.get('detected', 0)}, inferred {tally.get('inferred', 0)}",
+        f"- safe failure (clear error, no wrong mask): {tally.get('safe', 0)}",
+        f"- **SILENT WRONG: {tally.get('SILENT WRONG', 0)}**"
+        + (f" · CRASH: {tally['CRASH']}" if tally.get("CRASH") else ""),
+        "",
+        "| template | outcome | format | pass | fail | unsafe | skip | reason |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    order = {"SILENT WRONG": 0, "CRASH": 0, "safe": 1, "inferred": 2, "detected": 3}
+    for r in sorted(results, key=lambda r: (order.get(r.outcome, 9), r.template)):
+        c = r.counts
+        reason = r.reason.replace("|", "\\|").replace("\n", " ")[:220]
+        lines.append(f"| {r.template} | {r.outcome} | {r.format or '–'} | {c.get('pass', '')} | "
+                     f"{c.get('fail', '')} | {c.get('unsafe', '')} | {c.get('skip', '')} | "
+                     f"{reason} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("templates", nargs="*", type=Path, help="template files (default: all wild)")
+    ap.add_argument("-o", "--output", type=Path, help="write the markdown table here")
+    ap.add_argument("--append", type=Path, action="append", default=[],
+                    help="with -o: append this (markdown notes) file after the table")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every failing case")
+    ap.add_argument("--write-expected", action="store_true",
+                    help="record the outcomes in the wild folder's expected.yaml (keeps vars)")
+    args = ap.parse_args(argv)
+    paths = args.templates or sorted(WILD.glob("*.jinja"))
+    results = run(paths)
+    if args.write_expected:
+        write_expected(results)
+    if args.json:
+        print(json.dumps([asdict(r) for r in results], indent=1))
+    else:
+        md = table(results)
+        if args.output:
+            extra = "".join(p.read_text(encoding="utf-8") for p in args.append)
+            args.output.write_text(md + extra, encoding="utf-8")
+        print(md)
+        if args.verbose:
+            for r in results:
+                if r.failures:
+                    print(f"## {r.template} ({r.format})")
+                    for f in r.failures:
+                        print(f"  - {f}")
+    return 1 if any(r.outcome in ("SILENT WRONG", "CRASH") for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
