@@ -337,9 +337,101 @@ class FastMasker:
             if self.soft_lut is None:
                 self.enabled = False
                 self.disabled = "soft markers this tokenizer's pieces cannot be searched for"
-        self.stats = {"fast": 0, "slow": 0, "harvest": 0}
+        self.stats = {"fast": 0, "slow": 0, "harvest": 0, "c": 0}
         self.reasons: dict[str, int] = {}   # slow samples by why
         self._why = None
+        # What the C executor reads: item key -> packed spans, one dict per policy (filled by
+        # _fast from the same memo), and the plan tuple (None: the numpy executor only).
+        self.cmemo: dict[int, dict] = {}
+        self._cpol: dict[int, tuple] = {}
+        self.plan = self._c_plan()
+
+    def _c_plan(self):
+        """The lexing plan and automaton as the C executor takes them (``_speedups.run``):
+        the same tables :meth:`_lex` / :meth:`_walk` use. None where the accelerator is not
+        built or the plan has rules only the numpy executor runs (literal-ended headers,
+        ``lstrip``)."""
+        if (_speedups is None or not hasattr(_speedups, "run") or not self.enabled
+                or self.has_split or self.lstrip_code is not None):
+            return None
+        soft = None if self.soft_lut is None else self.soft_lut.astype(np.uint8).tobytes()
+        return (self.lo, self.lutr.astype(np.int64).tobytes(),
+                self.budget.astype(np.int64).tobytes(), self.budget1.astype(np.int64).tobytes(),
+                self.has_values, self._gen_table(), self.auto.table,
+                self.auto.end_flags, self.unk_code, soft)
+
+    def _gen_table(self) -> bytes | None:
+        """Per marker code, the generation prompts its text occurs in (a bit mask) and its
+        length: a last turn whose markers cannot all be in one prompt is no generation
+        prompt, so the C executor need not ask the driver (``_generation_prompt``)."""
+        gps = sorted(self.drv.gen_prompts)
+        if not gps:
+            return None
+        words = [max(map(len, gps)), -1, 0]  # code 0 (begin of input) is no marker
+        for term in self.lx.terms:
+            text = self.lx.cfg.marker_text[term]
+            m = sum(1 << g for g, gp in enumerate(gps) if text in gp) if len(gps) < 63 else -1
+            words += [m, len(text)]
+        return struct.pack(f"={len(words)}q", *words)
+
+    def _disable(self, why: str) -> None:
+        self.enabled = False
+        self.disabled = why
+        self.plan = None
+
+    def forget(self) -> None:
+        """Drop every memoised item (both executors' views of the memo)."""
+        self.items.clear()
+        for cm in self.cmemo.values():
+            cm.clear()
+
+    def _forget_key(self, key: bytes) -> None:
+        for cm in self.cmemo.values():
+            cm.pop(key, None)
+
+    def run_c(self, ids, policy: MaskPolicy, strict: bool):
+        """The C executor on one sample: the mask (a list for a list, else a numpy int64
+        array), or None when it does not take the sample (the caller runs the Python
+        engine, which then teaches it)."""
+        plan = self.plan
+        if plan is None or _speedups is None:  # (tests and the bench switch it off live)
+            return None
+        if type(ids) is list:
+            out = None
+        elif (type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1
+              and ids.flags.c_contiguous):
+            out = np.zeros(len(ids), dtype=np.int64)
+        else:
+            return None
+        hit = self._cpol.get(id(policy))
+        if hit is None or hit[0] is not policy:
+            hit = self._c_policy(policy)
+        r = _speedups.run(plan, ids, hit[1], hit[2], out)
+        if r is None:
+            return None
+        st = self.stats
+        st["fast"] += 1
+        st["c"] += 1
+        if out is not None:
+            r = out
+        if verify_enabled():
+            self._verify(ids_input(ids)[0], r, policy, strict)
+        return r
+
+    def _c_policy(self, policy: MaskPolicy) -> tuple:
+        # last_turn_only selects among the turns the base policy trains (as _fast does)
+        last = policy.last_turn_only
+        base = policy.replace(last_turn_only=False) if last else policy
+        cm = self.cmemo.get(self._pid(base))
+        if cm is None:
+            if len(self.cmemo) > 64:
+                for d in self.cmemo.values():
+                    d.clear()
+            cm = self.cmemo[self._pid(base)] = {}
+        if len(self._cpol) > 256:
+            self._cpol.clear()
+        hit = self._cpol[id(policy)] = (policy, cm, last, base)
+        return hit
 
     # ------------------------------------------------------------------ public
     def mask(self, arr: np.ndarray, lst, policy: MaskPolicy, strict: bool,
@@ -723,19 +815,13 @@ class FastMasker:
         nturn = 0
         a = 3 * bl[j]
         items = self.items
+        cm = self.cmemo.get(pid) if self.plan is not None else None
         meta, vals, off = lexed[1], lexed[2], lexed[3]
         end = bounds[-1] if bounds else -1
         for b in bounds:
             if b <= a:
                 continue
-            # the item's key (as _item_key builds it, inlined: this loop is the hot path)
-            ia, ib = a // 3, (b - 1) // 3 + 1
-            if off is not None:
-                key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib], vals[8 * off[ia]:8 * off[ib]])
-            else:
-                key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib])
-            if tail is not None and b == end:
-                key = (*key, ("cut", tail))
+            key = _item_key(meta, vals, off, a, b, tail if b == end else None)
             it = items.get(key)
             prog = None
             if it is not None and not it.plan and not it.unstable:
@@ -750,6 +836,8 @@ class FastMasker:
                 if sp is None:
                     self._why = "a span edge outside the item's slots"
                     return None
+            if cm is not None and not it.plan and key not in cm:
+                cm[key] = _c_record(prog, sp)  # the C executor's view of this memo entry
             if prog.turns:
                 last = (prog, a, nturn)
                 if roles is not None:
@@ -862,8 +950,7 @@ class FastMasker:
         syms = np.frombuffer(lexed[0], dtype=np.uint16).tolist()
         if not self._same_tokens(toks, syms, B):
             # the lexer does something this model does not: say so (stats, verify mode)
-            self.enabled = False
-            self.disabled = "the vectorised lexer disagrees with the reference lexer"
+            self._disable("the vectorised lexer disagrees with the reference lexer")
             if verify_enabled():
                 raise VerifyError(f"{self.fmt.name}: {self.disabled}")
             raise _NoCache
@@ -879,15 +966,16 @@ class FastMasker:
 
     def _learn_item(self, arr, lexed, a, b, tail, sturns, sreads) -> None:
         B, off = lexed[4], lexed[3]
-        key = _item_key(lexed, a, b, tail)
+        key = _item_key(lexed[1], lexed[2], off, a, b, tail)
         plan, slot_of = _read_plan(B, a, b, sreads)
         it = self.items.get(key)
         if it is None:
             if len(self.items) > _MAX_ITEMS:
-                self.items.clear()
+                self.forget()
             it = self.items[key] = _Item(plan)
         elif it.plan != plan:
             it.unstable = True  # reads differ between samples: this key stays slow
+            self._forget_key(key)
             return
         rkey = tuple(_read_key(arr, B, a + s, a + e, lim) for s, e, lim in plan)
         if rkey in it.progs:
@@ -895,6 +983,7 @@ class FastMasker:
         if len(it.progs) >= _MAX_PROGS:
             it.unstable = True  # what the parse reads varies without end: stay slow
             it.progs.clear()
+            self._forget_key(key)
             return
         cturns = [dataclasses.replace(t, generation_prompt=False) for t in sturns]
         try:
@@ -929,16 +1018,31 @@ class FastMasker:
         return want == [(t[0], t[1], t[2]) for t in toks]
 
 
-def _item_key(lexed, a: int, b: int, tail) -> tuple:
-    """The memo key of the item ``[a, b)`` (slots): its symbols, header ids and, for an item
-    cut by the end of input, the configuration it ends in (``tail``)."""
-    meta, vals, off = lexed[1], lexed[2], lexed[3]
+_KEY_HEAD = struct.Struct("=3q")
+
+
+def _item_key(meta: bytes, vals: bytes, off, a: int, b: int, tail) -> bytes:
+    """The memo key of the item ``[a, b)`` (slots), as bytes of native int64: its first slot
+    within its first symbol, its slot count, the configuration an item cut by the end of input
+    ends in (``tail``; -1 for a whole item), its symbols' meta words and its header ids. The C
+    executor (``_speedups.run``) builds exactly these bytes, so both look up one memo."""
     ia, ib = a // 3, (b - 1) // 3 + 1
+    head = _KEY_HEAD.pack(a - 3 * ia, b - a, -1 if tail is None else tail)
     if off is not None:
-        key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib], vals[8 * off[ia]:8 * off[ib]])
-    else:
-        key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib])
-    return key if tail is None else (*key, ("cut", tail))
+        return head + meta[8 * ia:8 * ib] + vals[8 * off[ia]:8 * off[ib]]
+    return head + meta[8 * ia:8 * ib]
+
+
+def _c_record(prog: _Prog, sp: tuple) -> bytes:
+    """An item's spans under one policy as the C executor reads them: native int64
+    ``[turns, slot of the last turn's start, spans, chosen turns, (slot_a, da, slot_b, db,
+    turn) per span..., chosen turn indices...]``."""
+    spans, chosen = sp
+    words = [len(prog.turns), prog.starts[-1] if prog.starts else -1, len(spans), len(chosen)]
+    for x in spans:
+        words.extend(x)
+    words.extend(chosen)
+    return struct.pack(f"={len(words)}q", *words)
 
 
 def _mask_of(n: int, spans, as_list: bool):

@@ -265,9 +265,15 @@ class Format:
         """
         # Same result as parse_ids(ids, tokenizer).mask_array(policy), through the memoised
         # fast path (chatgrammar.fastpath), which falls back to exactly that when it must.
-        arr, lst = ids_input(ids, scratch=True)  # (the array is used by this call only)
         fm = self._fast_masker(tokenizer)
-        m = fm.mask(arr, lst, policy or self.default_policy, strict, tokenizer)
+        pol = policy or self.default_policy
+        # The C executor of the same plan and memo takes the sample when everything it needs
+        # is memoised; else the Python engine does (and teaches it).
+        m = fm.run_c(ids, pol, strict)
+        if m is not None:
+            return m
+        arr, lst = ids_input(ids, scratch=True)  # (the array is used by this call only)
+        m = fm.mask(arr, lst, pol, strict, tokenizer)
         return mask_like(ids, m)
 
     def loss_masks(self, batch: Any, tokenizer: Any, *,
