@@ -429,13 +429,17 @@ done:
 
 
 /* ------------------------------------------------------------------------------------------
- * run(plan, ids, memo, last_only, out) -> list | True | None
+ * run(plan, ids, memo, last_only, out[, gen_ok]) -> list | True | None | (keys) | int
  *     One sample through the memoised engine (FastMasker._lex + _walk + _fast, in one pass):
  *     the same plan, the same automaton table and the same item keys as the Python code,
  *     which is the reference. `plan` is FastMasker.plan (see there); `memo` maps an item key
  *     (bytes, fastpath._item_key) to its packed trained spans under the caller's policy;
  *     `ids` is an exact list of ints (a list mask is returned) or a C-contiguous int64 buffer
- *     (`out`, a writable int64 buffer of the same length, gets the 1s: pass zeros). None: the
+ *     (`out`, a writable int64 buffer of the same length, gets the 1s: pass zeros). A tuple of
+ *     bytes: the keys of the sample's items `memo` lacks (the caller may fill them from its
+ *     memo and call again). An int: the last turn, from that position to the end, may be a
+ *     generation prompt; the caller checks with the driver's rule and calls again with
+ *     gen_ok=True when it is not. None: the
  *     sample needs the Python engine (anything not memoised yet, an unknown special id, a soft
  *     marker's piece, a syntax error, a generation prompt to check, ...). Never raises for
  *     input reasons.
@@ -656,7 +660,8 @@ item_key(PyObject **items, const int64_t *arr, int64_t a, int64_t b, int64_t tai
 /* Pass 3: each item's memoised spans (sample positions). 1 when Python must decide. */
 static int
 item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr,
-           Py_ssize_t n, Py_ssize_t T, Py_ssize_t nb, int64_t tail, int last_only, Py_ssize_t *ns_out)
+           Py_ssize_t n, Py_ssize_t T, Py_ssize_t nb, int64_t tail, int last_only, int gen_ok,
+           Py_ssize_t *ns_out, PyObject **missing, int64_t *gen_at)
 {
     scratch_t *s = &S_;
     int64_t a = 0, nturn = 0, last_start = -1, keep = -1;
@@ -672,9 +677,19 @@ item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr
         if (key == Py_None)
             return 1;
         PyObject *rec = PyDict_GetItemWithError(memo, key);
+        if (rec == NULL) {
+            /* not memoised under this policy yet: collect every such key (the caller may
+             * have them in the Python memo and come back), go on without this item */
+            if (PyErr_Occurred() || (*missing == NULL && (*missing = PyList_New(0)) == NULL)
+                || PyList_Append(*missing, key) < 0) {
+                Py_DECREF(key);
+                return -1;
+            }
+            Py_DECREF(key);
+            a = b;
+            continue;
+        }
         Py_DECREF(key);
-        if (rec == NULL)
-            return PyErr_Occurred() ? -1 : 1;  /* not memoised under this policy yet */
         if (!PyBytes_Check(rec) || PyBytes_GET_SIZE(rec) < 32)
             return 1;
         /* [nturns, last turn's start slot, nspans, nchosen, (ra, da, rb, db, t)..., chosen...] */
@@ -698,7 +713,9 @@ item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr
         nturn += nt;
         a = b;
     }
-    if (p->gen && last_start >= 0 && n - last_start <= 64) {
+    if (*missing != NULL)
+        return 2;
+    if (p->gen && !gen_ok && last_start >= 0 && n - last_start <= 64) {
         /* The driver joins the tail's tokens (markers by their text) and compares it with
          * each generation prompt: a marker whose text is in no prompt, or marker texts longer
          * than any prompt together, rule that out here; else the driver's rule decides. */
@@ -709,8 +726,10 @@ item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr
                 m &= (uint64_t)p->gen[1 + 2 * s->K[t]];
                 len += p->gen[2 + 2 * s->K[t]];
             }
-        if (m != 0 && len <= p->gen[0])
-            return 1;
+        if (m != 0 && len <= p->gen[0]) {
+            *gen_at = last_start;
+            return 3;
+        }
     }
     if (last_only) {
         Py_ssize_t w = 0;
@@ -766,10 +785,11 @@ list_mask(Py_ssize_t n, Py_ssize_t ns)
 static PyObject *
 run(PyObject *self, PyObject *args)
 {
-    PyObject *plan_o, *ids, *memo, *out_o;
-    int last_only;
-    if (!PyArg_ParseTuple(args, "OOO!pO:run", &plan_o, &ids, &PyDict_Type, &memo, &last_only,
-                          &out_o))
+    PyObject *plan_o, *ids, *memo, *out_o, *missing = NULL;
+    int last_only, gen_ok = 0;
+    int64_t gen_at = -1;
+    if (!PyArg_ParseTuple(args, "OOO!pO|p:run", &plan_o, &ids, &PyDict_Type, &memo, &last_only,
+                          &out_o, &gen_ok))
         return NULL;
     plan_t p;
     if (parse_plan(plan_o, &p) < 0)
@@ -804,10 +824,19 @@ run(PyObject *self, PyObject *args)
     if (r == 0)
         r = walk(&p, T, &nb, &tail);
     if (r == 0)
-        r = item_spans(&p, memo, items, arr, n, T, nb, tail, last_only, &ns);
+        r = item_spans(&p, memo, items, arr, n, T, nb, tail, last_only, gen_ok, &ns, &missing,
+                       &gen_at);
     if (r < 0) {
         if (!PyErr_Occurred())
             PyErr_NoMemory();
+        goto done;
+    }
+    if (r == 2) {
+        res = PyList_AsTuple(missing);
+        goto done;
+    }
+    if (r == 3) {
+        res = PyLong_FromLongLong(gen_at);
         goto done;
     }
     if (r > 0) {
@@ -826,6 +855,7 @@ run(PyObject *self, PyObject *args)
         Py_INCREF(res);
     }
 done:
+    Py_XDECREF(missing);
     if (av.obj) PyBuffer_Release(&av);
     if (ov.obj) PyBuffer_Release(&ov);
     return res;

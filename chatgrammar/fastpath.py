@@ -79,6 +79,9 @@ _MAX_PROGS = 64
 # Configurations deeper than this are not memoised (a stack tuple per configuration would cost
 # memory quadratic in the nesting depth): such inputs take the full, non-recursive parser.
 _MAX_DEPTH = 128
+# A sample at least this long with a new item shape is learned from a window around the
+# new item (FastMasker._learn_window) rather than parsed whole.
+_WINDOW_MIN = 1024
 # loss_masks works through a batch in groups of about this many tokens (2 MB as int64)
 _BATCH_TOKENS = 1 << 18
 # The walk steps GRAM symbols at a time: one dict lookup per GRAM markers.
@@ -407,7 +410,15 @@ class FastMasker:
         if hit is None or hit[0] is not policy:
             hit = self._c_policy(policy)
         r = _speedups.run(plan, ids, hit[1], hit[2], out)
-        if r is None:
+        if type(r) is tuple:  # items the C memo lacks: fill those the memo knows, once
+            if not self._c_fill(r, hit):
+                return None
+            r = _speedups.run(plan, ids, hit[1], hit[2], out)
+        if type(r) is int:  # the last turn may be a generation prompt: the driver's rule
+            if not self._c_not_gen_prompt(ids, r):
+                return None
+            r = _speedups.run(plan, ids, hit[1], hit[2], out, True)
+        if r is None or type(r) is tuple or type(r) is int:
             return None
         st = self.stats
         st["fast"] += 1
@@ -417,6 +428,34 @@ class FastMasker:
         if verify_enabled():
             self._verify(ids_input(ids)[0], r, policy, strict)
         return r
+
+    def _c_fill(self, keys: list, hit: tuple) -> bool:
+        """The C records of memoised items the C memo lacks (they were learned, but not
+        used under this policy yet). False when one is not memoised (a new item shape)."""
+        policy, cm, _, base = hit
+        pid = self._pid(base)
+        for key in keys:
+            it = self.items.get(key)
+            if it is None or it.plan or it.unstable:
+                return False
+            prog = it.progs.get(())
+            if prog is None:
+                return False
+            sp = prog.by_policy.get(pid) or self._policy_spans(prog, base, pid)
+            if sp is None:
+                return False
+            cm[key] = _c_record(prog, sp)
+        return True
+
+    def _c_not_gen_prompt(self, ids, start: int) -> bool:
+        """True when the tail from ``start`` is certainly no generation prompt: decoding is
+        byte-concatenative here (``concat_decode``), so the driver's per-run join can equal
+        a prompt only if one decode of the whole tail does (as in _generation_prompt)."""
+        if not self.concat_decode:
+            return False
+        tail = ids[start:]
+        return self.adapter.decode(tail if type(tail) is list else tail.tolist()) \
+            not in self.drv.gen_prompts
 
     def _c_policy(self, policy: MaskPolicy) -> tuple:
         # last_turn_only selects among the turns the base policy trains (as _fast does)
@@ -513,6 +552,10 @@ class FastMasker:
                     continue
                 got = [] if roles is not None else None
                 spans = self._fast(arr, starts, j, lexed, policy, pid, got)
+                if spans is None and self._why == "new item shape" and \
+                        self._learn_window(arr, starts, j, lexed):
+                    got = [] if roles is not None else None
+                    spans = self._fast(arr, starts, j, lexed, policy, pid, got)
                 if spans is None:
                     why[j] = self._why
                     continue
@@ -528,6 +571,30 @@ class FastMasker:
             elif check:
                 self._verify(arr[starts[j]:starts[j + 1]], outs[j], policy, strict)
         return outs
+
+    def _learn_window(self, arr, starts, j, lexed) -> bool:
+        """A new item shape in a long sample: the full pipeline parses a window of the
+        sample — from the item before the new one to the end of the item after it (or the
+        sample's end) — and the memo learns its items, instead of parsing the whole sample.
+        An item's key holds everything its parse depends on, so what a window teaches is
+        what the whole sample would (the same rule that lets one sample teach another).
+        True when the window parsed cleanly."""
+        prev, b, bounds = self._miss
+        B = lexed[4]
+        s0, n = starts[j], starts[j + 1]
+        if n - s0 < _WINDOW_MIN:
+            return False
+        k = bounds.index(b)
+        w0 = B[prev]
+        w1 = B[bounds[k + 1]] if k + 1 < len(bounds) else n
+        if w1 - w0 >= n - s0:
+            return False  # the window is the sample: the full pipeline parses it anyway
+        self.stats["window"] = self.stats.get("window", 0) + 1
+        try:
+            self._harvest(arr[w0:w1], self.fmt.default_policy, False)
+        except ParseError:
+            return False
+        return True
 
     def _slow_sample(self, arr, starts, j, why, policy, strict, outs, roles, errors,
                      as_list) -> None:
@@ -818,6 +885,7 @@ class FastMasker:
         cm = self.cmemo.get(pid) if self.plan is not None else None
         meta, vals, off = lexed[1], lexed[2], lexed[3]
         end = bounds[-1] if bounds else -1
+        prev = a
         for b in bounds:
             if b <= a:
                 continue
@@ -829,6 +897,7 @@ class FastMasker:
             if prog is None:
                 prog = self._prog(arr, lexed, it, a)  # (says why when it has none)
                 if prog is None:
+                    self._miss = (prev, b, bounds)  # where: see _learn_window
                     return None
             sp = prog.by_policy.get(pid)
             if sp is None:
@@ -847,7 +916,7 @@ class FastMasker:
             if last_only:
                 chosen.extend([nturn + t for t in sp[1]])
             nturn += len(prog.turns)
-            a = b
+            prev, a = a, b
         if last is not None and self.drv.gen_prompts:
             prog, pbase, first = last
             tslot = pbase + prog.starts[-1]
