@@ -411,7 +411,7 @@ class FastMasker:
             hit = self._c_policy(policy)
         r = _speedups.run(plan, ids, hit[1], hit[2], out)
         if type(r) is tuple:  # items the C memo lacks: fill those the memo knows, once
-            if not self._c_fill(r, hit):
+            if not self._c_fill(r, hit) and not self._c_learn(ids, r, hit):
                 return None
             r = _speedups.run(plan, ids, hit[1], hit[2], out)
         if type(r) is int:  # the last turn may be a generation prompt: the driver's rule
@@ -446,6 +446,33 @@ class FastMasker:
                 return False
             cm[key] = _c_record(prog, sp)
         return True
+
+    def _c_learn(self, ids, keys: tuple, hit: tuple) -> bool:
+        """New item shapes in a long sample: learned from windows around them
+        (:meth:`_learn_window`), then filled as in :meth:`_c_fill`. False when the memo
+        still lacks one (the Python engine takes the sample)."""
+        n = len(ids)
+        if n < _WINDOW_MIN:
+            return False
+        arr = ids_input(ids)[0]
+        lexed = self._lex(arr, [0, n])
+        walked = None if lexed[-1][0] else self._walk(lexed, 0)
+        if walked is None:
+            return False
+        bounds, tail = walked
+        want = set(keys)
+        a = prev = 0
+        for k, b in enumerate(bounds):
+            if b <= a:
+                continue
+            key = _item_key(lexed[1], lexed[2], lexed[3], a, b, tail if k == len(bounds) - 1
+                            else None)
+            if key in want and key not in self.items:
+                self._miss = (prev, b, bounds)
+                if not self._learn_window(arr, [0, n], 0, lexed):
+                    return False
+            prev, a = a, b
+        return self._c_fill(keys, hit)
 
     def _c_not_gen_prompt(self, ids, start: int) -> bool:
         """True when the tail from ``start`` is certainly no generation prompt: decoding is
