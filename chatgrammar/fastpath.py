@@ -1574,8 +1574,8 @@ class TextMemo:
         if fmt._partial_marker_tail(text) is not None:
             return None
         rx = self.drv.unknown_rx
-        if rx is not None and any(not any(t.startswith(m.group()) for t in self.drv.known_texts)
-                                  for m in rx.finditer(text)):
+        if rx is not None and not self.drv.known_prefixes.issuperset(
+                rx.findall(text) if rx.groups == 0 else [m.group() for m in rx.finditer(text)]):
             self._why = "a marker-shaped string the format does not know"
             return None  # a marker the spec does not know: the full parse judges where it is
         toks = lex_text(text, fmt._lexcfg)
