@@ -436,8 +436,9 @@ done:
  *     (bytes, fastpath._item_key) to its packed trained spans under the caller's policy;
  *     `ids` is an exact list of ints (a list mask is returned) or a C-contiguous int64 buffer
  *     (`out`, a writable int64 buffer of the same length, gets the 1s: pass zeros). A tuple of
- *     bytes: the keys of the sample's items `memo` lacks (the caller may fill them from its
- *     memo and call again). An int: the last turn, from that position to the end, may be a
+ *     (key, w0, w1): the items `memo` lacks, each with the window of ids around it, from the
+ *     item before to the item after (the caller may fill them from its memo, or learn them
+ *     from that window, and call again). An int: the last turn, from that position to the end, may be a
  *     generation prompt; the caller checks with the driver's rule and calls again with
  *     gen_ok=True when it is not. None: the
  *     sample needs the Python engine (anything not memoised yet, an unknown special id, a soft
@@ -664,7 +665,7 @@ item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr
            Py_ssize_t *ns_out, PyObject **missing, int64_t *gen_at)
 {
     scratch_t *s = &S_;
-    int64_t a = 0, nturn = 0, last_start = -1, keep = -1;
+    int64_t a = 0, prev = 0, nturn = 0, last_start = -1, keep = -1;
     Py_ssize_t ns = 0;
     int64_t end = nb ? s->bounds[nb - 1] : -1;
     for (Py_ssize_t q = 0; q < nb; q++) {
@@ -678,14 +679,22 @@ item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr
             return 1;
         PyObject *rec = PyDict_GetItemWithError(memo, key);
         if (rec == NULL) {
-            /* not memoised under this policy yet: collect every such key (the caller may
-             * have them in the Python memo and come back), go on without this item */
-            if (PyErr_Occurred() || (*missing == NULL && (*missing = PyList_New(0)) == NULL)
-                || PyList_Append(*missing, key) < 0) {
-                Py_DECREF(key);
+            /* not memoised under this policy yet: collect every such key with the window
+             * around its item (from the item before to the item after), go on without it */
+            Py_ssize_t q2 = q + 1;
+            while (q2 < nb && s->bounds[q2] <= b)
+                q2++;
+            PyObject *entry = PyErr_Occurred() ? NULL : Py_BuildValue(
+                "(OLL)", key, (long long)slot_pos(s, prev),
+                (long long)(q2 < nb ? slot_pos(s, s->bounds[q2]) : n));
+            Py_DECREF(key);
+            if (entry == NULL || (*missing == NULL && (*missing = PyList_New(0)) == NULL)
+                || PyList_Append(*missing, entry) < 0) {
+                Py_XDECREF(entry);
                 return -1;
             }
-            Py_DECREF(key);
+            Py_DECREF(entry);
+            prev = a;
             a = b;
             continue;
         }
@@ -711,6 +720,7 @@ item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr
         if (nch > 0)
             keep = nturn + r[4 + 5 * nsp + nch - 1];
         nturn += nt;
+        prev = a;
         a = b;
     }
     if (*missing != NULL)

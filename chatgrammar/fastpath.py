@@ -434,7 +434,7 @@ class FastMasker:
         used under this policy yet). False when one is not memoised (a new item shape)."""
         policy, cm, _, base = hit
         pid = self._pid(base)
-        for key in keys:
+        for key, _w0, _w1 in keys:
             it = self.items.get(key)
             if it is None or it.plan or it.unstable:
                 return False
@@ -448,30 +448,24 @@ class FastMasker:
         return True
 
     def _c_learn(self, ids, keys: tuple, hit: tuple) -> bool:
-        """New item shapes in a long sample: learned from windows around them
-        (:meth:`_learn_window`), then filled as in :meth:`_c_fill`. False when the memo
-        still lacks one (the Python engine takes the sample)."""
+        """New item shapes in a long sample: each learned by a full parse of the window of
+        ids around it the C executor gives (as :meth:`_learn_window` does), then filled as
+        in :meth:`_c_fill`. False when the memo still lacks one (the Python engine takes
+        the sample)."""
         n = len(ids)
         if n < _WINDOW_MIN:
             return False
-        arr = ids_input(ids)[0]
-        lexed = self._lex(arr, [0, n])
-        walked = None if lexed[-1][0] else self._walk(lexed, 0)
-        if walked is None:
-            return False
-        bounds, tail = walked
-        want = set(keys)
-        a = prev = 0
-        for k, b in enumerate(bounds):
-            if b <= a:
+        for key, w0, w1 in keys:
+            if key in self.items:
                 continue
-            key = _item_key(lexed[1], lexed[2], lexed[3], a, b, tail if k == len(bounds) - 1
-                            else None)
-            if key in want and key not in self.items:
-                self._miss = (prev, b, bounds)
-                if not self._learn_window(arr, [0, n], 0, lexed):
-                    return False
-            prev, a = a, b
+            if w1 - w0 >= n:
+                return False  # the window is the sample: the full pipeline parses it
+            self.stats["window"] = self.stats.get("window", 0) + 1
+            try:
+                self._harvest(np.asarray(ids[w0:w1], dtype=np.int64), self.fmt.default_policy,
+                              False)
+            except ParseError:
+                return False
         return self._c_fill(keys, hit)
 
     def _c_not_gen_prompt(self, ids, start: int) -> bool:
