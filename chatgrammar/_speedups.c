@@ -1,9 +1,15 @@
 /*
- * chatgrammar._speedups: the two per-token passes of the id fast path, in C.
+ * chatgrammar._speedups: the C executor of the id fast path's plan.
  *
  * Optional. setup.py builds it when a C compiler and the Python headers are there; without it
- * chatgrammar.fastpath does the same work with struct + numpy (same results, ~2x slower for
- * Python-list input). CHATGRAMMAR_PURE=1 disables it at import time.
+ * chatgrammar.fastpath runs the same plan with struct + numpy and its Python walk (same
+ * results, slower). CHATGRAMMAR_PURE=1 disables it at import time.
+ *
+ * run(...) executes one sample end to end (see its comment below): the plan's marker table,
+ * run shapes and header budgets (FastMasker.plan), the automaton's memoised table and the item
+ * memo, all objects the Python engine builds and fills; it never decides anything the Python
+ * engine has not memoised, and hands such a sample back. The other functions are the passes
+ * the Python engine itself uses.
  *
  * pack_many(lists, total[, into]) -> bytearray
  *     Every int of every list, as native int64, back to back (total ints in all), in a new
@@ -275,6 +281,52 @@ fail:
     return NULL;
 }
 
+/* symbols(), step 1: each sample's begin-of-input (code 0, zero width) merged before its
+ * markers into P / K / mend; bl[j] = the index of sample j's first symbol. -1 on error. */
+static int
+merge_samples(PyObject *starts, Py_ssize_t S, Py_ssize_t N, const int64_t *cand,
+              const int64_t *codes, Py_ssize_t M, Py_ssize_t nb, int64_t *P, int64_t *K,
+              int64_t *mend, PyObject *bl)
+{
+    Py_ssize_t t = 0, c = 0, prev = 0;
+    for (Py_ssize_t j = 0; j < S; j++) {
+        Py_ssize_t s0 = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(starts, j));
+        Py_ssize_t s1 = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(starts, j + 1));
+        if ((s0 == -1 || s1 == -1) && PyErr_Occurred())
+            return -1;
+        if (s0 < prev || s1 < s0 || s1 > N || (j == 0 && s0 != 0)) {
+            PyErr_SetString(PyExc_ValueError, "symbols: starts must rise from 0 to len(arr)");
+            return -1;
+        }
+        prev = s0;
+        PyList_SET_ITEM(bl, j, PyLong_FromSsize_t(t));
+        P[t] = s0;
+        K[t] = 0;
+        mend[t] = s0;
+        t++;
+        while (c < M && cand[c] < s1) {
+            if (cand[c] < s0 || codes[c] <= 0 || codes[c] >= nb) {
+                PyErr_SetString(PyExc_ValueError, "symbols: bad marker position or code");
+                return -1;
+            }
+            P[t] = cand[c];
+            K[t] = codes[c];
+            mend[t] = cand[c] + 1;
+            t++;
+            c++;
+        }
+        if (j == S - 1 && s1 != N) {
+            PyErr_SetString(PyExc_ValueError, "symbols: starts must end at len(arr)");
+            return -1;
+        }
+    }
+    if (c != M) {
+        PyErr_SetString(PyExc_ValueError, "symbols: a marker lies outside every sample");
+        return -1;
+    }
+    return 0;
+}
+
 /* symbols(arr, starts, cand, codes, budget, budget1, has_values)
  *     -> (symb, meta, vals, off, B, bl)
  * FastMasker._lex after the marker pass, for formats without literal-ended headers or lstrip
@@ -320,43 +372,9 @@ symbols(PyObject *self, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    /* merge: each sample's begin-of-input (code 0, zero width) before its markers */
-    Py_ssize_t t = 0, c = 0, prev = 0;
-    for (Py_ssize_t j = 0; j < S; j++) {
-        Py_ssize_t s0 = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(starts, j));
-        Py_ssize_t s1 = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(starts, j + 1));
-        if ((s0 == -1 || s1 == -1) && PyErr_Occurred())
-            goto done;
-        if (s0 < prev || s1 < s0 || s1 > N || (j == 0 && s0 != 0)) {
-            PyErr_SetString(PyExc_ValueError, "symbols: starts must rise from 0 to len(arr)");
-            goto done;
-        }
-        prev = s0;
-        PyList_SET_ITEM(bl, j, PyLong_FromSsize_t(t));
-        P[t] = s0;
-        K[t] = 0;
-        mend[t] = s0;
-        t++;
-        while (c < M && cand[c] < s1) {
-            if (cand[c] < s0 || codes[c] <= 0 || codes[c] >= nb) {
-                PyErr_SetString(PyExc_ValueError, "symbols: bad marker position or code");
-                goto done;
-            }
-            P[t] = cand[c];
-            K[t] = codes[c];
-            mend[t] = cand[c] + 1;
-            t++;
-            c++;
-        }
-        if (j == S - 1 && s1 != N) {
-            PyErr_SetString(PyExc_ValueError, "symbols: starts must end at len(arr)");
-            goto done;
-        }
-    }
-    if (c != M) {
-        PyErr_SetString(PyExc_ValueError, "symbols: a marker lies outside every sample");
+    if (merge_samples(starts, S, N, cand, codes, M, nb, P, K, mend, bl) < 0)
         goto done;
-    }
+    Py_ssize_t t;
     PyList_SET_ITEM(bl, S, PyLong_FromSsize_t(T));
     P[T] = N;
     symb = PyBytes_FromStringAndSize(NULL, T * 2);
