@@ -23,12 +23,21 @@ level, keyed by everything the item's parse can depend on:
    item are :meth:`Conversation.spans` of the item's own turns, so policy semantics are never
    re-implemented here.
 
-Whatever the fast path does not model falls back to the full pipeline for that sample, which
-also gives its errors: truncation (end of input inside an item), structure errors, lenient-mode
-warnings, span boundaries inside merged tokens, soft markers that may occur in a content run,
-headers that end by a literal not found within their budget, and ``last_turn_only`` policies.
-The result is always exactly ``parse_ids(...).mask_array(policy)`` (tests/test_fastpath.py
-checks it on many inputs).
+Truncation (an item cut by the end of input) and ``last_turn_only`` are cases of the same
+memo (a cut item is keyed also by the configuration it ends in). Whatever the memo does not
+hold falls back to the full pipeline for that sample, which also gives its errors: structure
+errors, lenient-mode warnings, span boundaries inside merged tokens, soft markers that may
+occur in a content run, headers that end by a literal not found within their budget; a new
+item shape in a long sample is learned from a window around it (:meth:`FastMasker.
+_learn_window`). The result is always exactly ``parse_ids(...).mask_array(policy)``
+(tests/test_fastpath.py and tests/test_speedups.py check it on many inputs).
+
+4. **The C executor.** ``_speedups.run`` executes one sample end to end over the same plan
+   (:meth:`FastMasker._c_plan`: marker table, run shapes, header budgets, soft-marker
+   pieces, generation prompts' markers), the same automaton table (``_Automaton.table``) and
+   the same item memo (keys are the bytes :func:`_item_key` builds; per policy a packed
+   record of the item's spans, :func:`_c_record`). It applies only what the Python engine
+   memoised and hands back anything else (:meth:`FastMasker.run_c`).
 
 :class:`TextMemo` does the same for :meth:`Format.parse` (text mode): an item seen before is
 rebuilt from a template — fresh Turn and Block objects carrying this text's positions — so the
