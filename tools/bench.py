@@ -805,7 +805,22 @@ took the full pipeline), measured by this same bench on the same machine in the 
 | one ~1M-token sequence cut mid-turn | 0.40× | 0.17× |
 | whole samples, numpy in (numpy out) | 2.51× | 2.95× |
 | whole samples without the C accelerator | 0.83× | 1.02× |
-| text mode against the regex | 1.11× | 0.57× |"""
+| text mode against the regex | 1.11× | 0.57× |
+
+At commit 01c2808 (the same memo, executed by Python per item; the C passes only packed the
+list, found the markers and built the output), measured by this bench in the previous session:
+
+| input class | kimi-k2 | kimi-k3 |
+|---|---|---|
+| whole samples | 1.93× | 2.20× |
+| truncated by `max_length=2048` (most cut mid-turn) | 1.32× | 1.09× |
+| `last_turn_only` policy | 1.95× | 2.18× |
+| lenient mode (`strict=False`) | 1.92× | 2.19× |
+| packed, 8 samples per sequence | 2.42× | 2.58× |
+| one ~1M-token sequence cut mid-turn | 2.19× | 2.38× |
+| whole samples, numpy in (numpy out) | 2.67× | 2.59× |
+| whole samples without the C accelerator | 0.87× | 1.12× |
+| text mode against the regex | 1.15× | 0.61× |"""
 
 
 NOTES = """- **One engine.** Every class above runs the same memoised core
