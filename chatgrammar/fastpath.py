@@ -1473,9 +1473,11 @@ class _BlockTpl:
         d = dict(self.base)
         for f, k, off in self.pos:
             d[f] = bounds[a + k] + off
-        d["attrs"] = dict(d["attrs"])
-        d["children"] = [c.make(bounds, a, block_cls) for c in self.children]
-        d["follow"] = self.follow.make(bounds, a, block_cls) if self.follow is not None else None
+        d["attrs"] = dict(d["attrs"]) if d["attrs"] else {}
+        d["children"] = [c.make(bounds, a, block_cls) for c in self.children] \
+            if self.children else []
+        if self.follow is not None:
+            d["follow"] = self.follow.make(bounds, a, block_cls)
         b.__dict__ = d
         return b
 
