@@ -1,9 +1,15 @@
 /*
- * chatgrammar._speedups: the two per-token passes of the id fast path, in C.
+ * chatgrammar._speedups: the C executor of the id fast path's plan.
  *
  * Optional. setup.py builds it when a C compiler and the Python headers are there; without it
- * chatgrammar.fastpath does the same work with struct + numpy (same results, ~2x slower for
- * Python-list input). CHATGRAMMAR_PURE=1 disables it at import time.
+ * chatgrammar.fastpath runs the same plan with struct + numpy and its Python walk (same
+ * results, slower). CHATGRAMMAR_PURE=1 disables it at import time.
+ *
+ * run(...) executes one sample end to end (see its comment below): the plan's marker table,
+ * run shapes and header budgets (FastMasker.plan), the automaton's memoised table and the item
+ * memo, all objects the Python engine builds and fills; it never decides anything the Python
+ * engine has not memoised, and hands such a sample back. The other functions are the passes
+ * the Python engine itself uses.
  *
  * pack_many(lists, total[, into]) -> bytearray
  *     Every int of every list, as native int64, back to back (total ints in all), in a new
@@ -275,6 +281,52 @@ fail:
     return NULL;
 }
 
+/* symbols(), step 1: each sample's begin-of-input (code 0, zero width) merged before its
+ * markers into P / K / mend; bl[j] = the index of sample j's first symbol. -1 on error. */
+static int
+merge_samples(PyObject *starts, Py_ssize_t S, Py_ssize_t N, const int64_t *cand,
+              const int64_t *codes, Py_ssize_t M, Py_ssize_t nb, int64_t *P, int64_t *K,
+              int64_t *mend, PyObject *bl)
+{
+    Py_ssize_t t = 0, c = 0, prev = 0;
+    for (Py_ssize_t j = 0; j < S; j++) {
+        Py_ssize_t s0 = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(starts, j));
+        Py_ssize_t s1 = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(starts, j + 1));
+        if ((s0 == -1 || s1 == -1) && PyErr_Occurred())
+            return -1;
+        if (s0 < prev || s1 < s0 || s1 > N || (j == 0 && s0 != 0)) {
+            PyErr_SetString(PyExc_ValueError, "symbols: starts must rise from 0 to len(arr)");
+            return -1;
+        }
+        prev = s0;
+        PyList_SET_ITEM(bl, j, PyLong_FromSsize_t(t));
+        P[t] = s0;
+        K[t] = 0;
+        mend[t] = s0;
+        t++;
+        while (c < M && cand[c] < s1) {
+            if (cand[c] < s0 || codes[c] <= 0 || codes[c] >= nb) {
+                PyErr_SetString(PyExc_ValueError, "symbols: bad marker position or code");
+                return -1;
+            }
+            P[t] = cand[c];
+            K[t] = codes[c];
+            mend[t] = cand[c] + 1;
+            t++;
+            c++;
+        }
+        if (j == S - 1 && s1 != N) {
+            PyErr_SetString(PyExc_ValueError, "symbols: starts must end at len(arr)");
+            return -1;
+        }
+    }
+    if (c != M) {
+        PyErr_SetString(PyExc_ValueError, "symbols: a marker lies outside every sample");
+        return -1;
+    }
+    return 0;
+}
+
 /* symbols(arr, starts, cand, codes, budget, budget1, has_values)
  *     -> (symb, meta, vals, off, B, bl)
  * FastMasker._lex after the marker pass, for formats without literal-ended headers or lstrip
@@ -320,43 +372,9 @@ symbols(PyObject *self, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    /* merge: each sample's begin-of-input (code 0, zero width) before its markers */
-    Py_ssize_t t = 0, c = 0, prev = 0;
-    for (Py_ssize_t j = 0; j < S; j++) {
-        Py_ssize_t s0 = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(starts, j));
-        Py_ssize_t s1 = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(starts, j + 1));
-        if ((s0 == -1 || s1 == -1) && PyErr_Occurred())
-            goto done;
-        if (s0 < prev || s1 < s0 || s1 > N || (j == 0 && s0 != 0)) {
-            PyErr_SetString(PyExc_ValueError, "symbols: starts must rise from 0 to len(arr)");
-            goto done;
-        }
-        prev = s0;
-        PyList_SET_ITEM(bl, j, PyLong_FromSsize_t(t));
-        P[t] = s0;
-        K[t] = 0;
-        mend[t] = s0;
-        t++;
-        while (c < M && cand[c] < s1) {
-            if (cand[c] < s0 || codes[c] <= 0 || codes[c] >= nb) {
-                PyErr_SetString(PyExc_ValueError, "symbols: bad marker position or code");
-                goto done;
-            }
-            P[t] = cand[c];
-            K[t] = codes[c];
-            mend[t] = cand[c] + 1;
-            t++;
-            c++;
-        }
-        if (j == S - 1 && s1 != N) {
-            PyErr_SetString(PyExc_ValueError, "symbols: starts must end at len(arr)");
-            goto done;
-        }
-    }
-    if (c != M) {
-        PyErr_SetString(PyExc_ValueError, "symbols: a marker lies outside every sample");
+    if (merge_samples(starts, S, N, cand, codes, M, nb, P, K, mend, bl) < 0)
         goto done;
-    }
+    Py_ssize_t t;
     PyList_SET_ITEM(bl, S, PyLong_FromSsize_t(T));
     P[T] = N;
     symb = PyBytes_FromStringAndSize(NULL, T * 2);
@@ -427,6 +445,450 @@ done:
     return res;
 }
 
+
+/* ------------------------------------------------------------------------------------------
+ * run(plan, ids, memo, last_only, out[, gen_ok]) -> list | True | None | (keys) | int
+ *     One sample through the memoised engine (FastMasker._lex + _walk + _fast, in one pass):
+ *     the same plan, the same automaton table and the same item keys as the Python code,
+ *     which is the reference. `plan` is FastMasker.plan (see there); `memo` maps an item key
+ *     (bytes, fastpath._item_key) to its packed trained spans under the caller's policy;
+ *     `ids` is an exact list of ints (a list mask is returned) or a C-contiguous int64 buffer
+ *     (`out`, a writable int64 buffer of the same length, gets the 1s: pass zeros). A tuple of
+ *     (key, w0, w1): the items `memo` lacks, each with the window of ids around it, from the
+ *     item before to the item after (the caller may fill them from its memo, or learn them
+ *     from that window, and call again). An int: the last turn, from that position to the end, may be a
+ *     generation prompt; the caller checks with the driver's rule and calls again with
+ *     gen_ok=True when it is not. None: the
+ *     sample needs the Python engine (anything not memoised yet, an unknown special id, a soft
+ *     marker's piece, a syntax error, a generation prompt to check, ...). Never raises for
+ *     input reasons.
+ */
+typedef struct {
+    int64_t *P, *mend, *K, *take, *off, *meta, *bounds, *spans, *key;
+    Py_ssize_t cap_t, cap_b, cap_s, cap_k;
+} scratch_t;
+
+static scratch_t S_ = {0};
+
+static int
+grow(int64_t **p, Py_ssize_t *cap, Py_ssize_t need, int nbufs, int64_t ***more)
+{
+    /* grow one (nbufs == 1) or several same-capacity buffers to hold `need` int64s */
+    if (need <= *cap)
+        return 0;
+    Py_ssize_t ncap = *cap ? *cap : 256;
+    while (ncap < need)
+        ncap *= 2;
+    for (int k = 0; k < nbufs; k++) {
+        int64_t **b = k == 0 ? p : more[k - 1];
+        int64_t *q = PyMem_RawRealloc(*b, ncap * sizeof(int64_t));
+        if (q == NULL)
+            return -1;
+        *b = q;
+    }
+    *cap = ncap;
+    return 0;
+}
+
+static inline int
+read_id(PyObject **items, const int64_t *arr, Py_ssize_t i, int64_t *x)
+{
+    if (arr != NULL) {
+        *x = arr[i];
+        return 0;
+    }
+    PyObject *v = items[i];
+    if (!PyLong_CheckExact(v))
+        return -1;
+    return compact_value(v, x);
+}
+
+static inline int64_t
+slot_pos(const scratch_t *s, int64_t k)
+{
+    int64_t q = k / 3, r = k % 3;
+    return r == 0 ? s->P[q] : (r == 1 ? s->mend[q] : s->P[q + 1]);
+}
+
+typedef struct {
+    int64_t lo, span, nb, unk, soft_n;
+    const int64_t *lut, *bud, *bud1;
+    const unsigned char *soft;
+    const int64_t *gen;  /* NULL, or [longest prompt, (prompt mask, text length) per code] */
+    int has_values;
+    PyObject *table, *ends;
+} plan_t;
+
+static int
+parse_plan(PyObject *plan, plan_t *p)
+{
+    PyObject *lut, *bud, *bud1, *soft, *gen;
+    if (!PyTuple_Check(plan)) {
+        PyErr_SetString(PyExc_TypeError, "run: plan must be a tuple");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(plan, "LSSSpOO!O!LO:plan", &p->lo, &lut, &bud, &bud1, &p->has_values,
+                          &gen, &PyList_Type, &p->table, &PyList_Type, &p->ends, &p->unk,
+                          &soft))
+        return -1;
+    p->lut = (const int64_t *)PyBytes_AS_STRING(lut);
+    p->span = PyBytes_GET_SIZE(lut) / 8 - 1;
+    if (p->span < 0)
+        p->span = 0;
+    p->bud = (const int64_t *)PyBytes_AS_STRING(bud);
+    p->bud1 = (const int64_t *)PyBytes_AS_STRING(bud1);
+    p->nb = PyBytes_GET_SIZE(bud) / 8;
+    if (PyBytes_GET_SIZE(bud1) / 8 != p->nb) {
+        PyErr_SetString(PyExc_ValueError, "run: budget tables differ in length");
+        return -1;
+    }
+    p->gen = NULL;
+    if (PyBytes_Check(gen)) {
+        if (PyBytes_GET_SIZE(gen) != (1 + 2 * p->nb) * 8) {
+            PyErr_SetString(PyExc_ValueError, "run: bad generation-prompt table");
+            return -1;
+        }
+        p->gen = (const int64_t *)PyBytes_AS_STRING(gen);
+    }
+    p->soft = NULL;
+    p->soft_n = 0;
+    if (PyBytes_Check(soft)) {
+        p->soft = (const unsigned char *)PyBytes_AS_STRING(soft);
+        p->soft_n = PyBytes_GET_SIZE(soft);
+    }
+    return 0;
+}
+
+/* Pass 1: the markers (code != 0) of the sample; 1 on a reason to leave it to Python. */
+static int
+find_symbols(const plan_t *p, PyObject **items, const int64_t *arr, Py_ssize_t n,
+             Py_ssize_t *T_out)
+{
+    scratch_t *s = &S_;
+    int64_t **more[5] = {&s->mend, &s->K, &s->take, &s->off, &s->meta};
+    Py_ssize_t T = 1;
+    if (grow(&s->P, &s->cap_t, 64, 6, more) < 0)
+        return -1;
+    s->P[0] = 0; s->K[0] = 0; s->mend[0] = 0;
+    uint64_t span = (uint64_t)p->span;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t x;
+        if (read_id(items, arr, i, &x) < 0)
+            return 1;  /* not an exact small int: the general conversion judges it */
+        if (p->soft != NULL && x >= 0 && x < p->soft_n && p->soft[x])
+            return 1;  /* may spell part of a soft marker: the decode fallback decides */
+        uint64_t d = (uint64_t)x - (uint64_t)p->lo;
+        if (d < span && p->lut[d] != 0) {
+            int64_t code = p->lut[d];
+            if (code == p->unk || code >= p->nb)
+                return 1;  /* a special id the format does not know */
+            if (T + 2 > s->cap_t && grow(&s->P, &s->cap_t, T + 2, 6, more) < 0)
+                return -1;
+            s->P[T] = i; s->K[T] = code; s->mend[T] = i + 1;
+            T++;
+        }
+    }
+    s->P[T] = n;
+    s->off[0] = 0;
+    for (Py_ssize_t t = 0; t < T; t++) {
+        int64_t glen = s->P[t + 1] - s->mend[t], k = s->K[t];
+        int64_t sym = k * 4 + (glen > 0);
+        if (p->has_values) {
+            int64_t take = glen < p->bud[k] ? glen : p->bud[k];
+            int64_t vlen = glen < p->bud1[k] ? glen : p->bud1[k];
+            s->meta[t] = sym * 65536 + vlen;
+            s->take[t] = take;
+            s->off[t + 1] = s->off[t] + take;
+        } else {
+            s->meta[t] = sym;
+            s->take[t] = 0;
+            s->off[t + 1] = s->off[t];
+        }
+    }
+    *T_out = T;
+    return 0;
+}
+
+/* Pass 2: the symbols through the automaton's memoised table: item bounds (slots) and the
+ * configuration a cut input ends in (-1: none). 1 when Python must decide. */
+static int
+walk(const plan_t *p, Py_ssize_t T, Py_ssize_t *nb_out, int64_t *tail_out)
+{
+    scratch_t *s = &S_;
+    Py_ssize_t nb = 0, sid = 0, nrows = PyList_GET_SIZE(p->table);
+    if (grow(&s->bounds, &s->cap_b, 3 * T + 2, 1, NULL) < 0)
+        return -1;
+    for (Py_ssize_t t = 0; t < T; t++) {
+        if (sid >= nrows)
+            return 1;
+        PyObject *row = PyList_GET_ITEM(p->table, sid);
+        int64_t sym = (s->meta[t] >> (p->has_values ? 16 : 0));
+        if (!PyList_Check(row) || sym >= PyList_GET_SIZE(row))
+            return 1;
+        PyObject *v = PyList_GET_ITEM(row, sym);
+        int64_t x;
+        if (!PyLong_CheckExact(v) || compact_value(v, &x) < 0 || x < 0)
+            return 1;  /* not filled yet, or a syntax error: the Python walk */
+        for (int b = 0; b < 3; b++)
+            if (x & (1 << b))
+                s->bounds[nb++] = 3 * t + b;
+        sid = x >> 3;
+    }
+    if (sid >= PyList_GET_SIZE(p->ends))
+        return 1;
+    PyObject *e = PyList_GET_ITEM(p->ends, sid);
+    *tail_out = -1;
+    if (e == Py_True) {
+        s->bounds[nb++] = 3 * T;
+    } else if (e != Py_False) {
+        int64_t x;
+        if (!PyLong_CheckExact(e) || compact_value(e, &x) < 0 || x != -1)
+            return 1;  /* end of input not computed yet */
+        if (nb && s->bounds[nb - 1] >= 3 * T)
+            return 1;
+        s->bounds[nb++] = 3 * T;
+        *tail_out = sid;
+    }
+    *nb_out = nb;
+    return 0;
+}
+
+/* The memo key of item [a, b) (fastpath._item_key): a new bytes object, NULL on error, or
+ * Py_None (borrowed) when an id cannot be read. */
+static PyObject *
+item_key(PyObject **items, const int64_t *arr, int64_t a, int64_t b, int64_t tail)
+{
+    scratch_t *s = &S_;
+    int64_t ia = a / 3, ib = (b - 1) / 3 + 1;
+    Py_ssize_t len = 3 + (ib - ia) + (s->off[ib] - s->off[ia]);
+    if (grow(&s->key, &s->cap_k, len, 1, NULL) < 0) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    int64_t *k = s->key;
+    k[0] = a - 3 * ia; k[1] = b - a; k[2] = tail;
+    memcpy(k + 3, s->meta + ia, (ib - ia) * sizeof(int64_t));
+    Py_ssize_t o = 3 + (ib - ia);
+    for (int64_t t = ia; t < ib; t++)
+        for (int64_t i = 0; i < s->take[t]; i++)
+            if (read_id(items, arr, s->mend[t] + i, &k[o++]) < 0)
+                return Py_None;
+    return PyBytes_FromStringAndSize((const char *)k, len * sizeof(int64_t));
+}
+
+/* Pass 3: each item's memoised spans (sample positions). 1 when Python must decide. */
+static int
+item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr,
+           Py_ssize_t n, Py_ssize_t T, Py_ssize_t nb, int64_t tail, int last_only, int gen_ok,
+           Py_ssize_t *ns_out, PyObject **missing, int64_t *gen_at)
+{
+    scratch_t *s = &S_;
+    int64_t a = 0, prev = 0, nturn = 0, last_start = -1, keep = -1;
+    Py_ssize_t ns = 0;
+    int64_t end = nb ? s->bounds[nb - 1] : -1;
+    for (Py_ssize_t q = 0; q < nb; q++) {
+        int64_t b = s->bounds[q];
+        if (b <= a)
+            continue;
+        PyObject *key = item_key(items, arr, a, b, b == end ? tail : -1);
+        if (key == NULL)
+            return -1;
+        if (key == Py_None)
+            return 1;
+        PyObject *rec = PyDict_GetItemWithError(memo, key);
+        if (rec == NULL) {
+            /* not memoised under this policy yet: collect every such key with the window
+             * around its item (from the item before to the item after), go on without it */
+            Py_ssize_t q2 = q + 1;
+            while (q2 < nb && s->bounds[q2] <= b)
+                q2++;
+            PyObject *entry = PyErr_Occurred() ? NULL : Py_BuildValue(
+                "(OLL)", key, (long long)slot_pos(s, prev),
+                (long long)(q2 < nb ? slot_pos(s, s->bounds[q2]) : n));
+            Py_DECREF(key);
+            if (entry == NULL || (*missing == NULL && (*missing = PyList_New(0)) == NULL)
+                || PyList_Append(*missing, entry) < 0) {
+                Py_XDECREF(entry);
+                return -1;
+            }
+            Py_DECREF(entry);
+            prev = a;
+            a = b;
+            continue;
+        }
+        Py_DECREF(key);
+        if (!PyBytes_Check(rec) || PyBytes_GET_SIZE(rec) < 32)
+            return 1;
+        /* [nturns, last turn's start slot, nspans, nchosen, (ra, da, rb, db, t)..., chosen...] */
+        const int64_t *r = (const int64_t *)PyBytes_AS_STRING(rec);
+        int64_t nt = r[0], nsp = r[2], nch = r[3];
+        if (PyBytes_GET_SIZE(rec) != (Py_ssize_t)((4 + 5 * nsp + nch) * 8))
+            return 1;
+        if (grow(&s->spans, &s->cap_s, 3 * (ns + nsp) + 3, 1, NULL) < 0)
+            return -1;
+        for (int64_t k = 0; k < nsp; k++) {
+            const int64_t *sp = r + 4 + 5 * k;
+            s->spans[3 * ns] = slot_pos(s, a + sp[0]) + sp[1];
+            s->spans[3 * ns + 1] = slot_pos(s, a + sp[2]) + sp[3];
+            s->spans[3 * ns + 2] = nturn + sp[4];
+            ns++;
+        }
+        if (nt > 0)
+            last_start = slot_pos(s, a + r[1]);
+        if (nch > 0)
+            keep = nturn + r[4 + 5 * nsp + nch - 1];
+        nturn += nt;
+        prev = a;
+        a = b;
+    }
+    if (*missing != NULL)
+        return 2;
+    if (p->gen && !gen_ok && last_start >= 0 && n - last_start <= 64) {
+        /* The driver joins the tail's tokens (markers by their text) and compares it with
+         * each generation prompt: a marker whose text is in no prompt, or marker texts longer
+         * than any prompt together, rule that out here; else the driver's rule decides. */
+        uint64_t m = ~(uint64_t)0;
+        int64_t len = 0;
+        for (Py_ssize_t t = 1; t < T; t++)
+            if (s->P[t] >= last_start) {
+                m &= (uint64_t)p->gen[1 + 2 * s->K[t]];
+                len += p->gen[2 + 2 * s->K[t]];
+            }
+        if (m != 0 && len <= p->gen[0]) {
+            *gen_at = last_start;
+            return 3;
+        }
+    }
+    if (last_only) {
+        Py_ssize_t w = 0;
+        for (Py_ssize_t k = 0; k < ns; k++)
+            if (s->spans[3 * k + 2] == keep) {
+                s->spans[3 * w] = s->spans[3 * k];
+                s->spans[3 * w + 1] = s->spans[3 * k + 1];
+                w++;
+            }
+        ns = w;
+    }
+    for (Py_ssize_t k = 0; k < ns; k++)
+        if (s->spans[3 * k] < 0 || s->spans[3 * k + 1] > n || s->spans[3 * k] > s->spans[3 * k + 1])
+            return 1;
+    *ns_out = ns;
+    return 0;
+}
+
+static PyObject *
+list_mask(Py_ssize_t n, Py_ssize_t ns)
+{
+    scratch_t *s = &S_;
+    PyObject *zero = PyLong_FromLong(0), *one = PyLong_FromLong(1);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        Py_XDECREF(zero);
+        Py_XDECREF(one);
+        return NULL;
+    }
+    PyObject **it = ((PyListObject *)out)->ob_item;
+    for (Py_ssize_t i = 0; i < n; i++)
+        it[i] = zero;
+    Py_ssize_t ones = 0;
+    for (Py_ssize_t k = 0; k < ns; k++)
+        for (int64_t i = s->spans[3 * k]; i < s->spans[3 * k + 1]; i++)
+            if (it[i] != one) {
+                it[i] = one;
+                ones++;
+            }
+    /* one reference per slot, added at once (the small ints are shared) */
+#if PY_VERSION_HEX >= 0x030C0000
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_INCREF(it[i]);
+    Py_DECREF(zero);
+    Py_DECREF(one);
+#else
+    Py_SET_REFCNT(zero, Py_REFCNT(zero) + (n - ones) - 1);
+    Py_SET_REFCNT(one, Py_REFCNT(one) + ones - 1);
+#endif
+    return out;
+}
+
+static PyObject *
+run(PyObject *self, PyObject *args)
+{
+    PyObject *plan_o, *ids, *memo, *out_o, *missing = NULL;
+    int last_only, gen_ok = 0;
+    int64_t gen_at = -1;
+    if (!PyArg_ParseTuple(args, "OOO!pO|p:run", &plan_o, &ids, &PyDict_Type, &memo, &last_only,
+                          &out_o, &gen_ok))
+        return NULL;
+    plan_t p;
+    if (parse_plan(plan_o, &p) < 0)
+        return NULL;
+    Py_buffer av = {0}, ov = {0};
+    PyObject **items = NULL;
+    const int64_t *arr = NULL;
+    Py_ssize_t n;
+    PyObject *res = NULL;
+    int is_list = PyList_CheckExact(ids);
+    if (is_list) {
+        items = ((PyListObject *)ids)->ob_item;  /* (NULL for an empty list) */
+        n = PyList_GET_SIZE(ids);
+    } else {
+        if (get_int64_buffer(ids, &av, "ids") < 0)
+            return NULL;
+        if (out_o == Py_None || get_int64_buffer(out_o, &ov, "out") < 0 || ov.readonly
+            || ov.len != av.len) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "run: `out` must be a writable int64 buffer "
+                                              "as long as `ids`");
+            goto done;
+        }
+        arr = (const int64_t *)av.buf;
+        n = av.len / 8;
+    }
+    /* Nothing below runs Python code (exact ints, bytes keys, dict lookups of bytes): the
+     * list cannot change under us. */
+    Py_ssize_t T, nb, ns;
+    int64_t tail;
+    int r = find_symbols(&p, items, arr, n, &T);
+    if (r == 0)
+        r = walk(&p, T, &nb, &tail);
+    if (r == 0)
+        r = item_spans(&p, memo, items, arr, n, T, nb, tail, last_only, gen_ok, &ns, &missing,
+                       &gen_at);
+    if (r < 0) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto done;
+    }
+    if (r == 2) {
+        res = PyList_AsTuple(missing);
+        goto done;
+    }
+    if (r == 3) {
+        res = PyLong_FromLongLong(gen_at);
+        goto done;
+    }
+    if (r > 0) {
+        res = Py_None;
+        Py_INCREF(res);
+        goto done;
+    }
+    if (is_list) {
+        res = list_mask(n, ns);
+    } else {
+        int64_t *o = (int64_t *)ov.buf;
+        for (Py_ssize_t k = 0; k < ns; k++)
+            for (int64_t i = S_.spans[3 * k]; i < S_.spans[3 * k + 1]; i++)
+                o[i] = 1;
+        res = Py_True;
+        Py_INCREF(res);
+    }
+done:
+    Py_XDECREF(missing);
+    if (av.obj) PyBuffer_Release(&av);
+    if (ov.obj) PyBuffer_Release(&ov);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"pack_many", pack_many, METH_VARARGS,
      "pack_many(lists, total[, into]) -> bytearray of native int64: the ints of every list."},
@@ -437,6 +899,9 @@ static PyMethodDef methods[] = {
     {"symbols", symbols, METH_VARARGS,
      "symbols(arr, starts, cand, codes, budget, budget1, has_values) -> the symbol tables of "
      "FastMasker._lex (formats without literal-ended headers or lstrip markers)."},
+    {"run", run, METH_VARARGS,
+     "run(plan, ids, memo, last_only, out) -> list | True | None: one sample through the "
+     "memoised engine (None: the Python engine must take it)."},
     {NULL, NULL, 0, NULL},
 };
 

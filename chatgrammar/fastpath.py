@@ -23,12 +23,21 @@ level, keyed by everything the item's parse can depend on:
    item are :meth:`Conversation.spans` of the item's own turns, so policy semantics are never
    re-implemented here.
 
-Whatever the fast path does not model falls back to the full pipeline for that sample, which
-also gives its errors: truncation (end of input inside an item), structure errors, lenient-mode
-warnings, span boundaries inside merged tokens, soft markers that may occur in a content run,
-headers that end by a literal not found within their budget, and ``last_turn_only`` policies.
-The result is always exactly ``parse_ids(...).mask_array(policy)`` (tests/test_fastpath.py
-checks it on many inputs).
+Truncation (an item cut by the end of input) and ``last_turn_only`` are cases of the same
+memo (a cut item is keyed also by the configuration it ends in). Whatever the memo does not
+hold falls back to the full pipeline for that sample, which also gives its errors: structure
+errors, lenient-mode warnings, span boundaries inside merged tokens, soft markers that may
+occur in a content run, headers that end by a literal not found within their budget; a new
+item shape in a long sample is learned from a window around it (:meth:`FastMasker.
+_learn_window`). The result is always exactly ``parse_ids(...).mask_array(policy)``
+(tests/test_fastpath.py and tests/test_speedups.py check it on many inputs).
+
+4. **The C executor.** ``_speedups.run`` executes one sample end to end over the same plan
+   (:meth:`FastMasker._c_plan`: marker table, run shapes, header budgets, soft-marker
+   pieces, generation prompts' markers), the same automaton table (``_Automaton.table``) and
+   the same item memo (keys are the bytes :func:`_item_key` builds; per policy a packed
+   record of the item's spans, :func:`_c_record`). It applies only what the Python engine
+   memoised and hands back anything else (:meth:`FastMasker.run_c`).
 
 :class:`TextMemo` does the same for :meth:`Format.parse` (text mode): an item seen before is
 rebuilt from a template — fresh Turn and Block objects carrying this text's positions — so the
@@ -79,6 +88,9 @@ _MAX_PROGS = 64
 # Configurations deeper than this are not memoised (a stack tuple per configuration would cost
 # memory quadratic in the nesting depth): such inputs take the full, non-recursive parser.
 _MAX_DEPTH = 128
+# A sample at least this long with a new item shape is learned from a window around the
+# new item (FastMasker._learn_window) rather than parsed whole.
+_WINDOW_MIN = 1024
 # loss_masks works through a batch in groups of about this many tokens (2 MB as int64)
 _BATCH_TOKENS = 1 << 18
 # The walk steps GRAM symbols at a time: one dict lookup per GRAM markers.
@@ -337,9 +349,158 @@ class FastMasker:
             if self.soft_lut is None:
                 self.enabled = False
                 self.disabled = "soft markers this tokenizer's pieces cannot be searched for"
-        self.stats = {"fast": 0, "slow": 0, "harvest": 0}
+        self.stats = {"fast": 0, "slow": 0, "harvest": 0, "c": 0}
         self.reasons: dict[str, int] = {}   # slow samples by why
         self._why = None
+        # What the C executor reads: item key -> packed spans, one dict per policy (filled by
+        # _fast from the same memo), and the plan tuple (None: the numpy executor only).
+        self.cmemo: dict[int, dict] = {}
+        self._cpol: dict[int, tuple] = {}
+        self.plan = self._c_plan()
+
+    def _c_plan(self):
+        """The lexing plan and automaton as the C executor takes them (``_speedups.run``):
+        the same tables :meth:`_lex` / :meth:`_walk` use. None where the accelerator is not
+        built or the plan has rules only the numpy executor runs (literal-ended headers,
+        ``lstrip``)."""
+        if (_speedups is None or not hasattr(_speedups, "run") or not self.enabled
+                or self.has_split or self.lstrip_code is not None):
+            return None
+        soft = None if self.soft_lut is None else self.soft_lut.astype(np.uint8).tobytes()
+        return (self.lo, self.lutr.astype(np.int64).tobytes(),
+                self.budget.astype(np.int64).tobytes(), self.budget1.astype(np.int64).tobytes(),
+                self.has_values, self._gen_table(), self.auto.table,
+                self.auto.end_flags, self.unk_code, soft)
+
+    def _gen_table(self) -> bytes | None:
+        """Per marker code, the generation prompts its text occurs in (a bit mask) and its
+        length: a last turn whose markers cannot all be in one prompt is no generation
+        prompt, so the C executor need not ask the driver (``_generation_prompt``)."""
+        gps = sorted(self.drv.gen_prompts)
+        if not gps:
+            return None
+        words = [max(map(len, gps)), -1, 0]  # code 0 (begin of input) is no marker
+        for term in self.lx.terms:
+            text = self.lx.cfg.marker_text[term]
+            m = sum(1 << g for g, gp in enumerate(gps) if text in gp) if len(gps) < 63 else -1
+            words += [m, len(text)]
+        return struct.pack(f"={len(words)}q", *words)
+
+    def _disable(self, why: str) -> None:
+        self.enabled = False
+        self.disabled = why
+        self.plan = None
+
+    def forget(self) -> None:
+        """Drop every memoised item (both executors' views of the memo)."""
+        self.items.clear()
+        for cm in self.cmemo.values():
+            cm.clear()
+
+    def _forget_key(self, key: bytes) -> None:
+        for cm in self.cmemo.values():
+            cm.pop(key, None)
+
+    def run_c(self, ids, policy: MaskPolicy, strict: bool):
+        """The C executor on one sample: the mask (a list for a list, else a numpy int64
+        array), or None when it does not take the sample (the caller runs the Python
+        engine, which then teaches it)."""
+        plan = self.plan
+        if plan is None or _speedups is None:  # (tests and the bench switch it off live)
+            return None
+        if type(ids) is list:
+            out = None
+        elif (type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1
+              and ids.flags.c_contiguous):
+            out = np.zeros(len(ids), dtype=np.int64)
+        else:
+            return None
+        hit = self._cpol.get(id(policy))
+        if hit is None or hit[0] is not policy:
+            hit = self._c_policy(policy)
+        r = _speedups.run(plan, ids, hit[1], hit[2], out)
+        if type(r) is tuple:  # items the C memo lacks: fill those the memo knows, once
+            if not self._c_fill(r, hit) and not self._c_learn(ids, r, hit):
+                return None
+            r = _speedups.run(plan, ids, hit[1], hit[2], out)
+        if type(r) is int:  # the last turn may be a generation prompt: the driver's rule
+            if not self._c_not_gen_prompt(ids, r):
+                return None
+            r = _speedups.run(plan, ids, hit[1], hit[2], out, True)
+        if r is None or type(r) is tuple or type(r) is int:
+            return None
+        st = self.stats
+        st["fast"] += 1
+        st["c"] += 1
+        if out is not None:
+            r = out
+        if verify_enabled():
+            self._verify(ids_input(ids)[0], r, policy, strict)
+        return r
+
+    def _c_fill(self, keys: list, hit: tuple) -> bool:
+        """The C records of memoised items the C memo lacks (they were learned, but not
+        used under this policy yet). False when one is not memoised (a new item shape)."""
+        policy, cm, _, base = hit
+        pid = self._pid(base)
+        for key, _w0, _w1 in keys:
+            it = self.items.get(key)
+            if it is None or it.plan or it.unstable:
+                return False
+            prog = it.progs.get(())
+            if prog is None:
+                return False
+            sp = prog.by_policy.get(pid) or self._policy_spans(prog, base, pid)
+            if sp is None:
+                return False
+            cm[key] = _c_record(prog, sp)
+        return True
+
+    def _c_learn(self, ids, keys: tuple, hit: tuple) -> bool:
+        """New item shapes in a long sample: each learned by a full parse of the window of
+        ids around it the C executor gives (as :meth:`_learn_window` does), then filled as
+        in :meth:`_c_fill`. False when the memo still lacks one (the Python engine takes
+        the sample)."""
+        n = len(ids)
+        if n < _WINDOW_MIN:
+            return False
+        for key, w0, w1 in keys:
+            if key in self.items:
+                continue
+            if w1 - w0 >= n:
+                return False  # the window is the sample: the full pipeline parses it
+            self.stats["window"] = self.stats.get("window", 0) + 1
+            try:
+                self._harvest(np.asarray(ids[w0:w1], dtype=np.int64), self.fmt.default_policy,
+                              False)
+            except ParseError:
+                return False
+        return self._c_fill(keys, hit)
+
+    def _c_not_gen_prompt(self, ids, start: int) -> bool:
+        """True when the tail from ``start`` is certainly no generation prompt: decoding is
+        byte-concatenative here (``concat_decode``), so the driver's per-run join can equal
+        a prompt only if one decode of the whole tail does (as in _generation_prompt)."""
+        if not self.concat_decode:
+            return False
+        tail = ids[start:]
+        return self.adapter.decode(tail if type(tail) is list else tail.tolist()) \
+            not in self.drv.gen_prompts
+
+    def _c_policy(self, policy: MaskPolicy) -> tuple:
+        # last_turn_only selects among the turns the base policy trains (as _fast does)
+        last = policy.last_turn_only
+        base = policy.replace(last_turn_only=False) if last else policy
+        cm = self.cmemo.get(self._pid(base))
+        if cm is None:
+            if len(self.cmemo) > 64:
+                for d in self.cmemo.values():
+                    d.clear()
+            cm = self.cmemo[self._pid(base)] = {}
+        if len(self._cpol) > 256:
+            self._cpol.clear()
+        hit = self._cpol[id(policy)] = (policy, cm, last, base)
+        return hit
 
     # ------------------------------------------------------------------ public
     def mask(self, arr: np.ndarray, lst, policy: MaskPolicy, strict: bool,
@@ -421,6 +582,10 @@ class FastMasker:
                     continue
                 got = [] if roles is not None else None
                 spans = self._fast(arr, starts, j, lexed, policy, pid, got)
+                if spans is None and self._why == "new item shape" and \
+                        self._learn_window(arr, starts, j, lexed):
+                    got = [] if roles is not None else None
+                    spans = self._fast(arr, starts, j, lexed, policy, pid, got)
                 if spans is None:
                     why[j] = self._why
                     continue
@@ -436,6 +601,30 @@ class FastMasker:
             elif check:
                 self._verify(arr[starts[j]:starts[j + 1]], outs[j], policy, strict)
         return outs
+
+    def _learn_window(self, arr, starts, j, lexed) -> bool:
+        """A new item shape in a long sample: the full pipeline parses a window of the
+        sample — from the item before the new one to the end of the item after it (or the
+        sample's end) — and the memo learns its items, instead of parsing the whole sample.
+        An item's key holds everything its parse depends on, so what a window teaches is
+        what the whole sample would (the same rule that lets one sample teach another).
+        True when the window parsed cleanly."""
+        prev, b, bounds = self._miss
+        B = lexed[4]
+        s0, n = starts[j], starts[j + 1]
+        if n - s0 < _WINDOW_MIN:
+            return False
+        k = bounds.index(b)
+        w0 = B[prev]
+        w1 = B[bounds[k + 1]] if k + 1 < len(bounds) else n
+        if w1 - w0 >= n - s0:
+            return False  # the window is the sample: the full pipeline parses it anyway
+        self.stats["window"] = self.stats.get("window", 0) + 1
+        try:
+            self._harvest(arr[w0:w1], self.fmt.default_policy, False)
+        except ParseError:
+            return False
+        return True
 
     def _slow_sample(self, arr, starts, j, why, policy, strict, outs, roles, errors,
                      as_list) -> None:
@@ -723,19 +912,14 @@ class FastMasker:
         nturn = 0
         a = 3 * bl[j]
         items = self.items
+        cm = self.cmemo.get(pid) if self.plan is not None else None
         meta, vals, off = lexed[1], lexed[2], lexed[3]
         end = bounds[-1] if bounds else -1
+        prev = a
         for b in bounds:
             if b <= a:
                 continue
-            # the item's key (as _item_key builds it, inlined: this loop is the hot path)
-            ia, ib = a // 3, (b - 1) // 3 + 1
-            if off is not None:
-                key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib], vals[8 * off[ia]:8 * off[ib]])
-            else:
-                key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib])
-            if tail is not None and b == end:
-                key = (*key, ("cut", tail))
+            key = _item_key(meta, vals, off, a, b, tail if b == end else None)
             it = items.get(key)
             prog = None
             if it is not None and not it.plan and not it.unstable:
@@ -743,6 +927,7 @@ class FastMasker:
             if prog is None:
                 prog = self._prog(arr, lexed, it, a)  # (says why when it has none)
                 if prog is None:
+                    self._miss = (prev, b, bounds)  # where: see _learn_window
                     return None
             sp = prog.by_policy.get(pid)
             if sp is None:
@@ -750,6 +935,8 @@ class FastMasker:
                 if sp is None:
                     self._why = "a span edge outside the item's slots"
                     return None
+            if cm is not None and not it.plan and key not in cm:
+                cm[key] = _c_record(prog, sp)  # the C executor's view of this memo entry
             if prog.turns:
                 last = (prog, a, nturn)
                 if roles is not None:
@@ -759,7 +946,7 @@ class FastMasker:
             if last_only:
                 chosen.extend([nturn + t for t in sp[1]])
             nturn += len(prog.turns)
-            a = b
+            prev, a = a, b
         if last is not None and self.drv.gen_prompts:
             prog, pbase, first = last
             tslot = pbase + prog.starts[-1]
@@ -862,8 +1049,7 @@ class FastMasker:
         syms = np.frombuffer(lexed[0], dtype=np.uint16).tolist()
         if not self._same_tokens(toks, syms, B):
             # the lexer does something this model does not: say so (stats, verify mode)
-            self.enabled = False
-            self.disabled = "the vectorised lexer disagrees with the reference lexer"
+            self._disable("the vectorised lexer disagrees with the reference lexer")
             if verify_enabled():
                 raise VerifyError(f"{self.fmt.name}: {self.disabled}")
             raise _NoCache
@@ -879,15 +1065,16 @@ class FastMasker:
 
     def _learn_item(self, arr, lexed, a, b, tail, sturns, sreads) -> None:
         B, off = lexed[4], lexed[3]
-        key = _item_key(lexed, a, b, tail)
+        key = _item_key(lexed[1], lexed[2], off, a, b, tail)
         plan, slot_of = _read_plan(B, a, b, sreads)
         it = self.items.get(key)
         if it is None:
             if len(self.items) > _MAX_ITEMS:
-                self.items.clear()
+                self.forget()
             it = self.items[key] = _Item(plan)
         elif it.plan != plan:
             it.unstable = True  # reads differ between samples: this key stays slow
+            self._forget_key(key)
             return
         rkey = tuple(_read_key(arr, B, a + s, a + e, lim) for s, e, lim in plan)
         if rkey in it.progs:
@@ -895,6 +1082,7 @@ class FastMasker:
         if len(it.progs) >= _MAX_PROGS:
             it.unstable = True  # what the parse reads varies without end: stay slow
             it.progs.clear()
+            self._forget_key(key)
             return
         cturns = [dataclasses.replace(t, generation_prompt=False) for t in sturns]
         try:
@@ -929,16 +1117,31 @@ class FastMasker:
         return want == [(t[0], t[1], t[2]) for t in toks]
 
 
-def _item_key(lexed, a: int, b: int, tail) -> tuple:
-    """The memo key of the item ``[a, b)`` (slots): its symbols, header ids and, for an item
-    cut by the end of input, the configuration it ends in (``tail``)."""
-    meta, vals, off = lexed[1], lexed[2], lexed[3]
+_KEY_HEAD = struct.Struct("=3q")
+
+
+def _item_key(meta: bytes, vals: bytes, off, a: int, b: int, tail) -> bytes:
+    """The memo key of the item ``[a, b)`` (slots), as bytes of native int64: its first slot
+    within its first symbol, its slot count, the configuration an item cut by the end of input
+    ends in (``tail``; -1 for a whole item), its symbols' meta words and its header ids. The C
+    executor (``_speedups.run``) builds exactly these bytes, so both look up one memo."""
     ia, ib = a // 3, (b - 1) // 3 + 1
+    head = _KEY_HEAD.pack(a - 3 * ia, b - a, -1 if tail is None else tail)
     if off is not None:
-        key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib], vals[8 * off[ia]:8 * off[ib]])
-    else:
-        key = (a - 3 * ia, b - a, meta[8 * ia:8 * ib])
-    return key if tail is None else (*key, ("cut", tail))
+        return head + meta[8 * ia:8 * ib] + vals[8 * off[ia]:8 * off[ib]]
+    return head + meta[8 * ia:8 * ib]
+
+
+def _c_record(prog: _Prog, sp: tuple) -> bytes:
+    """An item's spans under one policy as the C executor reads them: native int64
+    ``[turns, slot of the last turn's start, spans, chosen turns, (slot_a, da, slot_b, db,
+    turn) per span..., chosen turn indices...]``."""
+    spans, chosen = sp
+    words = [len(prog.turns), prog.starts[-1] if prog.starts else -1, len(spans), len(chosen)]
+    for x in spans:
+        words.extend(x)
+    words.extend(chosen)
+    return struct.pack(f"={len(words)}q", *words)
 
 
 def _mask_of(n: int, spans, as_list: bool):
@@ -1270,9 +1473,11 @@ class _BlockTpl:
         d = dict(self.base)
         for f, k, off in self.pos:
             d[f] = bounds[a + k] + off
-        d["attrs"] = dict(d["attrs"])
-        d["children"] = [c.make(bounds, a, block_cls) for c in self.children]
-        d["follow"] = self.follow.make(bounds, a, block_cls) if self.follow is not None else None
+        d["attrs"] = dict(d["attrs"]) if d["attrs"] else {}
+        d["children"] = [c.make(bounds, a, block_cls) for c in self.children] \
+            if self.children else []
+        if self.follow is not None:
+            d["follow"] = self.follow.make(bounds, a, block_cls)
         b.__dict__ = d
         return b
 
@@ -1374,8 +1579,8 @@ class TextMemo:
         if fmt._partial_marker_tail(text) is not None:
             return None
         rx = self.drv.unknown_rx
-        if rx is not None and any(not any(t.startswith(m.group()) for t in self.drv.known_texts)
-                                  for m in rx.finditer(text)):
+        if rx is not None and not self.drv.known_prefixes.issuperset(
+                rx.findall(text) if rx.groups == 0 else [m.group() for m in rx.finditer(text)]):
             self._why = "a marker-shaped string the format does not know"
             return None  # a marker the spec does not know: the full parse judges where it is
         toks = lex_text(text, fmt._lexcfg)

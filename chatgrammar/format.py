@@ -176,8 +176,10 @@ class Format:
         """How this format's samples were computed, by path and by reason.
 
         ``ids`` counts :meth:`loss_mask` / :meth:`loss_masks` samples: ``fast`` (the memoised
-        engine), ``slow`` (the full pipeline, which also teaches the memo), ``harvest`` (slow
-        samples whose items were memoised), ``verified`` (fast answers checked in verify mode,
+        engine), ``c`` (of those, the ones the C executor computed), ``slow`` (the full
+        pipeline, which also teaches the memo), ``harvest`` (full parses whose items were
+        memoised), ``window`` (windows of a long sample parsed to learn a new item shape
+        there instead of the whole sample), ``verified`` (fast answers checked in verify mode,
         ``CHATGRAMMAR_VERIFY=1``) and ``reasons`` (slow samples by why: a new item shape, a
         syntax error, ...). ``text`` counts :meth:`parse` calls the same way.
 
@@ -188,7 +190,8 @@ class Format:
             >>> fmt.stats()["ids"]["reasons"]  # doctest: +SKIP
             {'new item shape': 5}
         """
-        ids = {"fast": 0, "slow": 0, "harvest": 0, "verified": 0, "reasons": {}}
+        ids = {"fast": 0, "c": 0, "slow": 0, "harvest": 0, "window": 0, "verified": 0,
+               "reasons": {}}
         for st in list(self._states.values()):
             fm = st._masker
             if fm is None:
@@ -265,9 +268,15 @@ class Format:
         """
         # Same result as parse_ids(ids, tokenizer).mask_array(policy), through the memoised
         # fast path (chatgrammar.fastpath), which falls back to exactly that when it must.
-        arr, lst = ids_input(ids, scratch=True)  # (the array is used by this call only)
         fm = self._fast_masker(tokenizer)
-        m = fm.mask(arr, lst, policy or self.default_policy, strict, tokenizer)
+        pol = policy or self.default_policy
+        # The C executor of the same plan and memo takes the sample when everything it needs
+        # is memoised; else the Python engine does (and teaches it).
+        m = fm.run_c(ids, pol, strict)
+        if m is not None:
+            return m
+        arr, lst = ids_input(ids, scratch=True)  # (the array is used by this call only)
+        m = fm.mask(arr, lst, pol, strict, tokenizer)
         return mask_like(ids, m)
 
     def loss_masks(self, batch: Any, tokenizer: Any, *,

@@ -113,10 +113,16 @@ def lex_text(text: str, cfg: LexConfig) -> list[Tok]:
     by_text = cfg.by_text
     split_after, decode_after = cfg.split_after, cfg.decode_after
     split_max = cfg.split_max
+    # runs the lexer reads (headers) go through _text_gap; every other run is a plain TEXT
+    # token, appended here (most runs: this loop is the text-mode hot path)
+    reads = split_after.keys() | decode_after.keys()
     for m in cfg.regex.finditer(text):
         s, e = m.span()
         if s > pos:
-            _text_gap(text, pos, s, prev, toks, split_after, decode_after, split_max)
+            if prev in reads:
+                _text_gap(text, pos, s, prev, toks, split_after, decode_after, split_max)
+            else:
+                append((TEXT, pos, s, None))
         mt = m.group()
         prev = by_text[mt]
         append((prev, s, e, mt))

@@ -220,6 +220,10 @@ class Driver:
         # id mode counts only special/added ids, never typed text: brackets and tags too
         self.unknown_rx_ids = unknown_marker_shape(spec, ids=True)
         self.known_texts = frozenset(m.text for m in spec.markers.values())
+        # every prefix of a marker text ("" included): `g in known_prefixes` is
+        # `any(t.startswith(g) for t in known_texts)` as one set lookup
+        self.known_prefixes = frozenset(t[:i] for t in self.known_texts
+                                        for i in range(len(t) + 1))
         self.checked_roles = frozenset(spec.policy.roles) if spec.policy is not None \
             else frozenset(("assistant",))
         self.aliases = {k: v for k, v in spec.role_aliases.items() if not _is_glob(k)}
@@ -556,7 +560,7 @@ class _Ctx:
             for m in drv.unknown_rx.finditer(src.text, s, e):
                 # a known marker's own text (or its head: Tulu's tag is "<|user|>\n") is not
                 # unknown: where it stands in a body it is that body's text by the grammar
-                if not any(t.startswith(m.group()) for t in drv.known_texts):
+                if m.group() not in drv.known_prefixes:
                     at, found = m.start(), m.group()
                     break
         elif src.adapter is not None and src.arr is not None:

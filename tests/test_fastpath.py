@@ -402,9 +402,13 @@ def test_verify_mode_checks_every_fast_answer_and_raises_on_a_difference(monkeyp
             for pid, (spans, chosen) in list(prog.by_policy.items()):
                 prog.by_policy[pid] = (tuple((a, da, b, db + 1, t) for a, da, b, db, t in spans)
                                        , chosen)
+    for cm in fm.cmemo.values():  # the C executor's view of the memo, rebuilt from the above
+        cm.clear()
     with pytest.raises(VerifyError):
         fmt.loss_mask(ids, enc)
-    fm.items.clear()
+    with pytest.raises(VerifyError):  # and the C executor, now taught the wrong entry
+        fmt.loss_mask(ids, enc)
+    fm.forget()
     monkeypatch.delenv("CHATGRAMMAR_VERIFY")
     assert fmt.loss_mask(ids, enc) == want
 

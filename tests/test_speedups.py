@@ -338,3 +338,73 @@ def test_long_inputs_reuse_a_per_thread_buffer_without_mixing_samples(monkeypatc
     for t in threads:
         t.join()
     assert errors == []
+
+
+# ----------------------------------------------------------------------------- run (executor)
+
+def _classes(version: str, ids: list[list[int]]):
+    """The bench's input classes made from ``ids``: (name, inputs, loss_mask kwargs)."""
+    pack = [[t for x in ids[i:i + 4] for t in x] for i in range(0, len(ids), 4)]
+    return [("whole", ids, {}), ("truncated", [x[:300] for x in ids], {}),
+            ("last_turn_only", ids, {"policy": cg.MaskPolicy(last_turn_only=True)}),
+            ("lenient", ids, {"strict": False}), ("packed", pack, {}),
+            ("numpy", [np.asarray(x, dtype=np.int64) for x in ids], {}),
+            ("policy", ids, {"policy": POLICIES[2]})]
+
+
+@needs_c
+@pytest.mark.parametrize("version", ["kimi-k2", "kimi-k3"])
+def test_the_c_executor_equals_the_reference_on_every_input_class(version):
+    # Two passes over fresh data (the first teaches the memo, mostly through the Python engine
+    # and windows; the second is the C executor's): every answer is the full pipeline's.
+    bench = _bench()
+    enc = bench.kimi_encoding(version)
+    fmt = cg.load_format(version)
+    _texts, ids = bench.workload(version, 24, seed=11)
+    fm = fmt._fast_masker(enc)
+    for _ in range(2):
+        before = fm.stats["c"]
+        for cls, xs, kw in _classes(version, ids):
+            for x in xs:
+                got = fmt.loss_mask(x, enc, **kw)
+                if cls == "numpy":
+                    assert isinstance(got, np.ndarray) and got.dtype == np.int64
+                    got = got.tolist()
+                assert len(got) == len(x)
+                want = fmt.parse_ids(x, enc, strict=kw.get("strict", True)).mask(
+                    kw.get("policy"))
+                assert got == want, (version, cls)
+    assert fm.stats["c"] - before >= sum(len(xs) for _, xs, _ in _classes(version, ids)) // 2
+    assert fmt.stats()["ids"]["c"] >= fm.stats["c"]  # (summed over its tokenizers)
+
+
+@needs_c
+def test_the_c_executor_hands_back_what_it_does_not_memoise():
+    bench = _bench()
+    enc = bench.kimi_encoding("kimi-k2")
+    fmt = cg.load_format("kimi-k2")
+    _texts, ids = bench.workload("kimi-k2", 4, seed=12)
+    for x in ids:
+        fmt.loss_mask(x, enc)
+    fm = fmt._fast_masker(enc)
+    hit = fm._c_policy(fmt.default_policy)
+    x = ids[0]
+    assert S.run(fm.plan, x, hit[1], hit[2], None) == fmt.parse_ids(x, enc).mask()
+    # ids it does not read itself (not an exact int): the general conversion decides
+    assert S.run(fm.plan, [*x[:-1], np.int64(x[-1])], hit[1], hit[2], None) is None
+    assert S.run(fm.plan, [*x[:-1], 2**70], hit[1], hit[2], None) is None
+    # an empty memo: the keys of the items it lacks
+    missing = S.run(fm.plan, x, {}, False, None)
+    assert type(missing) is tuple and missing
+    assert all(type(k) is bytes and 0 <= w0 < w1 <= len(x) for k, w0, w1 in missing)
+    assert all(k in fm.items for k, _, _ in missing)
+    # a syntax error (an end marker first): never an answer
+    assert S.run(fm.plan, [163586, *x], hit[1], hit[2], None) is None
+    with pytest.raises(cg.ParseError):
+        fmt.loss_mask([163586, *x], enc)
+    assert fmt.loss_mask([163586, *x], enc, strict=False) == \
+        fmt.parse_ids([163586, *x], enc, strict=False).mask()
+    # numpy in needs an output buffer of the same length
+    with pytest.raises(ValueError):
+        S.run(fm.plan, np.asarray(x, dtype=np.int64), hit[1], False, None)
+    assert fmt.loss_mask([], enc) == [] and fmt.loss_mask([], enc) == []

@@ -805,24 +805,46 @@ took the full pipeline), measured by this same bench on the same machine in the 
 | one ~1M-token sequence cut mid-turn | 0.40× | 0.17× |
 | whole samples, numpy in (numpy out) | 2.51× | 2.95× |
 | whole samples without the C accelerator | 0.83× | 1.02× |
-| text mode against the regex | 1.11× | 0.57× |"""
+| text mode against the regex | 1.11× | 0.57× |
+
+At commit 01c2808 (the same memo, executed by Python per item; the C passes only packed the
+list, found the markers and built the output), measured by this bench in the previous session:
+
+| input class | kimi-k2 | kimi-k3 |
+|---|---|---|
+| whole samples | 1.93× | 2.20× |
+| truncated by `max_length=2048` (most cut mid-turn) | 1.32× | 1.09× |
+| `last_turn_only` policy | 1.95× | 2.18× |
+| lenient mode (`strict=False`) | 1.92× | 2.19× |
+| packed, 8 samples per sequence | 2.42× | 2.58× |
+| one ~1M-token sequence cut mid-turn | 2.19× | 2.38× |
+| whole samples, numpy in (numpy out) | 2.67× | 2.59× |
+| whole samples without the C accelerator | 0.87× | 1.12× |
+| text mode against the regex | 1.15× | 0.61× |"""
 
 
 NOTES = """- **One engine.** Every class above runs the same memoised core
-  (`chatgrammar/fastpath.py`): the markers are found in one vectorised pass (the C accelerator
-  `chatgrammar/_speedups.c` or numpy, the same plan), the symbols walk a memoised LALR automaton
-  (the driver's own tables, implicit closes included), and each top-level item's turns come from
-  the memo. An item cut by the end of input (truncation, a packed or long sequence cut
-  mid-turn) is memoised like any other, keyed also by the automaton configuration it ends in;
-  `last_turn_only` selects among the memoised turns with `Conversation.trained_turns`; lenient
-  mode on clean data is the same walk. The full pipeline runs for new item shapes (it teaches
-  the memo), syntax errors and lenient repairs, and the rest listed by `fmt.stats()`.
-- **List input.** A Python list of ints must be read one object at a time before anything
-  vectorised can look at it: the accelerator does that read (~2.5 ns per token) and builds the
-  returned list (~1-3 ns per token); without it `struct.pack` costs ~9 ns per token. The
-  scanner spends ~30-45 ns per token. What is left per sample (walking the automaton, one
-  dictionary lookup per item, filling spans) is tens of microseconds of Python: per-sample calls
-  gain most from batching (`loss_masks`) and from arrays in.
+  (`chatgrammar/fastpath.py`): one lexing plan (marker id → code, run shapes, header budgets,
+  soft-marker pieces, the generation prompts' markers), a memoised LALR automaton (the driver's
+  own tables, implicit closes included) and an item memo (each top-level item's turns, computed
+  once by the full pipeline, keyed by bytes). The C executor (`_speedups.run`) takes a sample
+  end to end — it reads the Python list (or int64 array) directly, finds the markers with the
+  plan's table, walks the automaton's table, looks each item key up and writes the mask (a list
+  of the shared 0/1 ints, or into a zeroed int64 array) — with no per-item Python. Whatever it
+  has not memoised it hands back: the item keys its memo lacks (filled from the Python memo, or
+  learned by a full parse of the window around the item, then one retry), a last turn that may
+  be a generation prompt (one decode, then a retry), an id it does not read itself, a syntax
+  error (the Python engine, which raises or recovers). Without the extension the numpy/Python
+  executor of the same plan and memo runs (the "without the C accelerator" row).
+- **Truncation** (an item cut by the end of input) is an item like any other, keyed also by
+  the automaton configuration it ends in; a cut shape not seen before costs one full parse of
+  the window around it (the item before it and itself: a few hundred µs). On fresh data that
+  is most of what the truncated class pays beyond the whole-sample rate; the rate of new cut
+  shapes falls as the memo fills.
+- **List input.** A Python list of ints must be read one object at a time: the executor does
+  that read (~1.5 ns per token) and builds the returned list (~1 ns per token); the scanner
+  spends ~30-45 ns per token. What is left per call is ~2 µs of Python (`loss_mask`, the
+  tokenizer's state, the policy lookup).
 - Numbers move by ±20% between runs on a shared 2-core machine, more when it is loaded (the
   load average is in Machine); the ratios, measured on the same inputs in the same process, are
   the stable part."""
