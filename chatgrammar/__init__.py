@@ -8,7 +8,8 @@ Example:
     >>> conv.trained_text()
     ['Hello!']
 """
-from .errors import (ChatGrammarError, CompileError, DetectionError, InferenceError, NormError,
+from .errors import (ChatGrammarError, CompileError, DetectionError, DeviationWarning,
+                     InferenceError, NormError,
                      ParseError, SpecError)
 from .format import Format
 from .policy import MaskPolicy
@@ -28,5 +29,5 @@ __all__ = [
     "Block", "Issue", "MaskPolicy", "resolve_final_norm", "final_norm_kind", "FinalNorm",
     "explain_final_norm", "build_final_norm",
     "ChatGrammarError", "SpecError", "CompileError", "ParseError", "DetectionError",
-    "NormError", "InferenceError", "infer_format",
+    "NormError", "InferenceError", "DeviationWarning", "infer_format",
 ]

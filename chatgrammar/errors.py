@@ -210,3 +210,15 @@ class VerifyError(ChatGrammarError):
 __all__ = ["ChatGrammarError", "SpecError", "CompileError", "ParseError", "DetectionError",
            "NormError", "InferenceError", "PrecedenceError", "TemplateError", "RenderTimeout",
            "TokenizerLoadError", "VerifyError"]
+
+
+class DeviationWarning(UserWarning):
+    """A format was taken that trains a documented deviation from the template's exact turns.
+
+    Issued by :func:`chatgrammar.infer_format` when the inferred format passed its verification
+    only with a deviation the checker accepts (``unclosed-whitespace``: a template that never
+    closes a reply writes whitespace after it, and at the end of a sample that whitespace trains
+    with the reply). The mask is not silently different from the template's turns: this
+    warning says so, and ``fmt.verification.deviations`` lists what.
+    """
+

@@ -17,13 +17,14 @@ import json
 import os
 import re
 import threading
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
-from .errors import ChatGrammarError, InferenceError
+from .errors import ChatGrammarError, DeviationWarning, InferenceError
 from .format import Format
 from .render import RenderTimeout, TemplateError, compile_template, render_chat
 from .spec import parse_spec
@@ -1783,7 +1784,7 @@ def infer_format(chat_template: str, *, tokenizer: Any = None, **template_kwargs
         if hit is not None:
             _CACHE.move_to_end(key)
     if hit is not None:
-        return _from_yaml(*hit)
+        return _warn_deviations(_from_yaml(*hit))
     try:
         compile_template(chat_template)
     except TemplateError as exc:
@@ -1802,6 +1803,17 @@ def infer_format(chat_template: str, *, tokenizer: Any = None, **template_kwargs
         _CACHE[key] = (fmt.spec_yaml, fmt.verification)
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
+    return _warn_deviations(fmt)
+
+
+def _warn_deviations(fmt: InferredFormat) -> InferredFormat:
+    # a mask that differs from the template's exact turns must never be silent: the accepted
+    # deviation (whitespace after an unclosed reply trains) is said once per call site
+    if fmt.verification is not None and fmt.verification.deviations:
+        warnings.warn(f"{fmt.name}: the template never closes a reply, and the whitespace it "
+                      "writes after one trains with the reply (accepted deviation "
+                      "unclosed-whitespace; see fmt.verification.deviations)",
+                      DeviationWarning, stacklevel=3)
     return fmt
 
 

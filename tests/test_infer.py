@@ -556,3 +556,22 @@ def test_cache_keeps_nothing_alive():
     assert fref() is None
     assert all(isinstance(y, str) and isinstance(v, inf.Verification)
                for y, v in inf._CACHE.values())
+
+
+def test_an_accepted_deviation_is_never_silent():
+    """A closeless layout's inferred format trains the whitespace after a reply (the accepted
+    unclosed-whitespace deviation): infer_format warns, on the first call and from the cache."""
+    import warnings
+
+    import chatgrammar as cg
+
+    template = ("{% for message in messages %}{% if message['role'] == 'user' %}"
+                "{{ 'USER: ' + message['content'] + ' ' }}{% elif message['role'] == 'assistant' %}"
+                "{{ 'ASSISTANT: ' + message['content'] + ' ' }}{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}{{ 'ASSISTANT: ' }}{% endif %}")
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fmt = cg.infer_format(template, bos_token="<s>", eos_token="</s>")
+        assert fmt.verification.deviations
+        assert any(issubclass(w.category, cg.DeviationWarning) for w in caught)
