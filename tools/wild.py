@@ -17,6 +17,9 @@ Each template is then one of:
   output trained.
 - ``safe``: a clear error (DetectionError + InferenceError, or a located ParseError on the
   shapes that do not fit) and no wrong mask.
+- ``warned``: some case trains something other than the assistant output, and the format was
+  returned with a :class:`chatgrammar.DeviationWarning` saying what (the accepted
+  ``unclosed-whitespace`` deviation of an inferred closeless layout): wrong, but never silent.
 - ``SILENT WRONG``: some case trains something other than the assistant output and nothing
   raised — the outcome that must never happen.
 
@@ -35,6 +38,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -132,6 +136,17 @@ def classify(path: Path, variables: dict | None = None, *, timeout: float = 10.0
     text = path.read_text(encoding="utf-8")
     vars_ = dict(default_vars(text) if variables is None else variables)
     res = WildResult(path.name, "safe")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        fmt = _resolve(text, vars_, res, t0)
+    if fmt is None:
+        return res
+    warned = any(issubclass(w.category, cg.DeviationWarning) for w in said)
+    return _check(fmt, text, path, variables, vars_, res, t0, warned, timeout)
+
+
+def _resolve(text: str, vars_: dict, res: WildResult, t0: float):
+    """Detect, else infer (what a user does); None (and ``res`` says why) when neither works."""
     try:
         fmt = cg.detect_format(chat_template=text)
         res.how = "detected"
@@ -144,12 +159,19 @@ def classify(path: Path, variables: dict | None = None, *, timeout: float = 10.0
             res.reason = (f"not detected ({det_reason[:80]}); inference refused: "
                           f"{str(exc2).splitlines()[0][:160]}")
             res.seconds = time.perf_counter() - t0
-            return res
+            return None
         except Exception as exc2:  # a traceback is a bug, never a safe failure
             res.outcome = "CRASH"
             res.reason = f"infer_format raised {type(exc2).__name__}: {exc2}"[:200]
             res.seconds = time.perf_counter() - t0
-            return res
+            return None
+    return fmt
+
+
+def _check(fmt, text: str, path: Path, variables: dict | None, vars_: dict, res: WildResult,
+           t0: float, warned: bool, timeout: float) -> WildResult:
+    """Check the format taken over the matrix and classify (``warned``: a DeviationWarning was
+    issued for it)."""
     res.format = fmt.name
     if variables is None and res.how == "detected":
         vars_ = family_vars(fmt, text)
@@ -168,6 +190,9 @@ def classify(path: Path, variables: dict | None = None, *, timeout: float = 10.0
         res.reason = "the template rejects every case of the matrix"
     elif not fails:
         res.outcome = res.how
+    elif counts["unsafe"] and warned:
+        res.outcome = "warned"
+        res.reason = next(f for f, c in zip(res.failures, fails) if _unsafe(c.reason))
     elif counts["unsafe"]:
         res.outcome = "SILENT WRONG"
         res.reason = next(f for f, c in zip(res.failures, fails) if _unsafe(c.reason))
@@ -194,6 +219,8 @@ def expected_entry(r: WildResult) -> dict:
         return {"outcome": f"bundled {r.format}"}
     if r.outcome == "inferred":
         return {"outcome": "inferred"}
+    if r.outcome == "warned":
+        return {"outcome": "warned", "reason": r.reason[:160]}
     return {"outcome": "refused" if r.outcome == "safe" else r.outcome,
             "reason": r.reason[:160]}
 
@@ -234,13 +261,15 @@ def table(results: list[WildResult]) -> str:
         f"- fully correct: **{correct}/{n}** ({100 * correct / max(n, 1):.0f}%): detected "
         f"{tally.get('detected', 0)}, inferred {tally.get('inferred', 0)}",
         f"- safe failure (clear error, no wrong mask): {tally.get('safe', 0)}",
+        f"- wrong with a warning (an accepted deviation, cg.DeviationWarning): "
+        f"{tally.get('warned', 0)}",
         f"- **SILENT WRONG: {tally.get('SILENT WRONG', 0)}**"
         + (f" · CRASH: {tally['CRASH']}" if tally.get("CRASH") else ""),
         "",
         "| template | outcome | format | pass | fail | unsafe | skip | reason |",
         "|---|---|---|---:|---:|---:|---:|---|",
     ]
-    order = {"SILENT WRONG": 0, "CRASH": 0, "safe": 1, "inferred": 2, "detected": 3}
+    order = {"SILENT WRONG": 0, "CRASH": 0, "warned": 1, "safe": 1, "inferred": 2, "detected": 3}
     for r in sorted(results, key=lambda r: (order.get(r.outcome, 9), r.template)):
         c = r.counts
         reason = r.reason.replace("|", "\\|").replace("\n", " ")[:220]
