@@ -420,9 +420,15 @@ REFUSED_UNBUNDLED = {
     # no terminators, turns separated by '\n\n' that content holds too: where a reply ends
     # cannot be told, the separator would train
     "derived/llama-cpp-rwkv-world.jinja": ({}, "trains text outside the assistant messages"),
-    # tool results rendered with the assistant's header
-    "infer/vicuna-1.1.jinja": ({}, "tool results as assistant turns"),
 }
+
+
+def test_vicuna_tool_results_as_answers_refused_by_inference():
+    """Vicuna prints tool results with the assistant's header: inference refuses the layout
+    (the bundled vicuna format detects it and refuses those shapes as located ParseErrors)."""
+    with pytest.raises(cg.InferenceError, match=re.escape("tool results as assistant turns")):
+        cg.infer_format(_read("infer/vicuna-1.1.jinja"))
+    assert cg.detect_format(None, chat_template=_read("infer/vicuna-1.1.jinja")).name == "vicuna"
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED_UNBUNDLED))
