@@ -29,6 +29,106 @@ class UsageError(Exception):
     """A problem with how the command was called: one line on stderr, exit code 2."""
 
 
+def add_command(subparsers: Any, name: str, run: Callable[[argparse.Namespace], int], *,
+                help: str, description: str, output: str | None = None,
+                epilog: str | None = None) -> argparse.ArgumentParser:
+    """Add the subcommand ``name`` whose body is ``run``; its :class:`UsageError` exits 2.
+
+    Args:
+        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
+        name: the subcommand.
+        run: its body, ``run(args) -> exit code``.
+        help: the one line of ``chatgrammar --help``.
+        description: the paragraph of ``chatgrammar NAME --help``.
+        output: the help of an ``--output text|json`` option; ``None`` adds none.
+        epilog: the text after the options.
+
+    Returns:
+        The subcommand's parser, for its own arguments.
+    """
+    p = subparsers.add_parser(name, help=help, description=description, epilog=epilog)
+    if output is not None:
+        add_output_arg(p, output)
+    p.set_defaults(func=lambda args: guarded(name, run, args))
+    return p
+
+
+def add_output_arg(parser: argparse.ArgumentParser, text: str = "") -> None:
+    """The ``--output text|json`` option (default text)."""
+    parser.add_argument("--output", choices=("text", "json"), default="text",
+                        help=text or "output format (default: text)")
+
+
+def error_line(name: str, exc: BaseException | str) -> None:
+    """Print ``chatgrammar NAME: error: …`` on stderr."""
+    print(f"chatgrammar {name}: error: {exc}", file=sys.stderr)
+
+
+def load_format_arg(spec: str) -> Any:
+    """:func:`chatgrammar.load_format` for a ``-f NAME|PATH`` argument.
+
+    Raises:
+        UsageError: no such format name or file (exit 2).
+        ChatGrammarError: the spec exists but is invalid (exit 1).
+    """
+    from ..errors import ChatGrammarError
+    from ..registry import load_format
+
+    try:
+        return load_format(spec)
+    except ChatGrammarError as exc:
+        if "Unknown format" in str(exc) or "no such file" in str(exc):
+            raise UsageError(str(exc)) from None
+        raise
+
+
+def tokenizer_arg(path: str | None, trust_remote_code: bool = False) -> Any:
+    """The ``--tokenizer DIR`` argument loaded offline (``None`` when not given).
+
+    Raises:
+        UsageError: the tokenizer cannot be loaded (exit 2).
+    """
+    from ..tokenizers import TokenizerLoadError, load_tokenizer
+
+    if not path:
+        return None
+    try:
+        return load_tokenizer(path, trust_remote_code=trust_remote_code)
+    except TokenizerLoadError as exc:
+        raise UsageError(exc.args[0]) from None
+
+
+def read_template(path: str | None) -> str | None:
+    """The ``--template FILE`` argument's text (``None`` when not given).
+
+    Raises:
+        UsageError: the file is missing or unreadable (exit 2).
+    """
+    from .._io import read_text
+
+    return None if path is None else read_text(path, UsageError)
+
+
+def key_values(items: list[str], flag: str) -> dict:
+    """``KEY=VALUE`` arguments as a dict; VALUE is JSON if it parses as JSON, else a string.
+
+    Raises:
+        UsageError: an item without ``=``.
+    """
+    import json
+
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise UsageError(f"{flag} takes KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            out[k] = v
+    return out
+
+
 def guarded(name: str, fn: Callable[[argparse.Namespace], int],
             args: argparse.Namespace) -> int:
     """Run ``fn(args)``; a :class:`UsageError` becomes ``chatgrammar NAME: error: …`` on
@@ -45,7 +145,7 @@ def guarded(name: str, fn: Callable[[argparse.Namespace], int],
     try:
         return fn(args)
     except UsageError as exc:
-        print(f"chatgrammar {name}: error: {exc}", file=sys.stderr)
+        error_line(name, exc)
         return 2
 
 

@@ -21,9 +21,9 @@ from typing import Any
 
 from .._io import read_text
 
-from ..errors import ChatGrammarError
 from ..spans import merge_spans
-from ._common import UsageError, add_policy_args, guarded, policy_for
+from ._common import (UsageError, add_command, add_policy_args, load_format_arg, policy_for,
+                      read_template, tokenizer_arg)
 
 OPEN_MARK, CLOSE_MARK = "\u27e6", "\u27e7"
 KIND_STYLES = {"content": "bold green", "think": "bold magenta", "tool_call": "bold yellow",
@@ -33,16 +33,14 @@ OTHER_STYLE, OTHER_CSS = "bold blue", "#d6e4ff"
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``show`` subcommand to the ``chatgrammar`` parser.
-
-    Args:
-        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
-    """
-    p = subparsers.add_parser(
-        "show", help="show the trained spans of a conversation (terminal colours or HTML)",
-        description="Parse one rendered conversation (or token ids, or messages rendered with a "
-                    "template) and show each turn with its role and the spans that train, "
-                    "coloured by kind (content, think, tool_call, end).")
+    """Add ``chatgrammar show`` (see the module docstring)."""
+    p = add_command(subparsers, "show", run,
+                    output="text: labelled turns; json: turns and spans",
+                    help="show the trained spans of a conversation (terminal colours or HTML)",
+                    description="Parse one rendered conversation (or token ids, or messages "
+                                "rendered with a template) and show each turn with its role and "
+                                "the spans that train, coloured by kind (content, think, "
+                                "tool_call, end).")
     p.add_argument("input", nargs="?", default="-", metavar="FILE|-",
                    help="the rendered text (default: stdin); with --ids a JSON list of ids; "
                         "with --template a JSON list of messages (or {messages, tools})")
@@ -57,15 +55,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--add-generation-prompt", action="store_true",
                    help="with --template: append the generation prompt")
     p.add_argument("--html", metavar="OUT.html", help="also write a standalone HTML page")
-    p.add_argument("--output", choices=("text", "json"), default="text",
-                   help="text: labelled turns; json: turns and spans")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="colour trained spans (auto: when stdout is a terminal); without "
                         "colour they are marked \u27e6\u2026\u27e7")
     add_policy_args(p)
     p.add_argument("--lenient", action="store_true",
                    help="skip malformed parts (reported as warnings) instead of failing")
-    p.set_defaults(func=run)
 
 
 def _read_input(path: str) -> str:
@@ -76,38 +71,17 @@ def _read_input(path: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``chatgrammar show``; returns the exit code."""
-    return guarded("show", _run, args)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from ..conformance import encode_text, load_tokenizer
+    """Run ``chatgrammar show``; returns the exit code (a UsageError is the caller's: 2)."""
+    from ..conformance import encode_text
     from ..detect import detect_format
-    from ..registry import load_format
 
     if args.ids and not args.tokenizer:
         raise UsageError("--ids needs --tokenizer DIR")
     raw = _read_input(args.input)
-    tokenizer = None
-    if args.tokenizer:
-        try:
-            tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
-        except ChatGrammarError as exc:
-            raise UsageError(str(exc)) from None
-    template = None
-    if args.template:
-        try:
-            template = Path(args.template).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"cannot read template {args.template}: "
-                         f"{getattr(exc, 'strerror', None) or exc}") from None
+    tokenizer = tokenizer_arg(args.tokenizer, args.trust_remote_code)
+    template = read_template(args.template)
     if args.format:
-        try:
-            fmt = load_format(args.format)
-        except ChatGrammarError as exc:
-            if "Unknown format" in str(exc) or "no such file" in str(exc):
-                raise UsageError(str(exc)) from None
-            raise
+        fmt = load_format_arg(args.format)
     elif tokenizer is not None or template is not None:
         fmt = detect_format(tokenizer, chat_template=template)
     else:

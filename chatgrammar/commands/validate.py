@@ -15,20 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .._io import read_text
-
 from ..errors import ChatGrammarError
-from ._common import UsageError, guarded
+from ._common import UsageError, add_command, key_values, read_template, tokenizer_arg
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``validate`` subcommand to the ``chatgrammar`` parser.
-
-    Args:
-        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
-    """
-    p = subparsers.add_parser(
-        "validate",
+    """Add ``chatgrammar validate`` (see the module docstring)."""
+    p = add_command(
+        subparsers, "validate", run, output="",
         help="check format specs: schema, strict LALR compile, examples, precedence; "
              "optionally against a real chat template",
         description="Check format specs and norms.yaml. With no PATH: every bundled format and "
@@ -59,29 +53,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--isolated", action="store_true",
                    help="prove detector precedence among the given specs only (default: together "
                         "with the bundled and plugin formats, the set detection chooses from)")
-    p.add_argument("--output", choices=("text", "json"), default="text",
-                   help="output format (default: text)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also list the files and template cases that pass")
-    p.set_defaults(func=run)
-
-
-def _vars(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise UsageError(f"--var takes KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except ValueError:
-            out[k] = v
-    return out
-
-
-def _read_template(path: str) -> str:
-    return read_text(path, UsageError)
-
 
 
 def _beaten(cands: list, formats: dict) -> list:
@@ -133,18 +106,14 @@ def _pick_for_tokenizer(tok: Any, formats: dict) -> tuple[Any, str | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``chatgrammar validate``; returns the exit code."""
-    return guarded("validate", _run, args)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from ..conformance import check_template, load_tokenizer
+    """Run ``chatgrammar validate``; returns the exit code (a UsageError is the caller's: 2)."""
+    from ..conformance import check_template
     from ..matrix import default_matrix
     from ..registry import load_format
     from ..validate import Problem, check_tokenizer, validate_paths
 
-    variables = _vars(args.var)
-    templates = [(t, _read_template(t)) for t in args.template]
+    variables = key_values(args.var, "--var")
+    templates = [(t, read_template(t)) for t in args.template]
     cases = None
     if args.case:
         known = {c.name: c for c in default_matrix()}
@@ -178,12 +147,7 @@ def _run(args: argparse.Namespace) -> int:
             templates = []
             args.tokenizer = None
 
-    tokenizer = None
-    if args.tokenizer:
-        try:
-            tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
-        except ChatGrammarError as exc:
-            raise UsageError(str(exc)) from None
+    tokenizer = tokenizer_arg(args.tokenizer, args.trust_remote_code)
 
     pool = formats
     if not pool:
