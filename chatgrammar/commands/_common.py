@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from typing import Any, Callable
 
@@ -29,28 +30,40 @@ class UsageError(Exception):
     """A problem with how the command was called: one line on stderr, exit code 2."""
 
 
-def add_command(subparsers: Any, name: str, run: Callable[[argparse.Namespace], int], *,
-                help: str, description: str, output: str | None = None,
-                epilog: str | None = None) -> argparse.ArgumentParser:
-    """Add the subcommand ``name`` whose body is ``run``; its :class:`UsageError` exits 2.
+def add_command(subparsers: Any, run: Callable[[argparse.Namespace], int], doc: str, *,
+                output: str | None = None) -> argparse.ArgumentParser:
+    """Add a subcommand whose body is ``run``; its :class:`UsageError` exits 2.
+
+    The command's module docstring is the one home of its help: its first line (the command
+    in double backticks, an em dash, what it does) names the command and gives its line in
+    ``chatgrammar --help``; the rest is the text of ``chatgrammar NAME --help``.
 
     Args:
         subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
-        name: the subcommand.
-        run: its body, ``run(args) -> exit code``.
-        help: the one line of ``chatgrammar --help``.
-        description: the paragraph of ``chatgrammar NAME --help``.
+        run: the command's body, ``run(args) -> exit code``.
+        doc: the command module's ``__doc__``.
         output: the help of an ``--output text|json`` option; ``None`` adds none.
-        epilog: the text after the options.
 
     Returns:
         The subcommand's parser, for its own arguments.
+
+    Example:
+        >>> p = add_command(subparsers, run, __doc__, output="")   # doctest: +SKIP
     """
-    p = subparsers.add_parser(name, help=help, description=description, epilog=epilog)
+    first, _, body = doc.strip().partition("\n")
+    name = re.match(r"``chatgrammar ([\w-]+)", first).group(1)
+    p = subparsers.add_parser(name, help=_plain(first.split(" — ", 1)[1].rstrip(".")),
+                              description=_plain(body.strip()),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     if output is not None:
         add_output_arg(p, output)
     p.set_defaults(func=lambda args: guarded(name, run, args))
     return p
+
+
+def _plain(rst: str) -> str:
+    # the docstring's reST (``code``, :func:`x`) as terminal text
+    return re.sub(r":\w+:`~?([^`]*)`", r"\1", rst).replace("``", "")
 
 
 def add_output_arg(parser: argparse.ArgumentParser, text: str = "") -> None:

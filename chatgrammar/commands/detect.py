@@ -23,12 +23,7 @@ from ._common import UsageError, add_command, error_line, read_template, tokeniz
 
 def register(subparsers: Any) -> None:
     """Add ``chatgrammar detect`` (see the module docstring)."""
-    parser = add_command(
-        subparsers, "detect", run, output="",
-        help="detect the chat format of a tokenizer and/or chat template, and say why",
-        description="Detect which format a tokenizer (its special tokens) and/or a Jinja chat "
-                    "template (its literal markers) speaks. Precedence between formats is "
-                    "declared in the specs and proven total before anything is detected.")
+    parser = add_command(subparsers, run, __doc__, output="")
     parser.add_argument("--tokenizer", metavar="PATH_OR_NAME",
                         help="a local transformers tokenizer directory (or a name already in "
                              "the Hugging Face cache); loaded offline")

@@ -14,10 +14,7 @@ from ._common import add_command
 
 def register(subparsers: Any) -> None:
     """Add ``chatgrammar formats`` (see the module docstring)."""
-    add_command(subparsers, "formats", run, output="",
-                help="list the bundled formats and the model families they cover",
-                description="List every format chatgrammar knows (bundled and plugins) with the "
-                            "model families / models each covers (its spec's `covers:`).")
+    add_command(subparsers, run, __doc__, output="")
 
 
 def _entries() -> list[dict]:

@@ -17,13 +17,8 @@ from ._common import add_command, error_line, load_format_arg
 
 def register(subparsers: Any) -> None:
     """Add ``chatgrammar grammar`` (see the module docstring)."""
-    p = add_command(subparsers, "grammar", run,
-                    output="text: the grammar; json: {format, path, grammar, terminals}",
-                    help="print the compiled Lark grammar of a format",
-                    description="Print the Lark grammar a format spec compiles to (LALR(1), "
-                                "strict), with the table of terminals: M_<MARKER> for each "
-                                "marker, TEXT for a run of text between markers, HEADER for a "
-                                "header cut from a text run.")
+    p = add_command(subparsers, run, __doc__,
+                    output="text: the grammar; json: {format, path, grammar, terminals}")
     p.add_argument("format", metavar="NAME|PATH", help="a bundled format name or a spec file")
 
 

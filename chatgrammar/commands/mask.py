@@ -41,12 +41,7 @@ PARQUET_EXT = (".parquet", ".pq")
 
 def register(subparsers: Any) -> None:
     """Add ``chatgrammar mask`` (see the module docstring)."""
-    p = add_command(subparsers, "mask", run,
-                    help="compute loss masks for a dataset file (JSONL or Parquet)",
-                    description="Render (if needed), tokenise and mask every row of a dataset "
-                                "file; write input_ids, loss_mask and num_trained. Rows that "
-                                "fail are written to a rejects file with the error, never "
-                                "dropped silently.")
+    p = add_command(subparsers, run, __doc__)
     p.add_argument("input", metavar="IN", help="input .jsonl or .parquet (rows with `messages` "
                                                "or `input_ids`)")
     p.add_argument("output", metavar="OUT", help="output .jsonl or .parquet")

@@ -18,12 +18,7 @@ from ._common import add_command
 
 def register(subparsers: Any) -> None:
     """Add ``chatgrammar norm`` (see the module docstring)."""
-    parser = add_command(
-        subparsers, "norm", run, output="",
-        help="resolve the final norm of a model's text backbone from its config.json",
-        description="Resolve the final norm (kind, eps) of a model's text backbone: the config "
-                    "is followed through text_config / llm_config / language_config to the "
-                    "backbone, whose model_type is looked up in norms.yaml.")
+    parser = add_command(subparsers, run, __doc__, output="")
     parser.add_argument("config", metavar="CONFIG",
                         help="a config.json, or a model directory containing one")
     parser.add_argument("--norms", metavar="NORMS_YAML", default=None,

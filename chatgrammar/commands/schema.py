@@ -212,12 +212,7 @@ def splice_reference(doc: str) -> str:
 
 def register(subparsers: Any) -> None:
     """Add ``chatgrammar schema`` (see the module docstring)."""
-    p = add_command(subparsers, "schema", run,
-                    help="print the JSON Schema of the spec language (for editors)",
-                    description="Print the JSON Schema of format specs, generated from the "
-                                "spec models, so that editors validate and complete YAML specs. "
-                                "Add '# yaml-language-server: $schema=<path>/format-spec"
-                                ".schema.json' as the first line of a spec.")
+    p = add_command(subparsers, run, __doc__)
     p.add_argument("-o", "--output-file", metavar="FILE",
                    help="write the schema to FILE instead of stdout "
                         "(the repository's copy: docs/format-spec.schema.json); with "

@@ -34,13 +34,7 @@ OTHER_STYLE, OTHER_CSS = "bold blue", "#d6e4ff"
 
 def register(subparsers: Any) -> None:
     """Add ``chatgrammar show`` (see the module docstring)."""
-    p = add_command(subparsers, "show", run,
-                    output="text: labelled turns; json: turns and spans",
-                    help="show the trained spans of a conversation (terminal colours or HTML)",
-                    description="Parse one rendered conversation (or token ids, or messages "
-                                "rendered with a template) and show each turn with its role and "
-                                "the spans that train, coloured by kind (content, think, "
-                                "tool_call, end).")
+    p = add_command(subparsers, run, __doc__, output="text: labelled turns; json: turns and spans")
     p.add_argument("input", nargs="?", default="-", metavar="FILE|-",
                    help="the rendered text (default: stdin); with --ids a JSON list of ids; "
                         "with --template a JSON list of messages (or {messages, tools})")

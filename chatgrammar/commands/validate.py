@@ -21,18 +21,7 @@ from ._common import UsageError, add_command, key_values, read_template, tokeniz
 
 def register(subparsers: Any) -> None:
     """Add ``chatgrammar validate`` (see the module docstring)."""
-    p = add_command(
-        subparsers, "validate", run, output="",
-        help="check format specs: schema, strict LALR compile, examples, precedence; "
-             "optionally against a real chat template",
-        description="Check format specs and norms.yaml. With no PATH: every bundled format and "
-                    "norms.yaml. Checks YAML syntax, the schema (every unknown key and wrong "
-                    "type, located file:line:col), content patterns vs markers, the strict "
-                    "LALR(1) compile, the embedded examples (text and id mode), and detector "
-                    "precedence across the whole set. --template renders the built-in "
-                    "conversation matrix with a real chat template and checks that the format "
-                    "parses every rendering and trains exactly the assistant output.",
-        epilog="exit codes: 0 ok, 1 problems found, 2 usage error")
+    p = add_command(subparsers, run, __doc__, output="")
     p.add_argument("paths", nargs="*", metavar="PATH",
                    help="spec files, directories of specs, bundled format names, or norms.yaml")
     p.add_argument("--template", action="append", default=[], metavar="FILE",
