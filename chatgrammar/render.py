@@ -661,17 +661,7 @@ def render_chat_with_spans(
     return RenderResult(text=text, generation_spans=tuple(spans))
 
 
-def render_chat(
-    template: str,
-    messages: Any,
-    *,
-    tools: Sequence[Any] | None = None,
-    documents: Sequence[dict] | None = None,
-    add_generation_prompt: bool = False,
-    continue_final_message: bool | str = False,
-    timeout: float | None = 10.0,
-    **template_kwargs: Any,
-) -> str:
+def render_chat(template: str, messages: Any, **options: Any) -> str:
     """Render a conversation with a chat template, exactly as transformers does.
 
     Equivalent to ``tokenizer.apply_chat_template(messages, tokenize=False, ...)`` for a tokenizer
@@ -681,12 +671,9 @@ def render_chat(
     Args:
         template: the Jinja source of the chat template.
         messages: the conversation (a list of message dicts).
-        tools: JSON schemas of the tools, or None.
-        documents: RAG documents, or None.
-        add_generation_prompt: append the header that prompts a new assistant reply.
-        continue_final_message: leave the final message open (True: its content; a str: that field).
-        timeout: time limit in seconds (None or <= 0: none).
-        **template_kwargs: special tokens (``bos_token``, ``eos_token``...) and template switches.
+        **options: the keyword arguments of :func:`render_chat_with_spans` (``tools``,
+            ``documents``, ``add_generation_prompt``, ``continue_final_message``, ``timeout``),
+            and the special tokens (``bos_token``, ``eos_token``...) and template switches.
 
     Returns:
         The rendered text.
@@ -701,8 +688,4 @@ def render_chat(
         ...             "{% endfor %}", [{"role": "user", "content": "hi"}], bos_token="<s>")
         '<s>[user] hi\\n'
     """
-    return render_chat_with_spans(
-        template, messages, tools=tools, documents=documents,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message, timeout=timeout, **template_kwargs,
-    ).text
+    return render_chat_with_spans(template, messages, **options).text

@@ -72,6 +72,16 @@ def add_output_arg(parser: argparse.ArgumentParser, text: str = "") -> None:
                         help=text or "output format (default: text)")
 
 
+def add_tokenizer_args(parser: argparse.ArgumentParser,
+                       text: str = "a local transformers tokenizer directory (loaded offline)", *,
+                       required: bool = False) -> None:
+    """``--tokenizer DIR`` and ``--trust-remote-code`` (read with :func:`tokenizer_arg`)."""
+    parser.add_argument("--tokenizer", metavar="DIR", required=required, help=text)
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let --tokenizer run the directory's own tokenizer code (e.g. "
+                             "Kimi's tokenization_kimi.py)")
+
+
 def error_line(name: str, exc: BaseException | str) -> None:
     """Print ``chatgrammar NAME: error: …`` on stderr."""
     print(f"chatgrammar {name}: error: {exc}", file=sys.stderr)

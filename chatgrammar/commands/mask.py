@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import ChatGrammarError
-from ._common import (UsageError, add_command, add_policy_args, key_values,
+from ._common import (UsageError, add_command, add_policy_args, add_tokenizer_args, key_values,
                       policy_changes, policy_for, read_template, tokenizer_arg)
 
 JSONL_EXT = (".jsonl", ".json", ".ndjson")
@@ -48,10 +48,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("-f", "--format", default="auto",
                    help="format name or spec path; `auto` (default) detects it from the "
                         "tokenizer")
-    p.add_argument("--tokenizer", required=True, metavar="DIR",
-                   help="a local transformers tokenizer directory (loaded offline)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow a tokenizer that ships its own code (e.g. Kimi's)")
+    add_tokenizer_args(p, required=True)
     p.add_argument("--template", metavar="FILE",
                    help="Jinja chat template for `messages` rows (default: the tokenizer's)")
     p.add_argument("--template-kwarg", action="append", default=[], metavar="KEY=VALUE",

@@ -22,8 +22,8 @@ from typing import Any
 from .._io import read_text
 
 from ..spans import merge_spans
-from ._common import (UsageError, add_command, add_policy_args, load_format_arg, policy_for,
-                      read_template, tokenizer_arg)
+from ._common import (UsageError, add_command, add_policy_args, add_tokenizer_args,
+                      load_format_arg, policy_for, read_template, tokenizer_arg)
 
 OPEN_MARK, CLOSE_MARK = "\u27e6", "\u27e7"
 KIND_STYLES = {"content": "bold green", "think": "bold magenta", "tool_call": "bold yellow",
@@ -41,9 +41,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("-f", "--format", metavar="NAME|PATH",
                    help="the format (default: detected from --tokenizer / --template)")
     p.add_argument("--ids", action="store_true", help="the input is token ids (needs --tokenizer)")
-    p.add_argument("--tokenizer", metavar="DIR", help="a local transformers tokenizer directory")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let --tokenizer run the directory's own tokenizer code")
+    add_tokenizer_args(p)
     p.add_argument("--template", metavar="FILE",
                    help="render the input messages with this chat template first")
     p.add_argument("--add-generation-prompt", action="store_true",

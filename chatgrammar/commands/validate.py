@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ChatGrammarError
-from ._common import UsageError, add_command, key_values, read_template, tokenizer_arg
+from ._common import (UsageError, add_command, add_tokenizer_args, key_values, read_template,
+                      tokenizer_arg)
 
 
 def register(subparsers: Any) -> None:
@@ -29,11 +30,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("-f", "--format", dest="format", metavar="NAME|PATH",
                    help="the format the --template / --tokenizer belong to (default: the only "
                         "spec given, else detected from the template / tokenizer)")
-    p.add_argument("--tokenizer", metavar="DIR",
-                   help="a local transformers tokenizer directory: every special marker must be "
-                        "one special id, and id mode must agree with text mode")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let --tokenizer run the directory's own tokenizer code (e.g. Kimi's)")
+    add_tokenizer_args(p, "a local transformers tokenizer directory: every special marker "
+                          "must be one special id, and id mode must agree with text mode")
     p.add_argument("--var", action="append", default=[], metavar="KEY=VALUE",
                    help="a template variable for --template (bos_token=<s>); VALUE is JSON if "
                         "it parses as JSON, else a string (repeatable)")
@@ -65,12 +63,7 @@ def _pick_for_template(src: str, formats: dict) -> tuple[Any, str | None]:
     cands = [n for n, f in formats.items() if f.spec.detect.template
              and all(t in src for t in f.spec.detect.template)
              and not any(t in src for t in f.spec.detect.template_absent)]
-    win = _beaten(cands, formats)
-    if len(win) == 1:
-        return formats[win[0]], None
-    if not cands:
-        return None, "no checked format's template detector matches it"
-    return None, f"several formats match it ({', '.join(sorted(cands))})"
+    return _pick(cands, formats, "template")
 
 
 def _pick_for_tokenizer(tok: Any, formats: dict) -> tuple[Any, str | None]:
@@ -86,11 +79,16 @@ def _pick_for_tokenizer(tok: Any, formats: dict) -> tuple[Any, str | None]:
         if all(has(t) for t in d.require) and (not d.require_any or any(
                 has(t) for t in d.require_any)) and not any(has(t) for t in d.absent):
             cands.append(n)
+    return _pick(cands, formats, "token")
+
+
+def _pick(cands: list, formats: dict, detector: str) -> tuple[Any, str | None]:
+    """The one candidate left after precedence, or None and why not."""
     win = _beaten(cands, formats)
     if len(win) == 1:
         return formats[win[0]], None
     if not cands:
-        return None, "no checked format's token detector matches it"
+        return None, f"no checked format's {detector} detector matches it"
     return None, f"several formats match it ({', '.join(sorted(cands))})"
 
 
