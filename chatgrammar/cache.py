@@ -144,12 +144,14 @@ def code_fingerprint() -> str:
     from . import __version__
 
     h = hashlib.sha256(f"chatgrammar-{__version__}-cache-{CACHE_VERSION}|{sys.version}".encode())
-    here = Path(__file__).resolve().parent
-    for name in ("spec.py", "policy.py", "compile.py", "cache.py"):
+    from . import compile, policy, spec
+
+    # the modules by object, not by file name, so the hash follows them wherever they live
+    for mod in (spec, policy, compile, sys.modules[__name__]):
         try:
-            h.update((here / name).read_bytes())
+            h.update(Path(mod.__file__).read_bytes())
         except OSError:
-            h.update(name.encode())
+            h.update(mod.__name__.encode())
     for mod in ("lark", "pydantic", "yaml"):
         try:
             h.update(f"{mod}={__import__(mod).__version__}".encode())
