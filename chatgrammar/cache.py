@@ -25,7 +25,7 @@ the tables are flat lists of names and numbers; a cached load of all bundled for
   key it was stored under and decodes to objects of the expected shape; anything else —
   corrupt, truncated, foreign, from another version — is ignored and silently rebuilt;
 - every key hashes a *code fingerprint*: the package version, the source of the modules that
-  produce the cached objects (``spec.py``, ``policy.py``, ``compile.py``, this file), the
+  produce the cached objects (``spec.py``, ``policy.py``, ``compile.py`` and its parts, this file), the
   versions of lark, pydantic and PyYAML, the Python version and :data:`CACHE_VERSION`, so an
   upgrade or a local edit never reads a stale entry.
 
@@ -144,10 +144,12 @@ def code_fingerprint() -> str:
     from . import __version__
 
     h = hashlib.sha256(f"chatgrammar-{__version__}-cache-{CACHE_VERSION}|{sys.version}".encode())
-    from . import compile, policy, spec
+    from . import compile, compile_checks, compile_conflicts, compile_grammar, compile_regex
+    from . import policy, spec
 
     # the modules by object, not by file name, so the hash follows them wherever they live
-    for mod in (spec, policy, compile, sys.modules[__name__]):
+    for mod in (spec, policy, compile, compile_checks, compile_grammar, compile_regex,
+                compile_conflicts, sys.modules[__name__]):
         try:
             h.update(Path(mod.__file__).read_bytes())
         except OSError:

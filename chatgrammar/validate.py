@@ -39,7 +39,7 @@ from typing import Any, Iterable, Sequence
 import yaml
 
 from ._io import read_text
-from .compile import _regex_risk
+from .compile import regex_risk
 from .errors import ChatGrammarError, CompileError, ParseError, SpecError
 from .format_tests import is_tests_file, tests_path
 from .policy import MaskPolicy
@@ -199,7 +199,7 @@ def _check_patterns(spec: FormatSpec, src: SpecSource) -> list[Problem]:
             out.append(Problem.from_error(src.error(f"invalid regex {pat!r}: {exc}", loc),
                                           "patterns"))
             continue
-        if _regex_risk(pat):
+        if regex_risk(pat):
             continue  # never run it (it may backtrack for hours): the compile stage reports it
         for mn, m in spec.markers.items():
             if rx.fullmatch(m.text):
