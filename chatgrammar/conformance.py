@@ -57,12 +57,11 @@ from .format import Format
 from .format_tests import ACCEPTED_SHAPES, tests_for
 from .matrix import MatrixCase, default_matrix
 from .policy import MaskPolicy
-from .render import TemplateError, compile_template, render_chat
+from .render import TemplateError, compile_template, render_chat, special_token_vars
 from .spans import merge_spans
-from .tokenizers import load_tokenizer as _load_tokenizer
 
 __all__ = ["MarkerTokenizer", "CaseResult", "ConformanceResult", "check_template",
-           "load_tokenizer", "encode_text", "marked", "OUTPUT_POLICY"]
+           "encode_text", "marked", "OUTPUT_POLICY"]
 
 OPEN_MARK, CLOSE_MARK = "\u27e6", "\u27e7"   # ⟦ ⟧, as in embedded examples
 
@@ -169,13 +168,6 @@ class MarkerTokenizer:
         return self.encode_with_offsets(text)[0]
 
 
-def load_tokenizer(path: str | os.PathLike, *, trust_remote_code: bool = False) -> Any:
-    """Load a local transformers tokenizer directory offline (see
-    :func:`chatgrammar.tokenizers.load_tokenizer`; failures are ``TokenizerLoadError``, a
-    ``ChatGrammarError``)."""
-    return _load_tokenizer(os.fspath(path), trust_remote_code=trust_remote_code)
-
-
 def encode_text(tokenizer: Any, text: str) -> list[int]:
     """Tokenise a rendered conversation the way training pipelines do: special tokens written
     by the template become their special ids, nothing is added (no BOS)."""
@@ -186,14 +178,6 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     except TypeError:
         return list(enc(text))
-
-
-def _special_vars(tokenizer: Any) -> dict:
-    """Template variables transformers passes: the tokenizer's special tokens map."""
-    m = getattr(tokenizer, "special_tokens_map", None)
-    if not isinstance(m, dict):
-        return {}
-    return {k: v for k, v in m.items() if isinstance(v, str)}
 
 
 # --------------------------------------------------------------------------- results
@@ -892,7 +876,7 @@ def check_template(fmt: Format, template: str, *, name: str = "template",
     except TemplateError as exc:
         out.error = f"template does not compile: {exc}"
         return out
-    vars_ = {**(_special_vars(tokenizer) if tokenizer is not None else {}), **(variables or {})}
+    vars_ = {**special_token_vars(tokenizer), **(variables or {})}
     synth = MarkerTokenizer.for_format(fmt)
     if accepted is None:
         accepted = dict(tests_for(fmt).get("accepted") or {})

@@ -49,7 +49,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictStr, 
                       ValidationInfo)
 
 from .errors import NormError
-from .spec import SpecSource, _node_marks, format_path
+from .spec import SpecSource, node_marks, format_path
 
 #: Where a multimodal config keeps its text backbone, in lookup order.
 TEXT_CONFIG_KEYS: tuple[str, ...] = ("text_config", "llm_config", "language_config")
@@ -777,7 +777,7 @@ def _check(text: str, file: str, *, use_transformers: bool) -> tuple[list[NormPr
                             mark.column + 1 if mark else None)], None
     if root is None:
         return [NormProblem("the norms file is empty", file)], None
-    at = _Locator(file, _node_marks(root))
+    at = _Locator(file, node_marks(root))
     if not isinstance(data, dict):
         at.add("the norms file must be a mapping")
         return at.problems, None
@@ -922,7 +922,7 @@ def explain_final_norm(config: Any, *, table: NormsTable | None = None,
         >>> explain_final_norm({"model_type": "kimi_k3"})[1]  # doctest: +ELLIPSIS
         'kimi_k3: kimi_k3 is an outer multimodal model_type ...'
     """
-    norm, path, why = _explain(config, table or load_norms(), transformers_version)
+    norm, path, why = trace_final_norm(config, table or load_norms(), transformers_version)
     return norm, f"{path}: {why}"
 
 
@@ -960,9 +960,22 @@ def _entry(table: NormsTable, model_type: str | None, version: str | None
     return at, ""
 
 
-def _explain(config: Any, table: NormsTable, transformers_version: str | None = None
-             ) -> tuple[FinalNorm | None, str, str]:
-    """(FinalNorm or None, resolution path, why)."""
+def trace_final_norm(config: Any, table: NormsTable, transformers_version: str | None = None
+                     ) -> tuple[FinalNorm | None, str, str]:
+    """:func:`explain_final_norm` with the resolution path also when nothing resolves.
+
+    Args:
+        config: as for :func:`resolve_final_norm`.
+        table: the norms table.
+        transformers_version: the version whose facts apply (None: the installed one).
+
+    Returns:
+        ``(FinalNorm or None, the path walked ("kimi_k3 → text_config → kimi_linear"), why)``.
+
+    Example:
+        >>> trace_final_norm({"model_type": "llama"}, load_norms())[1]
+        'llama'
+    """
     chain, steps, problem = _walk(config)
     if problem:
         return None, ARROW.join(steps), problem
@@ -1109,7 +1122,7 @@ def build_final_norm(config: Any, *, dtype: Any = None, table: NormsTable | None
     from .norm_torch import FinalNormModule
 
     table = table or load_norms()
-    norm, path, why = _explain(config, table, transformers_version)
+    norm, path, why = trace_final_norm(config, table, transformers_version)
     if norm is None:
         raise NormError(f"no final norm for this config: {path}: {why}")
     chain, _, _ = _walk(config)

@@ -71,6 +71,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from chatgrammar.errors import RenderTimeout, TemplateError  # (defined there, re-exported)
 
 __all__ = [
+    "special_token_vars",
     "RenderResult",
     "TemplateError",
     "RenderTimeout",
@@ -257,6 +258,20 @@ def compile_template(template: str) -> jinja2.Template:
         return _compile(template)
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise TemplateError(exc.message or str(exc), kind="syntax", lineno=exc.lineno) from exc
+
+
+def special_token_vars(tokenizer: Any) -> dict:
+    """The template variables transformers passes for a tokenizer: the ``str`` entries of its
+    ``special_tokens_map`` (``bos_token``, ``eos_token``…); ``{}`` for an object without one.
+
+    Example:
+        >>> special_token_vars(None)
+        {}
+    """
+    m = getattr(tokenizer, "special_tokens_map", None)
+    if not isinstance(m, dict):
+        return {}
+    return {k: v for k, v in m.items() if isinstance(v, str)}
 
 
 def has_generation_tags(template: str) -> bool:

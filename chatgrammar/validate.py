@@ -43,7 +43,7 @@ from .compile import regex_risk
 from .errors import ChatGrammarError, CompileError, ParseError, SpecError
 from .format_tests import is_tests_file, tests_path
 from .policy import MaskPolicy
-from .spec import FormatSpec, SpecSource, _check_node_graph, format_path, spec_errors
+from .spec import FormatSpec, SpecSource, check_node_graph, format_path, spec_errors
 
 __all__ = ["Problem", "FileResult", "Report", "check_spec_text", "check_spec_file",
            "check_examples", "check_norms_file", "check_tokenizer", "parse_marked",
@@ -153,7 +153,7 @@ def _duplicate_keys(text: str, file: str) -> list[Problem]:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         if node is not None:
-            _check_node_graph(node, file)  # recursive aliases / alias bombs: no walk
+            check_node_graph(node, file)  # recursive aliases / alias bombs: no walk
     except (yaml.YAMLError, SpecError, RecursionError):
         return []  # reported by the schema stage with its position
     out: list[Problem] = []

@@ -233,6 +233,7 @@ _STATE: dict = {}
 def _init(cfg: dict) -> None:
     """Per-process setup: format (compile cache) and tokenizer loaded here, never pickled."""
     import chatgrammar as cg
+    from ..render import special_token_vars
 
     tok = tokenizer_arg(cfg["tokenizer"], cfg["trust_remote_code"])
     if cfg.get("spec_yaml"):  # an inferred format: rebuilt from its YAML in each process
@@ -245,8 +246,7 @@ def _init(cfg: dict) -> None:
     if template is None:
         t = getattr(tok, "chat_template", None)
         template = t.get("default") if isinstance(t, dict) else t
-    specials = {k: v for k, v in (getattr(tok, "special_tokens_map", None) or {}).items()
-                if isinstance(v, str)}
+    specials = special_token_vars(tok)
     _STATE.update(fmt=fmt, tok=tok, policy=policy, template=template,
                   render_kwargs={**specials, **cfg["template_kwargs"]},
                   strict=cfg["strict"])

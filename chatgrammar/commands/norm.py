@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from ..errors import NormError
-from ..norms import ARROW, _explain, load_norms, read_config
+from ..norms import ARROW, trace_final_norm, load_norms, read_config
 from ._common import add_command
 
 
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     except NormError as exc:
         _write(f"chatgrammar norm: error: {exc}", sys.stderr)
         return 2
-    norm, path, why = _explain(config, table, args.transformers_version)
+    norm, path, why = trace_final_norm(config, table, args.transformers_version)
 
     if args.output == "json":
         payload = {

@@ -90,13 +90,10 @@ def run(args: argparse.Namespace) -> int:
             else (data, None)
         if not isinstance(messages, list):
             raise UsageError("--template needs a JSON list of messages (or {\"messages\": [...]})")
-        from ..render import render_chat
-        variables = {}
-        if tokenizer is not None:
-            m = getattr(tokenizer, "special_tokens_map", {}) or {}
-            variables = {k: v for k, v in m.items() if isinstance(v, str)}
+        from ..render import render_chat, special_token_vars
         text = render_chat(template, messages, tools=tools,
-                           add_generation_prompt=args.add_generation_prompt, **variables)
+                           add_generation_prompt=args.add_generation_prompt,
+                           **special_token_vars(tokenizer))
         if tokenizer is not None:
             ids = encode_text(tokenizer, text)
     elif args.ids:

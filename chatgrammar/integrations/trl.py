@@ -193,8 +193,8 @@ def prepare(dataset: Any, tokenizer: Any, *, format: Format | str | None = None,
         raise ValueError("max_length must be positive")
     src = None
     if chat_template is not None:
-        from ..hf import _chat_template_of
-        src = _chat_template_of(tokenizer, chat_template, None)
+        from ..hf import chat_template_of
+        src = chat_template_of(tokenizer, chat_template, None)
     fmt = _resolve_format(format, tokenizer, src)
     fn = PrepareFn(fmt, tokenizer, policy=policy, max_length=max_length, strict=strict,
                    chat_template=chat_template, template_kwargs=template_kwargs,
