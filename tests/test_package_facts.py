@@ -53,3 +53,28 @@ def test_merge_spans():
                         (6, 8, "content")], by_kind=True) == [(0, 4, "think"), (4, 8, "content")]
     # without by_kind, a third field is kept from the first span of each merged run
     assert merge_spans([(0, 2, "a"), (1, 4, "b"), (6, 7, "c")]) == [(0, 4, "a"), (6, 7, "c")]
+
+
+def _code_strings(tree):
+    """The string constants of a module that are not docstrings."""
+    import ast
+
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)}
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_no_bundled_format_name_is_a_string_in_the_package():
+    # a format's facts live with the format (its YAML and .tests.yaml), never in Python
+    import ast
+    from pathlib import Path
+
+    names = set(chatgrammar.list_formats())
+    root = Path(chatgrammar.__file__).parent
+    found = sorted(f"{p.relative_to(root)}: {s!r}" for p in root.rglob("*.py")
+                   for s in _code_strings(ast.parse(p.read_text(encoding="utf-8")))
+                   if s in names)
+    assert not found, found
