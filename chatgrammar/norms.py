@@ -49,7 +49,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictStr, 
                       ValidationInfo)
 
 from .errors import NormError
-from .spec import SpecSource, node_marks, format_path
+from .spec import SpecSource, duplicate_keys, format_path, node_marks
 
 #: Where a multimodal config keeps its text backbone, in lookup order.
 TEXT_CONFIG_KEYS: tuple[str, ...] = ("text_config", "llm_config", "language_config")
@@ -689,24 +689,10 @@ def _schema_problem(err: dict, at: _Locator) -> None:
 
 def _duplicates(root: Any, at: _Locator) -> None:
     """PyYAML keeps the last of two equal keys silently: report every duplicate."""
-    stack: list[tuple[Any, tuple]] = [(root, ())]
-    while stack:
-        node, path = stack.pop()
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[Any, Any] = {}
-            for k, v in node.value:
-                key = k.value if isinstance(k, yaml.ScalarNode) else id(k)
-                if key in seen:
-                    first = seen[key].start_mark.line + 1
-                    at.problems.append(NormProblem(
-                        f"duplicate key {key!r} (first defined on line {first})", at.src.file,
-                        k.start_mark.line + 1, k.start_mark.column + 1,
-                        format_path(path + (key,))))
-                else:
-                    seen[key] = k
-                stack.append((v, path + (key,)))
-        elif isinstance(node, yaml.SequenceNode):
-            stack.extend((v, path + (i,)) for i, v in enumerate(node.value))
+    for path, key, first, mark in duplicate_keys(root):
+        at.problems.append(NormProblem(
+            f"duplicate key {key!r} (first defined on line {first.line + 1})", at.src.file,
+            mark.line + 1, mark.column + 1, format_path(path)))
 
 
 def _cross_checks(data: dict, at: _Locator, use_transformers: bool) -> None:

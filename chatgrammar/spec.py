@@ -477,6 +477,31 @@ def _resolve_extends(data: dict, marks: dict, file: str, seen: tuple = ()
 MAX_YAML_NODES = 100_000
 
 
+def duplicate_keys(root: yaml.Node | None) -> list[tuple[tuple, str, yaml.Mark, yaml.Mark]]:
+    """Every duplicate mapping key of a composed YAML document (the safe loader silently keeps
+    the last one), for the checkers of specs and of norms.yaml.
+
+    Returns:
+        ``(yaml path of the key, key, mark of its first definition, mark of this one)`` each.
+    """
+    out = []
+    stack: list[tuple[Any, tuple]] = [(root, ())] if root is not None else []
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for k, v in node.value:
+                key = k.value if isinstance(k, yaml.ScalarNode) else str(k)
+                if key in seen:
+                    out.append((path + (key,), key, seen[key], k.start_mark))
+                else:
+                    seen[key] = k.start_mark
+                stack.append((v, path + (key,)))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((v, path + (i,)) for i, v in enumerate(node.value))
+    return out
+
+
 def check_node_graph(root: yaml.Node, file: str) -> None:
     """Reject recursive aliases and alias expansions beyond MAX_YAML_NODES (iteratively,
     counting each shared node once per reference, with memoised subtree sizes)."""
