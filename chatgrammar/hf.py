@@ -195,11 +195,23 @@ def _is_batched(conversation: Any) -> bool:
 _DETECTED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-def _resolve_format(fmt: Any, tokenizer: Any, chat_template: str | None) -> Format:
+def format_for(fmt: Any, tokenizer: Any, chat_template: str | None) -> Format:
     """``fmt`` loaded, or (None) the format detected from the tokenizer and template, memoised
     per tokenizer object (weakly: nothing is kept alive) and its content version and template,
     so a data loader does not re-run detection per sample and a tokenizer that gains tokens
-    is detected again."""
+    is detected again.
+
+    Args:
+        fmt: a format name, spec path or Format; None detects it.
+        tokenizer: the tokenizer detection reads.
+        chat_template: the template detection reads (None: the tokenizer's).
+
+    Returns:
+        The Format.
+
+    Raises:
+        DetectionError: ``fmt`` is None and no format matches.
+    """
     if fmt is not None:
         return load_format(fmt)
     from .detect import detect_format
@@ -452,7 +464,7 @@ def _apply_hf(tok, conversation, convs, batched, *, tools, documents, chat_templ
     # a template given here is evidence for detection too (one the tokenizer carries is
     # looked up by detect_format itself)
     src = chat_template_of(tok, chat_template, tools) if chat_template is not None else None
-    f = _resolve_format(fmt, tok, src)
+    f = format_for(fmt, tok, src)
     if left:  # mask the whole conversation, keep the tail the tokenizer kept
         full = tok.apply_chat_template(conversation, tokenize=True, return_dict=True,
                                        return_tensors=None, **common)["input_ids"]
@@ -514,7 +526,7 @@ def _apply_plain(tok, convs, batched, *, tools, documents, chat_template, add_ge
         return cut if batched else cut[0]
     data: dict = {"input_ids": cut, "attention_mask": [[1] * len(x) for x in cut]}
     if return_mask:
-        f = _resolve_format(fmt, tok, template)
+        f = format_for(fmt, tok, template)
         if left and cut is not full:
             masks, _ = mask_batch(f, tok, full, policy=policy, strict=strict)
             masks = [m[len(m) - len(c):] if c else [] for m, c in zip(masks, cut)]
