@@ -25,9 +25,9 @@ the tables are flat lists of names and numbers; a cached load of all bundled for
   key it was stored under and decodes to objects of the expected shape; anything else —
   corrupt, truncated, foreign, from another version — is ignored and silently rebuilt;
 - every key hashes a *code fingerprint*: the package version, the source of the modules that
-  produce the cached objects (``spec.py``, ``policy.py``, ``compile.py`` and its parts, this file), the
-  versions of lark, pydantic and PyYAML, the Python version and :data:`CACHE_VERSION`, so an
-  upgrade or a local edit never reads a stale entry.
+  produce the cached objects (``spec.py``, ``policy.py``, ``compile.py`` and its parts, this
+  file), the versions of lark, pydantic and PyYAML, the Python version and
+  :data:`CACHE_VERSION`, so an upgrade or a local edit never reads a stale entry.
 
 Entries are written atomically (temporary file + ``os.replace``). The directory is bounded:
 after a write, the oldest entries are removed until it holds at most :func:`max_bytes`
