@@ -25,9 +25,9 @@ the tables are flat lists of names and numbers; a cached load of all bundled for
   key it was stored under and decodes to objects of the expected shape; anything else —
   corrupt, truncated, foreign, from another version — is ignored and silently rebuilt;
 - every key hashes a *code fingerprint*: the package version, the source of the modules that
-  produce the cached objects (``spec.py``, ``policy.py``, ``compile.py``, this file), the
-  versions of lark, pydantic and PyYAML, the Python version and :data:`CACHE_VERSION`, so an
-  upgrade or a local edit never reads a stale entry.
+  produce the cached objects (``spec.py``, ``policy.py``, ``compile.py`` and its parts, this
+  file), the versions of lark, pydantic and PyYAML, the Python version and
+  :data:`CACHE_VERSION`, so an upgrade or a local edit never reads a stale entry.
 
 Entries are written atomically (temporary file + ``os.replace``). The directory is bounded:
 after a write, the oldest entries are removed until it holds at most :func:`max_bytes`
@@ -144,12 +144,16 @@ def code_fingerprint() -> str:
     from . import __version__
 
     h = hashlib.sha256(f"chatgrammar-{__version__}-cache-{CACHE_VERSION}|{sys.version}".encode())
-    here = Path(__file__).resolve().parent
-    for name in ("spec.py", "policy.py", "compile.py", "cache.py"):
+    from . import compile, compile_checks, compile_conflicts, compile_grammar, compile_regex
+    from . import policy, spec
+
+    # the modules by object, not by file name, so the hash follows them wherever they live
+    for mod in (spec, policy, compile, compile_checks, compile_grammar, compile_regex,
+                compile_conflicts, sys.modules[__name__]):
         try:
-            h.update((here / name).read_bytes())
+            h.update(Path(mod.__file__).read_bytes())
         except OSError:
-            h.update(name.encode())
+            h.update(mod.__name__.encode())
     for mod in ("lark", "pydantic", "yaml"):
         try:
             h.update(f"{mod}={__import__(mod).__version__}".encode())

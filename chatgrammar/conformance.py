@@ -57,12 +57,11 @@ from .format import Format
 from .format_tests import ACCEPTED_SHAPES, tests_for
 from .matrix import MatrixCase, default_matrix
 from .policy import MaskPolicy
-from .render import TemplateError, compile_template, render_chat
+from .render import TemplateError, compile_template, render_chat, special_token_vars
 from .spans import merge_spans
-from .tokenizers import load_tokenizer as _load_tokenizer
 
 __all__ = ["MarkerTokenizer", "CaseResult", "ConformanceResult", "check_template",
-           "load_tokenizer", "encode_text", "marked", "OUTPUT_POLICY"]
+           "encode_text", "marked", "OUTPUT_POLICY"]
 
 OPEN_MARK, CLOSE_MARK = "\u27e6", "\u27e7"   # ⟦ ⟧, as in embedded examples
 
@@ -169,13 +168,6 @@ class MarkerTokenizer:
         return self.encode_with_offsets(text)[0]
 
 
-def load_tokenizer(path: str | os.PathLike, *, trust_remote_code: bool = False) -> Any:
-    """Load a local transformers tokenizer directory offline (see
-    :func:`chatgrammar.tokenizers.load_tokenizer`; failures are ``TokenizerLoadError``, a
-    ``ChatGrammarError``)."""
-    return _load_tokenizer(os.fspath(path), trust_remote_code=trust_remote_code)
-
-
 def encode_text(tokenizer: Any, text: str) -> list[int]:
     """Tokenise a rendered conversation the way training pipelines do: special tokens written
     by the template become their special ids, nothing is added (no BOS)."""
@@ -188,12 +180,9 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
         return list(enc(text))
 
 
-def _special_vars(tokenizer: Any) -> dict:
-    """Template variables transformers passes: the tokenizer's special tokens map."""
-    m = getattr(tokenizer, "special_tokens_map", None)
-    if not isinstance(m, dict):
-        return {}
-    return {k: v for k, v in m.items() if isinstance(v, str)}
+# detect.py on helper W1's branch imports the old private name; the integrator points it at
+# render.special_token_vars after the merge and deletes this line
+_special_vars = special_token_vars
 
 
 # --------------------------------------------------------------------------- results
@@ -509,12 +498,11 @@ class _Openers:
 
 # --------------------------------------------------------------------------- one case
 
-def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
-                synth: MarkerTokenizer, tokenizer: Any, timeout: float | None,
-                accepted: dict[str, str]) -> CaseResult:
-    r = _Renderer(template, case, variables, timeout)
+def _render_case(template: str, case: MatrixCase, variables: dict,
+                 timeout: float | None) -> "str | CaseResult":
+    """The case rendered whole, or the CaseResult saying why it cannot be (skip / fail)."""
     try:
-        full = render_chat(template, case.messages, tools=case.tools,
+        return render_chat(template, case.messages, tools=case.tools,
                            add_generation_prompt=case.add_generation_prompt, timeout=timeout,
                            **{**variables, **case.template_kwargs})
     except TemplateError as exc:
@@ -527,7 +515,70 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
         return CaseResult(case.name, "skip", f"template rejects it: [{exc.kind}] {exc.message}")
     except (ValueError, TypeError) as exc:
         return CaseResult(case.name, "skip", f"cannot render: {exc}")
-    R = full
+
+
+def _message_starts(R: str, r: Any, n: int, variables: dict, openers: Any,
+                    marker_rx: Any) -> tuple[dict, str, str]:
+    """Where message k starts in R (None where the template renders the first k messages
+    differently once later ones exist), the closing tail, and the fixed suffix.
+
+    The start is the length of the rendering of the first k messages, less the closing tail
+    some templates add when no generation prompt follows (Phi-3's EOS)."""
+    B = {k: r(k) for k in range(1, n + 1)}
+    P: dict[int, int | None] = {}
+    tail = ""
+    tails = sorted({v for v in variables.values() if isinstance(v, str) and v}, key=len,
+                   reverse=True)
+    suffix = _fixed_suffix([b for b in B.values() if b is not None], openers, marker_rx)
+    for k in B:
+        b = B[k]
+        if suffix and b is not None and b.endswith(suffix) and \
+                R.startswith(b[:len(b) - len(suffix)]):
+            P[k] = len(b) - len(suffix)  # the fixed suffix belongs to no message
+            continue
+        P[k], t = _prefix_in(b, R, marker_rx, tails, r(k, True))
+        tail = tail or t
+    return P, tail, suffix
+
+
+def _assistant_runs(conv: Any) -> list[list]:
+    """Runs of consecutive assistant turns: one message the template renders as several turns
+    (Harmony: an analysis message, then the final answer or a tool call)."""
+    runs: list[list] = []
+    prev_asst = False
+    for t in conv.turns:
+        asst_turn = t.role == "assistant" and not t.generation_prompt
+        if asst_turn and prev_asst:
+            runs[-1].append(t)
+        elif asst_turn:
+            runs.append([t])
+        prev_asst = asst_turn
+    return runs
+
+
+def _expected_spans(regions: list, found_end: list, end_spans: list) -> list:
+    """Expected spans for display: each message's output, up to the format's terminator when
+    it sits at the end."""
+    expected: list[tuple[int, int]] = []
+    for i, s0, start, allowed, end in regions:
+        region_found = _clip(found_end, s0, end)
+        a = region_found[0][0] if region_found and allowed <= region_found[0][0] <= start \
+            else start
+        z = end
+        for es, ee in end_spans:
+            if ee == end and a <= es <= end:
+                z = es
+        expected.append((a, z))
+    return _merge(expected)
+
+
+def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
+                synth: MarkerTokenizer, tokenizer: Any, timeout: float | None,
+                accepted: dict[str, str]) -> CaseResult:
+    r = _Renderer(template, case, variables, timeout)
+    R = _render_case(template, case, variables, timeout)
+    if isinstance(R, CaseResult):  # the template rejects the case, or needs a variable
+        return R
     conversation = "\n".join(_describe_message(i, m) for i, m in enumerate(case.messages))
     res = CaseResult(case.name, "pass", text=R)
 
@@ -580,39 +631,13 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
             return fail(problem)
 
     # ---- 4. expected spans, from the template alone
-    n = len(case.messages)
-    B = {k: r(k) for k in range(1, n + 1)}
     marker_rx = synth._rx
-    # where message k starts in R: the length of the rendering of the first k messages, less
-    # the closing tail some templates add when no generation prompt follows (Phi-3's EOS)
-    P: dict[int, int | None] = {}
-    tail = ""
-    tails = sorted({v for v in variables.values() if isinstance(v, str) and v}, key=len,
-                   reverse=True)
     openers = _Openers(fmt)
-    suffix = _fixed_suffix([b for b in B.values() if b is not None], openers, marker_rx)
-    for k in B:
-        b = B[k]
-        if suffix and b is not None and b.endswith(suffix) and \
-                R.startswith(b[:len(b) - len(suffix)]):
-            P[k] = len(b) - len(suffix)  # the fixed suffix belongs to no message
-            continue
-        P[k], t = _prefix_in(b, R, marker_rx, tails, r(k, True))
-        tail = tail or t
+    P, tail, suffix = _message_starts(R, r, len(case.messages), variables, openers, marker_rx)
     stable = {k: P[k] is not None for k in P}
     asst = [i for i, m in enumerate(case.messages) if m.get("role") == "assistant"]
     turns = [t for t in conv.turns if t.role == "assistant" and not t.generation_prompt]
-    # runs of consecutive assistant turns: one message the template renders as several turns
-    # (Harmony: an analysis message, then the final answer or a tool call)
-    runs: list[list] = []
-    prev_asst = False
-    for t in conv.turns:
-        asst_turn = t.role == "assistant" and not t.generation_prompt
-        if asst_turn and prev_asst:
-            runs[-1].append(t)
-        elif asst_turn:
-            runs.append([t])
-        prev_asst = asst_turn
+    runs = _assistant_runs(conv)
     generic_g = None
     # (message, region start, output start, earliest allowed training start, output end)
     regions: list[tuple[int, int, int, int, int]] = []
@@ -683,18 +708,7 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
         out_end = s + len(R[s:e].rstrip())
         regions.append((i, s, s + len(g), s + p, max(out_end, s + len(g))))
 
-    # expected spans for display: output up to the format's terminator when it sits at the end
-    expected: list[tuple[int, int]] = []
-    for i, s0, start, allowed, end in regions:
-        region_found = _clip(found_end, s0, end)
-        a = region_found[0][0] if region_found and allowed <= region_found[0][0] <= start \
-            else start
-        z = end
-        for es, ee in end_spans:
-            if ee == end and a <= es <= end:
-                z = es
-        expected.append((a, z))
-    res.expected = _merge(expected)
+    res.expected = _expected_spans(regions, found_end, end_spans)
 
     problems += _outside_problems(R, found, regions, turns, accepted, res)
     problems += _message_problems(R, found, found_end, end_spans, regions, case.outputs, g_of,
@@ -892,7 +906,7 @@ def check_template(fmt: Format, template: str, *, name: str = "template",
     except TemplateError as exc:
         out.error = f"template does not compile: {exc}"
         return out
-    vars_ = {**(_special_vars(tokenizer) if tokenizer is not None else {}), **(variables or {})}
+    vars_ = {**special_token_vars(tokenizer), **(variables or {})}
     synth = MarkerTokenizer.for_format(fmt)
     if accepted is None:
         accepted = dict(tests_for(fmt).get("accepted") or {})

@@ -70,9 +70,9 @@ class MaskFn:
         if not tpl:
             raise ValueError("rows carry messages but there is no chat template: pass "
                              "template= to map_fn or use a tokenizer that has one")
-        specials = {k: v for k, v in (getattr(tok, "special_tokens_map", None) or {}).items()
-                    if isinstance(v, str)}
-        return tpl, {**specials, **self.template_kwargs}
+        from .render import special_token_vars
+
+        return tpl, {**special_token_vars(tok), **self.template_kwargs}
 
     def _encode(self, text: str) -> list[int]:
         tok = self.tokenizer
@@ -195,11 +195,23 @@ def _is_batched(conversation: Any) -> bool:
 _DETECTED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-def _resolve_format(fmt: Any, tokenizer: Any, chat_template: str | None) -> Format:
+def format_for(fmt: Any, tokenizer: Any, chat_template: str | None) -> Format:
     """``fmt`` loaded, or (None) the format detected from the tokenizer and template, memoised
     per tokenizer object (weakly: nothing is kept alive) and its content version and template,
     so a data loader does not re-run detection per sample and a tokenizer that gains tokens
-    is detected again."""
+    is detected again.
+
+    Args:
+        fmt: a format name, spec path or Format; None detects it.
+        tokenizer: the tokenizer detection reads.
+        chat_template: the template detection reads (None: the tokenizer's).
+
+    Returns:
+        The Format.
+
+    Raises:
+        DetectionError: ``fmt`` is None and no format matches.
+    """
     if fmt is not None:
         return load_format(fmt)
     from .detect import detect_format
@@ -220,7 +232,7 @@ def _resolve_format(fmt: Any, tokenizer: Any, chat_template: str | None) -> Form
     return hit
 
 
-def _chat_template_of(tokenizer: Any, chat_template: str | None, tools: Any) -> str:
+def chat_template_of(tokenizer: Any, chat_template: str | None, tools: Any) -> str:
     """The template transformers' ``get_chat_template`` would pick (a named one, the
     ``tool_use`` one when tools are given and it exists, else ``default``)."""
     t = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
@@ -273,24 +285,22 @@ def mask_batch(fmt: Format, tokenizer: Any, batch: list, *, policy: MaskPolicy |
     problems: list = [None] * len(batch)
     if strict:
         return fmt.loss_masks(batch, tokenizer, policy=pol, strict=True), problems
-    try:
-        return fmt.loss_masks(batch, tokenizer, policy=pol, strict=True), problems
-    except Exception:  # some sample is malformed: find it, one by one
-        pass
-    masks: list = []
-    for j, ids in enumerate(batch):
-        try:
-            masks.append(fmt.loss_mask(ids, tokenizer, policy=pol, strict=True))
+    # the batch API records the samples that do not fit (one vectorised pass for all); only
+    # those are parsed again leniently, to train what is well formed in them
+    errs: list = []
+    masks = list(fmt.loss_masks(batch, tokenizer, policy=pol, strict=True, on_error="record",
+                                errors=errs))
+    for j, err in enumerate(errs):
+        if err is None:
             continue
-        except Exception as exc:  # noqa: BLE001 - lenient: recorded, never raised
-            first = f"{type(exc).__name__}: {exc}"
+        first = f"{type(err).__name__}: {err}"
         try:
-            conv = fmt.parse_ids(ids, tokenizer, strict=False)
+            conv = fmt.parse_ids(batch[j], tokenizer, strict=False)
             m = conv.mask(pol)
             why = "; ".join(str(w) for w in conv.warnings[:3]) or first
-        except Exception as exc:  # noqa: BLE001
-            m, why = [0] * len(ids), f"{type(exc).__name__}: {exc}"
-        masks.append(list(m))
+        except Exception as exc:  # noqa: BLE001 - lenient: recorded, never raised
+            m, why = [0] * len(batch[j]), f"{type(exc).__name__}: {exc}"
+        masks[j] = list(m)
         problems[j] = why.splitlines()[0][:300] if why else "malformed"
     return masks, problems
 
@@ -453,8 +463,8 @@ def _apply_hf(tok, conversation, convs, batched, *, tools, documents, chat_templ
     left = _truncating(truncation) and getattr(tok, "truncation_side", "right") == "left"
     # a template given here is evidence for detection too (one the tokenizer carries is
     # looked up by detect_format itself)
-    src = _chat_template_of(tok, chat_template, tools) if chat_template is not None else None
-    f = _resolve_format(fmt, tok, src)
+    src = chat_template_of(tok, chat_template, tools) if chat_template is not None else None
+    f = format_for(fmt, tok, src)
     if left:  # mask the whole conversation, keep the tail the tokenizer kept
         full = tok.apply_chat_template(conversation, tokenize=True, return_dict=True,
                                        return_tensors=None, **common)["input_ids"]
@@ -496,7 +506,7 @@ def _apply_plain(tok, convs, batched, *, tools, documents, chat_template, add_ge
                  return_tensors, return_dict, return_mask, fmt, policy, strict, kwargs):
     from .render import render_chat
 
-    template = _chat_template_of(tok, chat_template, tools)
+    template = chat_template_of(tok, chat_template, tools)
     specials = dict(getattr(tok, "special_tokens_map", None) or {})
     texts = [render_chat(template, c, tools=tools, documents=documents,
                          add_generation_prompt=add_generation_prompt,
@@ -516,7 +526,7 @@ def _apply_plain(tok, convs, batched, *, tools, documents, chat_template, add_ge
         return cut if batched else cut[0]
     data: dict = {"input_ids": cut, "attention_mask": [[1] * len(x) for x in cut]}
     if return_mask:
-        f = _resolve_format(fmt, tok, template)
+        f = format_for(fmt, tok, template)
         if left and cut is not full:
             masks, _ = mask_batch(f, tok, full, policy=policy, strict=strict)
             masks = [m[len(m) - len(c):] if c else [] for m, c in zip(masks, cut)]

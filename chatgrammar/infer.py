@@ -243,10 +243,10 @@ def _tokenizer_specials(tokenizer: Any) -> frozenset:
 def _tokenizer_vars(tokenizer: Any) -> dict:
     if tokenizer is None:
         return {}
-    from .conformance import _special_vars
+    from .render import special_token_vars
 
     try:
-        return dict(_special_vars(tokenizer))
+        return dict(special_token_vars(tokenizer))
     except Exception:  # noqa: BLE001
         return {}
 

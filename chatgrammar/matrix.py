@@ -231,139 +231,165 @@ _THINK_ON = {"enable_thinking": True, "thinking": True}
 _THINK_OFF = {"enable_thinking": False, "thinking": False}
 
 
-def _build() -> list[MatrixCase]:
-    u = lambda text: {"role": "user", "content": text}  # noqa: E731 - a table is easier to read
-    a = lambda text, **kw: {"role": "assistant", "content": text, **kw}  # noqa: E731
-    weather_args = {"city": "Paris", "unit": "celsius"}
+def _u(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def _a(text: str, **kw: Any) -> dict:
+    return {"role": "assistant", "content": text, **kw}
+
+
+def _conversation_cases() -> list[MatrixCase]:
+    """Plain conversations: with and without a system message, one or several exchanges."""
     return [
         MatrixCase(
             "basic", "system, one user message, one assistant reply",
-            [_SYSTEM, u("What is the capital of France?"), a("The capital of France is Paris.")],
+            [_SYSTEM, _u("What is the capital of France?"), _a("The capital of France is Paris.")],
             tags=frozenset({"system", "single-turn"}),
         ),
         MatrixCase(
             "no-system", "one exchange without a system message",
-            [u("Hello, who are you?"), a("I am an assistant.")],
+            [_u("Hello, who are you?"), _a("I am an assistant.")],
             tags=frozenset({"single-turn"}),
         ),
         MatrixCase(
             "multi-turn", "system and three exchanges",
             [_SYSTEM,
-             u("Name a primary color."), a("Red is a primary color."),
-             u("Name another one."), a("Blue is another primary color."),
-             u("And the last one?"), a("The last one is yellow.")],
+             _u("Name a primary color."), _a("Red is a primary color."),
+             _u("Name another one."), _a("Blue is another primary color."),
+             _u("And the last one?"), _a("The last one is yellow.")],
             tags=frozenset({"system", "multi-turn"}),
         ),
         MatrixCase(
             "multi-turn-no-system", "four exchanges without a system message",
-            [u("Count to one."), a("One."),
-             u("Now to two."), a("One, two."),
-             u("Now to three."), a("One, two, three."),
-             u("Now to four."), a("One, two, three, four.")],
+            [_u("Count to one."), _a("One."),
+             _u("Now to two."), _a("One, two."),
+             _u("Now to three."), _a("One, two, three."),
+             _u("Now to four."), _a("One, two, three, four.")],
             tags=frozenset({"multi-turn"}),
         ),
+    ]
+
+
+def _tool_cases() -> list[MatrixCase]:
+    """Tools declared, tool calls (dict and string arguments, with text, parallel), results."""
+    weather_args = {"city": "Paris", "unit": "celsius"}
+    return [
         MatrixCase(
             "tools-declared", "tools declared, plain answer without a call",
-            [_SYSTEM, u("Say hi."), a("Hi there!")],
+            [_SYSTEM, _u("Say hi."), _a("Hi there!")],
             tools=list(TOOLS),
             tags=frozenset({"system", "tools"}),
         ),
         MatrixCase(
             "tool-call", "a tool call with dict arguments, its result, then the final answer",
-            [_SYSTEM, u("What is the weather in Paris?"),
-             a("", tool_calls=[_call("call00001", "get_weather", weather_args)]),
+            [_SYSTEM, _u("What is the weather in Paris?"),
+             _a("", tool_calls=[_call("call00001", "get_weather", weather_args)]),
              _tool_result("call00001", "get_weather", _WEATHER_RESULT),
-             a("It is sunny and 22 degrees in Paris.")],
+             _a("It is sunny and 22 degrees in Paris.")],
             tools=list(TOOLS),
             tags=frozenset({"system", "tools", "tool-calls", "tool-results"}),
         ),
         MatrixCase(
             "tool-call-string-args", "as tool-call, with the arguments as a JSON string",
-            [_SYSTEM, u("What is the weather in Paris?"),
-             a("", tool_calls=[_call("call00001", "get_weather", json.dumps(weather_args))]),
+            [_SYSTEM, _u("What is the weather in Paris?"),
+             _a("", tool_calls=[_call("call00001", "get_weather", json.dumps(weather_args))]),
              _tool_result("call00001", "get_weather", _WEATHER_RESULT),
-             a("It is sunny and 22 degrees in Paris.")],
+             _a("It is sunny and 22 degrees in Paris.")],
             tools=list(TOOLS),
             tags=frozenset({"system", "tools", "tool-calls", "tool-results", "string-args"}),
         ),
         MatrixCase(
             "tool-call-with-content", "assistant text before its tool call, no system message",
-            [u("Find news about Mars."),
-             a("Let me search for that.",
+            [_u("Find news about Mars."),
+             _a("Let me search for that.",
                tool_calls=[_call("call00002", "search_web", {"query": "Mars news", "limit": 3})]),
              _tool_result("call00002", "search_web", "Rover finds water ice."),
-             a("A rover found water ice on Mars.")],
+             _a("A rover found water ice on Mars.")],
             tools=list(TOOLS),
             tags=frozenset({"tools", "tool-calls", "tool-results", "content-and-calls"}),
         ),
         MatrixCase(
             "parallel-tool-calls", "two tool calls in one message and two results",
-            [_SYSTEM, u("Weather in Paris and in Rome?"),
-             a("", tool_calls=[_call("call00003", "get_weather", {"city": "Paris"}),
+            [_SYSTEM, _u("Weather in Paris and in Rome?"),
+             _a("", tool_calls=[_call("call00003", "get_weather", {"city": "Paris"}),
                                _call("call00004", "get_weather", {"city": "Rome"})]),
              _tool_result("call00003", "get_weather", '{"temperature": 22}'),
              _tool_result("call00004", "get_weather", '{"temperature": 27}'),
-             a("Paris is at 22 degrees and Rome at 27.")],
+             _a("Paris is at 22 degrees and Rome at 27.")],
             tools=list(TOOLS),
             tags=frozenset({"system", "tools", "tool-calls", "tool-results", "parallel-calls"}),
         ),
+    ]
+
+
+def _reasoning_cases() -> list[MatrixCase]:
+    """Reasoning content and the thinking switches, alone and before a tool call."""
+    return [
         MatrixCase(
             "reasoning", "reasoning_content on two assistant turns (history and last)",
             [_SYSTEM,
-             u("What is 2 + 2?"),
-             a("2 + 2 = 4.", reasoning_content="The user asks a simple sum. Two plus two is four."),
-             u("And 3 + 3?"),
-             a("3 + 3 = 6.", reasoning_content="Another sum. Three plus three is six.")],
+             _u("What is 2 + 2?"),
+             _a("2 + 2 = 4.",
+                reasoning_content="The user asks a simple sum. Two plus two is four."),
+             _u("And 3 + 3?"),
+             _a("3 + 3 = 6.", reasoning_content="Another sum. Three plus three is six.")],
             tags=frozenset({"system", "multi-turn", "reasoning"}),
         ),
         MatrixCase(
             "reasoning-thinking-on", "reasoning with enable_thinking / thinking switched on",
-            [u("Is 7 prime?"),
-             a("Yes, 7 is prime.", reasoning_content="7 has no divisors besides 1 and 7.")],
+            [_u("Is 7 prime?"),
+             _a("Yes, 7 is prime.", reasoning_content="7 has no divisors besides 1 and 7.")],
             template_kwargs=dict(_THINK_ON),
             tags=frozenset({"reasoning", "thinking-on"}),
         ),
         MatrixCase(
             "reasoning-thinking-off", "no reasoning, enable_thinking / thinking switched off",
-            [u("Is 9 prime?"), a("No, 9 = 3 x 3.")],
+            [_u("Is 9 prime?"), _a("No, 9 = 3 x 3.")],
             template_kwargs=dict(_THINK_OFF),
             tags=frozenset({"thinking-off"}),
         ),
         MatrixCase(
             "reasoning-tool-call", "reasoning before a tool call, then a final answer",
-            [_SYSTEM, u("Should I take an umbrella in Paris?"),
-             a("", reasoning_content="I need the weather in Paris first.",
+            [_SYSTEM, _u("Should I take an umbrella in Paris?"),
+             _a("", reasoning_content="I need the weather in Paris first.",
                tool_calls=[_call("call00005", "get_weather", {"city": "Paris"})]),
              _tool_result("call00005", "get_weather", _WEATHER_RESULT),
-             a("No umbrella needed: it is sunny.",
+             _a("No umbrella needed: it is sunny.",
                reasoning_content="Sunny weather means no rain.")],
             tools=list(TOOLS),
             tags=frozenset({"system", "tools", "tool-calls", "tool-results", "reasoning"}),
         ),
+    ]
+
+
+def _content_cases() -> list[MatrixCase]:
+    """Content shapes (unicode, empty, special characters, parts) and generation prompts."""
+    return [
         MatrixCase(
             "unicode", "CJK, emoji (with a ZWJ sequence) and right-to-left text",
             [{"role": "system", "content": "你是一个有帮助的助手。"},
-             u("你好！Translate: שלום, مرحبا 👋"),
-             a("你好，世界！🌍🚀 👩\u200d💻 שלום עולם — مرحبا بالعالم")],
+             _u("你好！Translate: שלום, مرحبا 👋"),
+             _a("你好，世界！🌍🚀 👩\u200d💻 שלום עולם — مرحبا بالعالم")],
             tags=frozenset({"system", "unicode"}),
         ),
         MatrixCase(
             "empty-assistant", "an assistant turn with empty content, then a normal one",
-            [u("Say nothing."), a(""), u("Now say something."), a("Something.")],
+            [_u("Say nothing."), _a(""), _u("Now say something."), _a("Something.")],
             tags=frozenset({"multi-turn", "empty-content"}),
         ),
         MatrixCase(
             "special-chars", "quotes, ampersands and angle brackets in every role",
             [{"role": "system", "content": 'Answer with "quotes" & <tags> intact.'},
-             u('Is 1 < 2 && 3 > 2? Say "yes" or \'no\'.'),
-             a('Yes: 1 < 2 && 3 > 2 is "true" & <b>bold</b>.')],
+             _u('Is 1 < 2 && 3 > 2? Say "yes" or \'no\'.'),
+             _a('Yes: 1 < 2 && 3 > 2 is "true" & <b>bold</b>.')],
             tags=frozenset({"system", "special-chars"}),
         ),
         MatrixCase(
             "multiline", "multi-line content with a code block and blank lines",
             [_SYSTEM,
-             u("Write a Python function.\nIt should add two numbers."),
-             a("Here it is:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nDone.")],
+             _u("Write a Python function.\nIt should add two numbers."),
+             _a("Here it is:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nDone.")],
             tags=frozenset({"system", "multiline"}),
         ),
         MatrixCase(
@@ -376,18 +402,22 @@ def _build() -> list[MatrixCase]:
         ),
         MatrixCase(
             "generation-prompt", "ends with a user message; add_generation_prompt=True",
-            [_SYSTEM, u("Hello!"), a("Hi! How can I help?"), u("Tell me a joke.")],
+            [_SYSTEM, _u("Hello!"), _a("Hi! How can I help?"), _u("Tell me a joke.")],
             add_generation_prompt=True,
             tags=frozenset({"system", "multi-turn", "generation-prompt"}),
         ),
         MatrixCase(
             "generation-prompt-thinking-off", "generation prompt with thinking switched off",
-            [u("Tell me a joke.")],
+            [_u("Tell me a joke.")],
             add_generation_prompt=True,
             template_kwargs=dict(_THINK_OFF),
             tags=frozenset({"generation-prompt", "thinking-off"}),
         ),
     ]
+
+
+def _build() -> list[MatrixCase]:
+    return _conversation_cases() + _tool_cases() + _reasoning_cases() + _content_cases()
 
 
 _MATRIX = _build()

@@ -49,7 +49,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictStr, 
                       ValidationInfo)
 
 from .errors import NormError
-from .spec import SpecSource, _node_marks, format_path
+from .spec import SpecSource, duplicate_keys, format_path, node_marks
 
 #: Where a multimodal config keeps its text backbone, in lookup order.
 TEXT_CONFIG_KEYS: tuple[str, ...] = ("text_config", "llm_config", "language_config")
@@ -689,24 +689,10 @@ def _schema_problem(err: dict, at: _Locator) -> None:
 
 def _duplicates(root: Any, at: _Locator) -> None:
     """PyYAML keeps the last of two equal keys silently: report every duplicate."""
-    stack: list[tuple[Any, tuple]] = [(root, ())]
-    while stack:
-        node, path = stack.pop()
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[Any, Any] = {}
-            for k, v in node.value:
-                key = k.value if isinstance(k, yaml.ScalarNode) else id(k)
-                if key in seen:
-                    first = seen[key].start_mark.line + 1
-                    at.problems.append(NormProblem(
-                        f"duplicate key {key!r} (first defined on line {first})", at.src.file,
-                        k.start_mark.line + 1, k.start_mark.column + 1,
-                        format_path(path + (key,))))
-                else:
-                    seen[key] = k
-                stack.append((v, path + (key,)))
-        elif isinstance(node, yaml.SequenceNode):
-            stack.extend((v, path + (i,)) for i, v in enumerate(node.value))
+    for path, key, first, mark in duplicate_keys(root):
+        at.problems.append(NormProblem(
+            f"duplicate key {key!r} (first defined on line {first.line + 1})", at.src.file,
+            mark.line + 1, mark.column + 1, format_path(path)))
 
 
 def _cross_checks(data: dict, at: _Locator, use_transformers: bool) -> None:
@@ -777,7 +763,7 @@ def _check(text: str, file: str, *, use_transformers: bool) -> tuple[list[NormPr
                             mark.column + 1 if mark else None)], None
     if root is None:
         return [NormProblem("the norms file is empty", file)], None
-    at = _Locator(file, _node_marks(root))
+    at = _Locator(file, node_marks(root))
     if not isinstance(data, dict):
         at.add("the norms file must be a mapping")
         return at.problems, None
@@ -922,7 +908,7 @@ def explain_final_norm(config: Any, *, table: NormsTable | None = None,
         >>> explain_final_norm({"model_type": "kimi_k3"})[1]  # doctest: +ELLIPSIS
         'kimi_k3: kimi_k3 is an outer multimodal model_type ...'
     """
-    norm, path, why = _explain(config, table or load_norms(), transformers_version)
+    norm, path, why = trace_final_norm(config, table or load_norms(), transformers_version)
     return norm, f"{path}: {why}"
 
 
@@ -960,9 +946,22 @@ def _entry(table: NormsTable, model_type: str | None, version: str | None
     return at, ""
 
 
-def _explain(config: Any, table: NormsTable, transformers_version: str | None = None
-             ) -> tuple[FinalNorm | None, str, str]:
-    """(FinalNorm or None, resolution path, why)."""
+def trace_final_norm(config: Any, table: NormsTable, transformers_version: str | None = None
+                     ) -> tuple[FinalNorm | None, str, str]:
+    """:func:`explain_final_norm` with the resolution path also when nothing resolves.
+
+    Args:
+        config: as for :func:`resolve_final_norm`.
+        table: the norms table.
+        transformers_version: the version whose facts apply (None: the installed one).
+
+    Returns:
+        ``(FinalNorm or None, the path walked ("kimi_k3 → text_config → kimi_linear"), why)``.
+
+    Example:
+        >>> trace_final_norm({"model_type": "llama"}, load_norms())[1]
+        'llama'
+    """
     chain, steps, problem = _walk(config)
     if problem:
         return None, ARROW.join(steps), problem
@@ -1109,7 +1108,7 @@ def build_final_norm(config: Any, *, dtype: Any = None, table: NormsTable | None
     from .norm_torch import FinalNormModule
 
     table = table or load_norms()
-    norm, path, why = _explain(config, table, transformers_version)
+    norm, path, why = trace_final_norm(config, table, transformers_version)
     if norm is None:
         raise NormError(f"no final norm for this config: {path}: {why}")
     chain, _, _ = _walk(config)

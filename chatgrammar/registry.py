@@ -4,6 +4,7 @@ from __future__ import annotations
 import difflib
 import threading
 from functools import lru_cache
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -21,7 +22,8 @@ def formats_dir() -> Path:
     """The directory of bundled specs: ``chatgrammar/formats`` in a wheel, ``formats/`` next to
     the package in a checkout or editable install — always the one belonging to the
     ``chatgrammar`` package actually imported."""
-    here = Path(__file__).resolve().parent
+    # the package root, wherever this module lives inside it
+    here = Path(sys.modules[__name__.split(".")[0]].__file__).resolve().parent
     for p in (here / "formats", here.parent / "formats"):
         if p.is_dir() and any(p.glob("*.yaml")):
             return p

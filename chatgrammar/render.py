@@ -71,6 +71,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from chatgrammar.errors import RenderTimeout, TemplateError  # (defined there, re-exported)
 
 __all__ = [
+    "special_token_vars",
     "RenderResult",
     "TemplateError",
     "RenderTimeout",
@@ -257,6 +258,20 @@ def compile_template(template: str) -> jinja2.Template:
         return _compile(template)
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise TemplateError(exc.message or str(exc), kind="syntax", lineno=exc.lineno) from exc
+
+
+def special_token_vars(tokenizer: Any) -> dict:
+    """The template variables transformers passes for a tokenizer: the ``str`` entries of its
+    ``special_tokens_map`` (``bos_token``, ``eos_token``…); ``{}`` for an object without one.
+
+    Example:
+        >>> special_token_vars(None)
+        {}
+    """
+    m = getattr(tokenizer, "special_tokens_map", None)
+    if not isinstance(m, dict):
+        return {}
+    return {k: v for k, v in m.items() if isinstance(v, str)}
 
 
 def has_generation_tags(template: str) -> bool:
@@ -661,17 +676,7 @@ def render_chat_with_spans(
     return RenderResult(text=text, generation_spans=tuple(spans))
 
 
-def render_chat(
-    template: str,
-    messages: Any,
-    *,
-    tools: Sequence[Any] | None = None,
-    documents: Sequence[dict] | None = None,
-    add_generation_prompt: bool = False,
-    continue_final_message: bool | str = False,
-    timeout: float | None = 10.0,
-    **template_kwargs: Any,
-) -> str:
+def render_chat(template: str, messages: Any, **options: Any) -> str:
     """Render a conversation with a chat template, exactly as transformers does.
 
     Equivalent to ``tokenizer.apply_chat_template(messages, tokenize=False, ...)`` for a tokenizer
@@ -681,12 +686,9 @@ def render_chat(
     Args:
         template: the Jinja source of the chat template.
         messages: the conversation (a list of message dicts).
-        tools: JSON schemas of the tools, or None.
-        documents: RAG documents, or None.
-        add_generation_prompt: append the header that prompts a new assistant reply.
-        continue_final_message: leave the final message open (True: its content; a str: that field).
-        timeout: time limit in seconds (None or <= 0: none).
-        **template_kwargs: special tokens (``bos_token``, ``eos_token``...) and template switches.
+        **options: the keyword arguments of :func:`render_chat_with_spans` (``tools``,
+            ``documents``, ``add_generation_prompt``, ``continue_final_message``, ``timeout``),
+            and the special tokens (``bos_token``, ``eos_token``...) and template switches.
 
     Returns:
         The rendered text.
@@ -701,8 +703,4 @@ def render_chat(
         ...             "{% endfor %}", [{"role": "user", "content": "hi"}], bos_token="<s>")
         '<s>[user] hi\\n'
     """
-    return render_chat_with_spans(
-        template, messages, tools=tools, documents=documents,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message, timeout=timeout, **template_kwargs,
-    ).text
+    return render_chat_with_spans(template, messages, **options).text

@@ -300,7 +300,7 @@ class _Loader(yaml.SafeLoader):
     """SafeLoader: only plain YAML types; any ``!!python`` tag fails to construct."""
 
 
-def _node_marks(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dict:
+def node_marks(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dict:
     """Map every YAML path (tuple of keys/indices) to its node's start position, a 0-based
     ``(line, column)`` tuple (iteratively). Not yaml ``Mark`` objects: specs are cached
     pickled, and plain tuples unpickle fastest and carry no copy of the document."""
@@ -477,7 +477,32 @@ def _resolve_extends(data: dict, marks: dict, file: str, seen: tuple = ()
 MAX_YAML_NODES = 100_000
 
 
-def _check_node_graph(root: yaml.Node, file: str) -> None:
+def duplicate_keys(root: yaml.Node | None) -> list[tuple[tuple, str, yaml.Mark, yaml.Mark]]:
+    """Every duplicate mapping key of a composed YAML document (the safe loader silently keeps
+    the last one), for the checkers of specs and of norms.yaml.
+
+    Returns:
+        ``(yaml path of the key, key, mark of its first definition, mark of this one)`` each.
+    """
+    out = []
+    stack: list[tuple[Any, tuple]] = [(root, ())] if root is not None else []
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for k, v in node.value:
+                key = k.value if isinstance(k, yaml.ScalarNode) else str(k)
+                if key in seen:
+                    out.append((path + (key,), key, seen[key], k.start_mark))
+                else:
+                    seen[key] = k.start_mark
+                stack.append((v, path + (key,)))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((v, path + (i,)) for i, v in enumerate(node.value))
+    return out
+
+
+def check_node_graph(root: yaml.Node, file: str) -> None:
     """Reject recursive aliases and alias expansions beyond MAX_YAML_NODES (iteratively,
     counting each shared node once per reference, with memoised subtree sizes)."""
     size: dict[int, int] = {}
@@ -518,7 +543,7 @@ def load_yaml(text: str, file: str) -> tuple[Any, dict]:
         node = yaml.compose(text, Loader=_Loader)
         if node is None:
             raise SpecError("empty spec", file=file, line=1, col=1)
-        _check_node_graph(node, file)
+        check_node_graph(node, file)
         data = yaml.load(text, Loader=_Loader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -530,7 +555,7 @@ def load_yaml(text: str, file: str) -> tuple[Any, dict]:
         raise SpecError(f"YAML error: {exc}", file=file) from None
     except RecursionError:  # PyYAML composes and constructs recursively
         raise SpecError("YAML nested too deeply", file=file, line=1, col=1) from None
-    return data, _node_marks(node)
+    return data, node_marks(node)
 
 
 def _schema_error(err: dict, src: SpecSource) -> SpecError:

@@ -39,11 +39,12 @@ from typing import Any, Iterable, Sequence
 import yaml
 
 from ._io import read_text
-from .compile import _regex_risk
+from .compile import regex_risk
 from .errors import ChatGrammarError, CompileError, ParseError, SpecError
 from .format_tests import is_tests_file, tests_path
 from .policy import MaskPolicy
-from .spec import FormatSpec, SpecSource, _check_node_graph, format_path, spec_errors
+from .spec import (FormatSpec, SpecSource, check_node_graph, duplicate_keys, format_path,
+                   spec_errors)
 
 __all__ = ["Problem", "FileResult", "Report", "check_spec_text", "check_spec_file",
            "check_examples", "check_norms_file", "check_tokenizer", "parse_marked",
@@ -153,30 +154,13 @@ def _duplicate_keys(text: str, file: str) -> list[Problem]:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         if node is not None:
-            _check_node_graph(node, file)  # recursive aliases / alias bombs: no walk
+            check_node_graph(node, file)  # recursive aliases / alias bombs: no walk
     except (yaml.YAMLError, SpecError, RecursionError):
         return []  # reported by the schema stage with its position
-    out: list[Problem] = []
-    stack: list[tuple[Any, tuple]] = [(node, ())] if node is not None else []
-    while stack:
-        n, p = stack.pop()
-        if isinstance(n, yaml.MappingNode):
-            seen: dict[str, Any] = {}
-            for k, v in n.value:
-                key = k.value if isinstance(k, yaml.ScalarNode) else str(k)
-                if key in seen:
-                    first = seen[key]
-                    out.append(Problem(file, f"duplicate key {key!r} (first at line "
-                                             f"{first.line + 1}); YAML keeps only the last one",
-                                       "yaml", k.start_mark.line + 1, k.start_mark.column + 1,
-                                       format_path(p + (key,))))
-                else:
-                    seen[key] = k.start_mark
-                stack.append((v, p + (key,)))
-        elif isinstance(n, yaml.SequenceNode):
-            for i, v in enumerate(n.value):
-                stack.append((v, p + (i,)))
-    return out
+    return [Problem(file, f"duplicate key {key!r} (first at line {first.line + 1}); YAML keeps "
+                          "only the last one", "yaml", mark.line + 1, mark.column + 1,
+                    format_path(path))
+            for path, key, first, mark in duplicate_keys(node)]
 
 
 # --------------------------------------------------------------------------- patterns
@@ -199,7 +183,7 @@ def _check_patterns(spec: FormatSpec, src: SpecSource) -> list[Problem]:
             out.append(Problem.from_error(src.error(f"invalid regex {pat!r}: {exc}", loc),
                                           "patterns"))
             continue
-        if _regex_risk(pat):
+        if regex_risk(pat):
             continue  # never run it (it may backtrack for hours): the compile stage reports it
         for mn, m in spec.markers.items():
             if rx.fullmatch(m.text):

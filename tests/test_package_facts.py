@@ -33,12 +33,13 @@ def test_every_error_class_is_defined_in_errors():
     assert all(name in vars(errors) for name in errors.__all__)
 
 
-@pytest.mark.parametrize("where, name", [("detect", "PrecedenceError"),
-                                         ("render", "TemplateError"),
-                                         ("render", "RenderTimeout"),
-                                         ("tokenizers", "TokenizerLoadError")])
+# (whole dotted names, so that a re-layout of the package rewrites them with the imports)
+@pytest.mark.parametrize("where, name", [("chatgrammar.detect", "PrecedenceError"),
+                                         ("chatgrammar.render", "TemplateError"),
+                                         ("chatgrammar.render", "RenderTimeout"),
+                                         ("chatgrammar.tokenizers", "TokenizerLoadError")])
 def test_moved_error_classes_keep_their_import_paths(where, name):
-    mod = importlib.import_module(f"chatgrammar.{where}")
+    mod = importlib.import_module(where)
     assert getattr(mod, name) is getattr(errors, name)
 
 
@@ -52,3 +53,28 @@ def test_merge_spans():
                         (6, 8, "content")], by_kind=True) == [(0, 4, "think"), (4, 8, "content")]
     # without by_kind, a third field is kept from the first span of each merged run
     assert merge_spans([(0, 2, "a"), (1, 4, "b"), (6, 7, "c")]) == [(0, 4, "a"), (6, 7, "c")]
+
+
+def _code_strings(tree):
+    """The string constants of a module that are not docstrings."""
+    import ast
+
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)}
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_no_bundled_format_name_is_a_string_in_the_package():
+    # a format's facts live with the format (its YAML and .tests.yaml), never in Python
+    import ast
+    from pathlib import Path
+
+    names = set(chatgrammar.list_formats())
+    root = Path(chatgrammar.__file__).parent
+    found = sorted(f"{p.relative_to(root)}: {s!r}" for p in root.rglob("*.py")
+                   for s in _code_strings(ast.parse(p.read_text(encoding="utf-8")))
+                   if s in names)
+    assert not found, found

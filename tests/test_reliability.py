@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import chatgrammar as cg
-from chatgrammar.compile import HEADER_CHARS_PER_TOKEN, _regex_risk
+from chatgrammar.compile import HEADER_CHARS_PER_TOKEN, regex_risk
 from chatgrammar.errors import ChatGrammarError, CompileError, ParseError, SpecError
 from chatgrammar.render import RenderTimeout, TemplateError, render_chat
 from chatgrammar.spec import parse_spec
@@ -404,14 +404,14 @@ def _adversarial(pattern: str, n: int) -> list[str]:
 def test_catastrophic_patterns_are_rejected(pattern):
     """The classic catastrophic-backtracking shapes are rejected before any input is run."""
     t0 = time.monotonic()
-    assert _regex_risk(pattern), pattern
+    assert regex_risk(pattern), pattern
     assert time.monotonic() - t0 < 3
 
 
 @pytest.mark.parametrize("pattern", SAFE)
 def test_deterministic_patterns_are_accepted_and_fast(pattern):
     max_len = 64 * HEADER_CHARS_PER_TOKEN
-    assert _regex_risk(pattern, max_len) is None, pattern
+    assert regex_risk(pattern, max_len) is None, pattern
     rx = re.compile(pattern, re.S)
     for s in _adversarial(pattern, max_len):
         t0 = time.monotonic()
@@ -426,7 +426,7 @@ def test_bundled_patterns_pass_the_check():
                                  for h in (el.header, el.close.header if el.close else None)
                                  if h is not None]
         for p in filter(None, pats):
-            assert _regex_risk(p) is None, (name, p)
+            assert regex_risk(p) is None, (name, p)
 
 
 def _spec(pattern: str, max_tokens: int = 8, between: str | None = None) -> str:

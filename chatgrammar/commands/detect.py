@@ -15,29 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
-from ..tokenizers import TokenizerLoadError
-from ..tokenizers import load_tokenizer as _load_tokenizer
 from ..errors import DetectionError
-from ._common import UsageError
+from ._common import UsageError, add_command, error_line, read_template, tokenizer_arg
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``detect`` subcommand to the ``chatgrammar`` parser.
-
-    Args:
-        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
-    """
-    parser = subparsers.add_parser(
-        "detect",
-        help="detect the chat format of a tokenizer and/or chat template, and say why",
-        description="Detect which format a tokenizer (its special tokens) and/or a Jinja chat "
-                    "template (its literal markers) speaks. Precedence between formats is "
-                    "declared in the specs and proven total before anything is detected.",
-    )
+    """Add ``chatgrammar detect`` (see the module docstring)."""
+    parser = add_command(subparsers, run, __doc__, output="")
     parser.add_argument("--tokenizer", metavar="PATH_OR_NAME",
                         help="a local transformers tokenizer directory (or a name already in "
                              "the Hugging Face cache); loaded offline")
@@ -46,26 +32,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow a tokenizer that ships its own Python code (e.g. Kimi's "
                              "tokenization_kimi.py) to run it")
-    parser.add_argument("--output", choices=("text", "json"), default="text",
-                        help="output format (default: text)")
-    parser.set_defaults(func=run)
 
 
 def _err(msg: str) -> None:
-    print(f"chatgrammar detect: error: {msg}", file=sys.stderr)
+    error_line("detect", msg)
 
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0]
-
-
-def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
-    """:func:`chatgrammar.tokenizers.load_tokenizer`, its failures as usage errors (exit 2)."""
-    try:
-        return _load_tokenizer(name_or_path, trust_remote_code=trust_remote_code)
-    except TokenizerLoadError as exc:
-        raise UsageError(exc.args[0]) from None
 
 
 def _evidence_lines(name: str, ev: dict, winner: str | None) -> list[str]:
@@ -165,23 +140,9 @@ def run(args: argparse.Namespace) -> int:
     from ..detect import explain_detection
 
     if not args.tokenizer and not args.template:
-        _err("give --tokenizer PATH_OR_NAME, --template FILE, or both")
-        return 2
-    try:
-        template = None
-        if args.template:
-            tp = Path(args.template)
-            if not tp.is_file():
-                raise UsageError(f"no such template file: {args.template}")
-            try:
-                template = tp.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                raise UsageError(f"cannot read {args.template}: {exc}") from None
-        tokenizer = (load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
-                     if args.tokenizer else None)
-    except UsageError as exc:
-        _err(str(exc))
-        return 2
+        raise UsageError("give --tokenizer PATH_OR_NAME, --template FILE, or both")
+    template = read_template(args.template)
+    tokenizer = tokenizer_arg(args.tokenizer, args.trust_remote_code)
 
     try:
         det = explain_detection(tokenizer, chat_template=template)

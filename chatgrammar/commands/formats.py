@@ -9,21 +9,12 @@ import json
 from typing import Any
 
 from ..errors import ChatGrammarError
+from ._common import add_command
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``formats`` subcommand to the ``chatgrammar`` parser.
-
-    Args:
-        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
-    """
-    p = subparsers.add_parser(
-        "formats", help="list the bundled formats and the model families they cover",
-        description="List every format chatgrammar knows (bundled and plugins) with the model "
-                    "families / models each covers (its spec's `covers:`).")
-    p.add_argument("--output", choices=("text", "json"), default="text",
-                   help="output format (default: text)")
-    p.set_defaults(func=run)
+    """Add ``chatgrammar formats`` (see the module docstring)."""
+    add_command(subparsers, run, __doc__, output="")
 
 
 def _entries() -> list[dict]:

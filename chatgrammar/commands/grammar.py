@@ -12,36 +12,25 @@ import sys
 from typing import Any
 
 from ..errors import ChatGrammarError
+from ._common import add_command, error_line, load_format_arg
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``grammar`` subcommand to the ``chatgrammar`` parser.
-
-    Args:
-        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
-    """
-    p = subparsers.add_parser(
-        "grammar", help="print the compiled Lark grammar of a format",
-        description="Print the Lark grammar a format spec compiles to (LALR(1), strict), with "
-                    "the table of terminals: M_<MARKER> for each marker, TEXT for a run of text "
-                    "between markers, HEADER for a header cut from a text run.")
+    """Add ``chatgrammar grammar`` (see the module docstring)."""
+    p = add_command(subparsers, run, __doc__,
+                    output="text: the grammar; json: {format, path, grammar, terminals}")
     p.add_argument("format", metavar="NAME|PATH", help="a bundled format name or a spec file")
-    p.add_argument("--output", choices=("text", "json"), default="text",
-                   help="text: the grammar; json: {format, path, grammar, terminals}")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``chatgrammar grammar``; returns the exit code."""
     from ..compile import HEADER, TEXT, term_name
-    from ..registry import load_format
 
     try:
-        fmt = load_format(args.format)
-    except ChatGrammarError as exc:
-        print(f"chatgrammar grammar: error: {exc}", file=sys.stderr)
-        known = "Unknown format" in str(exc) or "no such file" in str(exc)
-        return 2 if known else 1
+        fmt = load_format_arg(args.format)
+    except ChatGrammarError as exc:  # an invalid spec (a missing one is a UsageError: exit 2)
+        error_line("grammar", exc)
+        return 1
     terminals = {term_name(n): m.text for n, m in fmt.spec.markers.items()}
     if args.output == "json":
         print(json.dumps({"format": fmt.name, "path": str(fmt.path), "grammar": fmt.grammar,

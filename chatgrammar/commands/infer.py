@@ -59,15 +59,11 @@ def _read(path: str) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run ``chatgrammar infer``; returns the exit code."""
     from ..infer import infer_format
-    from .validate import _vars
+    from ._common import key_values, tokenizer_arg
 
     template = _read(args.template)
-    variables = _vars(args.var)
-    tokenizer = None
-    if args.tokenizer:
-        from .detect import load_tokenizer
-
-        tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+    variables = key_values(args.var, "--var")
+    tokenizer = tokenizer_arg(args.tokenizer, args.trust_remote_code)
     try:
         fmt = infer_format(template, tokenizer=tokenizer, **variables)
     except InferenceError as exc:

@@ -32,33 +32,23 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import ChatGrammarError
-from ._common import UsageError, add_policy_args, guarded, policy_changes, policy_for
+from ._common import (UsageError, add_command, add_policy_args, add_tokenizer_args, key_values,
+                      policy_changes, policy_for, read_template, tokenizer_arg)
 
 JSONL_EXT = (".jsonl", ".json", ".ndjson")
 PARQUET_EXT = (".parquet", ".pq")
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``mask`` subcommand to the ``chatgrammar`` parser.
-
-    Args:
-        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
-    """
-    p = subparsers.add_parser(
-        "mask", help="compute loss masks for a dataset file (JSONL or Parquet)",
-        description="Render (if needed), tokenise and mask every row of a dataset file; write "
-                    "input_ids, loss_mask and num_trained. Rows that fail are written to a "
-                    "rejects file with the error, never dropped silently.")
+    """Add ``chatgrammar mask`` (see the module docstring)."""
+    p = add_command(subparsers, run, __doc__)
     p.add_argument("input", metavar="IN", help="input .jsonl or .parquet (rows with `messages` "
                                                "or `input_ids`)")
     p.add_argument("output", metavar="OUT", help="output .jsonl or .parquet")
     p.add_argument("-f", "--format", default="auto",
                    help="format name or spec path; `auto` (default) detects it from the "
                         "tokenizer")
-    p.add_argument("--tokenizer", required=True, metavar="DIR",
-                   help="a local transformers tokenizer directory (loaded offline)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow a tokenizer that ships its own code (e.g. Kimi's)")
+    add_tokenizer_args(p, required=True)
     p.add_argument("--template", metavar="FILE",
                    help="Jinja chat template for `messages` rows (default: the tokenizer's)")
     p.add_argument("--template-kwarg", action="append", default=[], metavar="KEY=VALUE",
@@ -76,20 +66,10 @@ def register(subparsers: Any) -> None:
     g = p.add_argument_group("parsing")
     g.add_argument("--lenient", action="store_true",
                    help="skip malformed parts instead of rejecting the row")
-    p.set_defaults(func=run)
 
 
 def _template_kwargs(pairs: list[str]) -> dict:
-    out = {}
-    for kv in pairs:
-        if "=" not in kv:
-            raise UsageError(f"--template-kwarg expects KEY=VALUE, got {kv!r}")
-        k, v = kv.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
+    return key_values(pairs, "--template-kwarg")
 
 
 # ----------------------------------------------------------------------------- input / output
@@ -253,9 +233,9 @@ _STATE: dict = {}
 def _init(cfg: dict) -> None:
     """Per-process setup: format (compile cache) and tokenizer loaded here, never pickled."""
     import chatgrammar as cg
-    from .detect import load_tokenizer
+    from ..render import special_token_vars
 
-    tok = load_tokenizer(cfg["tokenizer"], trust_remote_code=cfg["trust_remote_code"])
+    tok = tokenizer_arg(cfg["tokenizer"], cfg["trust_remote_code"])
     if cfg.get("spec_yaml"):  # an inferred format: rebuilt from its YAML in each process
         from ..infer import _from_yaml
         fmt = _from_yaml(cfg["spec_yaml"])
@@ -266,8 +246,7 @@ def _init(cfg: dict) -> None:
     if template is None:
         t = getattr(tok, "chat_template", None)
         template = t.get("default") if isinstance(t, dict) else t
-    specials = {k: v for k, v in (getattr(tok, "special_tokens_map", None) or {}).items()
-                if isinstance(v, str)}
+    specials = special_token_vars(tok)
     _STATE.update(fmt=fmt, tok=tok, policy=policy, template=template,
                   render_kwargs={**specials, **cfg["template_kwargs"]},
                   strict=cfg["strict"])
@@ -369,13 +348,8 @@ def _msg(exc: BaseException) -> str:
 # ----------------------------------------------------------------------------- run
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``chatgrammar mask``; returns the exit code."""
-    return guarded("mask", _run, args)
-
-
-def _run(args: argparse.Namespace) -> int:
+    """Run ``chatgrammar mask``; returns the exit code (a UsageError is the caller's: 2)."""
     import chatgrammar as cg
-    from .detect import load_tokenizer
 
     if args.jobs < 1 or args.chunk_size < 1:
         raise UsageError("-j and --chunk-size must be at least 1")
@@ -383,13 +357,8 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"no such input file: {args.input}")
     _kind(args.input, "IN")
     _kind(args.output, "OUT")
-    template = None
-    if args.template:
-        try:
-            template = Path(args.template).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise UsageError(f"cannot read --template: {exc}") from None
-    tok = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+    template = read_template(args.template)
+    tok = tokenizer_arg(args.tokenizer, args.trust_remote_code)
     how = "given"
     try:
         if args.format == "auto":

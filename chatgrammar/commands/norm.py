@@ -12,32 +12,20 @@ import sys
 from typing import Any
 
 from ..errors import NormError
-from ..norms import ARROW, _explain, load_norms, read_config
+from ..norms import ARROW, trace_final_norm, load_norms, read_config
+from ._common import add_command
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``norm`` subcommand to the ``chatgrammar`` parser.
-
-    Args:
-        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
-    """
-    parser = subparsers.add_parser(
-        "norm",
-        help="resolve the final norm of a model's text backbone from its config.json",
-        description="Resolve the final norm (kind, eps) of a model's text backbone: the config "
-                    "is followed through text_config / llm_config / language_config to the "
-                    "backbone, whose model_type is looked up in norms.yaml.",
-    )
+    """Add ``chatgrammar norm`` (see the module docstring)."""
+    parser = add_command(subparsers, run, __doc__, output="")
     parser.add_argument("config", metavar="CONFIG",
                         help="a config.json, or a model directory containing one")
-    parser.add_argument("--output", choices=("text", "json"), default="text",
-                        help="output format (default: text)")
     parser.add_argument("--norms", metavar="NORMS_YAML", default=None,
                         help="use this norms table instead of the bundled formats/norms.yaml")
     parser.add_argument("--transformers-version", metavar="VERSION", default=None,
                         help="the transformers version whose facts apply (default: the "
                              "installed one)")
-    parser.set_defaults(func=run)
 
 
 def _write(text: str, stream: Any) -> None:
@@ -54,15 +42,11 @@ def run(args: argparse.Namespace) -> int:
     """Run ``chatgrammar norm``; returns the exit code."""
     try:
         config = read_config(args.config)
-    except NormError as exc:
-        _write(f"chatgrammar norm: error: {exc}", sys.stderr)
-        return 2
-    try:
         table = load_norms(args.norms)
     except NormError as exc:
         _write(f"chatgrammar norm: error: {exc}", sys.stderr)
         return 2
-    norm, path, why = _explain(config, table, args.transformers_version)
+    norm, path, why = trace_final_norm(config, table, args.transformers_version)
 
     if args.output == "json":
         payload = {

@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ._common import add_command
+
 SCHEMA_ID = "https://chatgrammar.invalid/format-spec.schema.json"
 
 #: The lines around the generated key reference in docs/writing-a-format.md.
@@ -209,17 +211,8 @@ def splice_reference(doc: str) -> str:
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``schema`` subcommand to the ``chatgrammar`` parser.
-
-    Args:
-        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
-    """
-    p = subparsers.add_parser(
-        "schema", help="print the JSON Schema of the spec language (for editors)",
-        description="Print the JSON Schema of format specs, generated from the spec models, so "
-                    "that editors validate and complete YAML specs. Add "
-                    "'# yaml-language-server: $schema=<path>/format-spec.schema.json' as the "
-                    "first line of a spec.")
+    """Add ``chatgrammar schema`` (see the module docstring)."""
+    p = add_command(subparsers, run, __doc__)
     p.add_argument("-o", "--output-file", metavar="FILE",
                    help="write the schema to FILE instead of stdout "
                         "(the repository's copy: docs/format-spec.schema.json); with "
@@ -227,7 +220,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--markdown", action="store_true",
                    help="print the key reference of docs/writing-a-format.md (tables "
                         "generated from the same models) instead of the JSON Schema")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

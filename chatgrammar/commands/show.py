@@ -21,9 +21,9 @@ from typing import Any
 
 from .._io import read_text
 
-from ..errors import ChatGrammarError
 from ..spans import merge_spans
-from ._common import UsageError, add_policy_args, guarded, policy_for
+from ._common import (UsageError, add_command, add_policy_args, add_tokenizer_args,
+                      load_format_arg, policy_for, read_template, tokenizer_arg)
 
 OPEN_MARK, CLOSE_MARK = "\u27e6", "\u27e7"
 KIND_STYLES = {"content": "bold green", "think": "bold magenta", "tool_call": "bold yellow",
@@ -33,39 +33,26 @@ OTHER_STYLE, OTHER_CSS = "bold blue", "#d6e4ff"
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``show`` subcommand to the ``chatgrammar`` parser.
-
-    Args:
-        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
-    """
-    p = subparsers.add_parser(
-        "show", help="show the trained spans of a conversation (terminal colours or HTML)",
-        description="Parse one rendered conversation (or token ids, or messages rendered with a "
-                    "template) and show each turn with its role and the spans that train, "
-                    "coloured by kind (content, think, tool_call, end).")
+    """Add ``chatgrammar show`` (see the module docstring)."""
+    p = add_command(subparsers, run, __doc__, output="text: labelled turns; json: turns and spans")
     p.add_argument("input", nargs="?", default="-", metavar="FILE|-",
                    help="the rendered text (default: stdin); with --ids a JSON list of ids; "
                         "with --template a JSON list of messages (or {messages, tools})")
     p.add_argument("-f", "--format", metavar="NAME|PATH",
                    help="the format (default: detected from --tokenizer / --template)")
     p.add_argument("--ids", action="store_true", help="the input is token ids (needs --tokenizer)")
-    p.add_argument("--tokenizer", metavar="DIR", help="a local transformers tokenizer directory")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let --tokenizer run the directory's own tokenizer code")
+    add_tokenizer_args(p)
     p.add_argument("--template", metavar="FILE",
                    help="render the input messages with this chat template first")
     p.add_argument("--add-generation-prompt", action="store_true",
                    help="with --template: append the generation prompt")
     p.add_argument("--html", metavar="OUT.html", help="also write a standalone HTML page")
-    p.add_argument("--output", choices=("text", "json"), default="text",
-                   help="text: labelled turns; json: turns and spans")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="colour trained spans (auto: when stdout is a terminal); without "
                         "colour they are marked \u27e6\u2026\u27e7")
     add_policy_args(p)
     p.add_argument("--lenient", action="store_true",
                    help="skip malformed parts (reported as warnings) instead of failing")
-    p.set_defaults(func=run)
 
 
 def _read_input(path: str) -> str:
@@ -76,38 +63,17 @@ def _read_input(path: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``chatgrammar show``; returns the exit code."""
-    return guarded("show", _run, args)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from ..conformance import encode_text, load_tokenizer
+    """Run ``chatgrammar show``; returns the exit code (a UsageError is the caller's: 2)."""
+    from ..conformance import encode_text
     from ..detect import detect_format
-    from ..registry import load_format
 
     if args.ids and not args.tokenizer:
         raise UsageError("--ids needs --tokenizer DIR")
     raw = _read_input(args.input)
-    tokenizer = None
-    if args.tokenizer:
-        try:
-            tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
-        except ChatGrammarError as exc:
-            raise UsageError(str(exc)) from None
-    template = None
-    if args.template:
-        try:
-            template = Path(args.template).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"cannot read template {args.template}: "
-                         f"{getattr(exc, 'strerror', None) or exc}") from None
+    tokenizer = tokenizer_arg(args.tokenizer, args.trust_remote_code)
+    template = read_template(args.template)
     if args.format:
-        try:
-            fmt = load_format(args.format)
-        except ChatGrammarError as exc:
-            if "Unknown format" in str(exc) or "no such file" in str(exc):
-                raise UsageError(str(exc)) from None
-            raise
+        fmt = load_format_arg(args.format)
     elif tokenizer is not None or template is not None:
         fmt = detect_format(tokenizer, chat_template=template)
     else:
@@ -124,13 +90,10 @@ def _run(args: argparse.Namespace) -> int:
             else (data, None)
         if not isinstance(messages, list):
             raise UsageError("--template needs a JSON list of messages (or {\"messages\": [...]})")
-        from ..render import render_chat
-        variables = {}
-        if tokenizer is not None:
-            m = getattr(tokenizer, "special_tokens_map", {}) or {}
-            variables = {k: v for k, v in m.items() if isinstance(v, str)}
+        from ..render import render_chat, special_token_vars
         text = render_chat(template, messages, tools=tools,
-                           add_generation_prompt=args.add_generation_prompt, **variables)
+                           add_generation_prompt=args.add_generation_prompt,
+                           **special_token_vars(tokenizer))
         if tokenizer is not None:
             ids = encode_text(tokenizer, text)
     elif args.ids:

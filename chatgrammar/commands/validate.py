@@ -15,30 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .._io import read_text
-
 from ..errors import ChatGrammarError
-from ._common import UsageError, guarded
+from ._common import (UsageError, add_command, add_tokenizer_args, key_values, read_template,
+                      tokenizer_arg)
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``validate`` subcommand to the ``chatgrammar`` parser.
-
-    Args:
-        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
-    """
-    p = subparsers.add_parser(
-        "validate",
-        help="check format specs: schema, strict LALR compile, examples, precedence; "
-             "optionally against a real chat template",
-        description="Check format specs and norms.yaml. With no PATH: every bundled format and "
-                    "norms.yaml. Checks YAML syntax, the schema (every unknown key and wrong "
-                    "type, located file:line:col), content patterns vs markers, the strict "
-                    "LALR(1) compile, the embedded examples (text and id mode), and detector "
-                    "precedence across the whole set. --template renders the built-in "
-                    "conversation matrix with a real chat template and checks that the format "
-                    "parses every rendering and trains exactly the assistant output.",
-        epilog="exit codes: 0 ok, 1 problems found, 2 usage error")
+    """Add ``chatgrammar validate`` (see the module docstring)."""
+    p = add_command(subparsers, run, __doc__, output="")
     p.add_argument("paths", nargs="*", metavar="PATH",
                    help="spec files, directories of specs, bundled format names, or norms.yaml")
     p.add_argument("--template", action="append", default=[], metavar="FILE",
@@ -46,11 +30,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("-f", "--format", dest="format", metavar="NAME|PATH",
                    help="the format the --template / --tokenizer belong to (default: the only "
                         "spec given, else detected from the template / tokenizer)")
-    p.add_argument("--tokenizer", metavar="DIR",
-                   help="a local transformers tokenizer directory: every special marker must be "
-                        "one special id, and id mode must agree with text mode")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let --tokenizer run the directory's own tokenizer code (e.g. Kimi's)")
+    add_tokenizer_args(p, "a local transformers tokenizer directory: every special marker "
+                          "must be one special id, and id mode must agree with text mode")
     p.add_argument("--var", action="append", default=[], metavar="KEY=VALUE",
                    help="a template variable for --template (bos_token=<s>); VALUE is JSON if "
                         "it parses as JSON, else a string (repeatable)")
@@ -59,29 +40,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--isolated", action="store_true",
                    help="prove detector precedence among the given specs only (default: together "
                         "with the bundled and plugin formats, the set detection chooses from)")
-    p.add_argument("--output", choices=("text", "json"), default="text",
-                   help="output format (default: text)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also list the files and template cases that pass")
-    p.set_defaults(func=run)
-
-
-def _vars(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise UsageError(f"--var takes KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except ValueError:
-            out[k] = v
-    return out
-
-
-def _read_template(path: str) -> str:
-    return read_text(path, UsageError)
-
 
 
 def _beaten(cands: list, formats: dict) -> list:
@@ -103,12 +63,7 @@ def _pick_for_template(src: str, formats: dict) -> tuple[Any, str | None]:
     cands = [n for n, f in formats.items() if f.spec.detect.template
              and all(t in src for t in f.spec.detect.template)
              and not any(t in src for t in f.spec.detect.template_absent)]
-    win = _beaten(cands, formats)
-    if len(win) == 1:
-        return formats[win[0]], None
-    if not cands:
-        return None, "no checked format's template detector matches it"
-    return None, f"several formats match it ({', '.join(sorted(cands))})"
+    return _pick(cands, formats, "template")
 
 
 def _pick_for_tokenizer(tok: Any, formats: dict) -> tuple[Any, str | None]:
@@ -124,27 +79,28 @@ def _pick_for_tokenizer(tok: Any, formats: dict) -> tuple[Any, str | None]:
         if all(has(t) for t in d.require) and (not d.require_any or any(
                 has(t) for t in d.require_any)) and not any(has(t) for t in d.absent):
             cands.append(n)
+    return _pick(cands, formats, "token")
+
+
+def _pick(cands: list, formats: dict, detector: str) -> tuple[Any, str | None]:
+    """The one candidate left after precedence, or None and why not."""
     win = _beaten(cands, formats)
     if len(win) == 1:
         return formats[win[0]], None
     if not cands:
-        return None, "no checked format's token detector matches it"
+        return None, f"no checked format's {detector} detector matches it"
     return None, f"several formats match it ({', '.join(sorted(cands))})"
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``chatgrammar validate``; returns the exit code."""
-    return guarded("validate", _run, args)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from ..conformance import check_template, load_tokenizer
+    """Run ``chatgrammar validate``; returns the exit code (a UsageError is the caller's: 2)."""
+    from ..conformance import check_template
     from ..matrix import default_matrix
     from ..registry import load_format
     from ..validate import Problem, check_tokenizer, validate_paths
 
-    variables = _vars(args.var)
-    templates = [(t, _read_template(t)) for t in args.template]
+    variables = key_values(args.var, "--var")
+    templates = [(t, read_template(t)) for t in args.template]
     cases = None
     if args.case:
         known = {c.name: c for c in default_matrix()}
@@ -178,12 +134,7 @@ def _run(args: argparse.Namespace) -> int:
             templates = []
             args.tokenizer = None
 
-    tokenizer = None
-    if args.tokenizer:
-        try:
-            tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
-        except ChatGrammarError as exc:
-            raise UsageError(str(exc)) from None
+    tokenizer = tokenizer_arg(args.tokenizer, args.trust_remote_code)
 
     pool = formats
     if not pool:

@@ -19,10 +19,11 @@ Install with ``pip install 'chatgrammar[trl]'``. This module imports ``datasets`
 from __future__ import annotations
 
 import logging
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from ..format import Format
-from ..hf import _resolve_format, apply_chat_template, mask_batch
+from ..hf import format_for, apply_chat_template, mask_batch
 from ..policy import MaskPolicy
 
 __all__ = ["prepare", "PrepareFn"]
@@ -36,6 +37,7 @@ _TRAINED = "chatgrammar_trained"
 _PRIVATE = [_STATUS, _ERROR, _CUT, _TRAINED]
 
 
+@dataclass(eq=False)  # (identity equality: a map function, not a value)
 class PrepareFn:
     """The batched map function behind :func:`prepare` (picklable: the format pickles as its
     spec path, the tokenizer as it pickles itself), usable on its own in a ``datasets`` map.
@@ -47,18 +49,18 @@ class PrepareFn:
     ``max_length``).
     """
 
-    def __init__(self, fmt: Format, tokenizer: Any, *, policy: MaskPolicy | None = None,
-                 max_length: int | None = None, strict: bool = False,
-                 chat_template: str | None = None, template_kwargs: dict | None = None,
-                 messages_column: str = "messages"):
-        self.fmt = fmt
-        self.tokenizer = tokenizer
-        self.policy = policy
-        self.max_length = max_length
-        self.strict = strict
-        self.chat_template = chat_template
-        self.template_kwargs = dict(template_kwargs or {})
-        self.messages_column = messages_column
+    fmt: Format
+    tokenizer: Any
+    _: KW_ONLY
+    policy: MaskPolicy | None = None
+    max_length: int | None = None
+    strict: bool = False
+    chat_template: str | None = None
+    template_kwargs: dict | None = None
+    messages_column: str = "messages"
+
+    def __post_init__(self) -> None:
+        self.template_kwargs = dict(self.template_kwargs or {})  # (a copy: never the caller's)
 
     def __repr__(self) -> str:
         return (f"PrepareFn({self.fmt.name!r}, policy={self.policy!r}, "
@@ -193,9 +195,9 @@ def prepare(dataset: Any, tokenizer: Any, *, format: Format | str | None = None,
         raise ValueError("max_length must be positive")
     src = None
     if chat_template is not None:
-        from ..hf import _chat_template_of
-        src = _chat_template_of(tokenizer, chat_template, None)
-    fmt = _resolve_format(format, tokenizer, src)
+        from ..hf import chat_template_of
+        src = chat_template_of(tokenizer, chat_template, None)
+    fmt = format_for(format, tokenizer, src)
     fn = PrepareFn(fmt, tokenizer, policy=policy, max_length=max_length, strict=strict,
                    chat_template=chat_template, template_kwargs=template_kwargs,
                    messages_column=messages_column)
