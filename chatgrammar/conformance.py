@@ -180,10 +180,6 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
         return list(enc(text))
 
 
-# detect.py on helper W1's branch imports the old private name; the integrator points it at
-# render.special_token_vars after the merge and deletes this line
-_special_vars = special_token_vars
-
 
 # --------------------------------------------------------------------------- results
 

@@ -853,9 +853,9 @@ def explain_detection(tokenizer: Any = None, *, chat_template: Any = None,
     verified = candidates
     vtemplates = _templates_to_verify(raw_template) if (verify and template is not None) else []
     if vtemplates:
-        from .conformance import _special_vars
+        from .render import special_token_vars
 
-        variables = _special_vars(tokenizer) if tokenizer is not None else None
+        variables = special_token_vars(tokenizer) if tokenizer is not None else None
         verified, ruled_by_check = _verified_pick(candidates, by_name, vtemplates, variables,
                                                   verification)
         if not verified:
