@@ -592,24 +592,61 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
         res.details = "\n".join(lines)
         return res
 
-    # ---- 1. text mode
+    parsed = _parse_modes(fmt, R, synth, tokenizer, res)
+    if isinstance(parsed, tuple) and isinstance(parsed[0], str):
+        return fail(*parsed)
+    conv, conv_ids = parsed
+    found = res.found
+    found_end = _merge((s.start, s.end) for s in conv.spans(_WITH_END))
+    end_spans = [(s.start, s.end) for s in conv.spans(_WITH_END) if s.kind == "end"]
+
+    # ---- 4. expected spans, from the template alone
+    loc = _Locator(template, case, variables, timeout, r, R, fmt, synth._rx)
+    asst = [i for i, m in enumerate(case.messages) if m.get("role") == "assistant"]
+    turns = [t for t in conv.turns if t.role == "assistant" and not t.generation_prompt]
+    runs = _assistant_runs(conv)
+    # (message, region start, output start, earliest allowed training start, output end)
+    regions: list[tuple[int, int, int, int, int]] = []
+    g_of: dict[int, str] = {}  # message -> its generation prompt (header) as located
+    for k, i in enumerate(asst):
+        span = loc.message_span(k, i, turns, runs, len(asst), res)
+        if isinstance(span, str):
+            return fail(span)
+        region, g_of[i] = loc.region(i, *span, res)
+        regions.append(region)
+
+    res.expected = _expected_spans(regions, found_end, end_spans)
+    turn_starts = {t.start for t in turns}
+    problems = _outside_problems(R, found, regions, turns, accepted, res)
+    problems += _message_problems(R, found, found_end, end_spans, regions, case.outputs, g_of,
+                                  turn_starts, accepted, res)
+    if problems:
+        uniq = list(dict.fromkeys(problems))
+        more = f" (+{len(uniq) - 1} more)" if len(uniq) > 1 else ""
+        return fail(uniq[0] + more, "  problems:\n" + "\n".join("    - " + p for p in uniq))
+    if conv_ids.boundaries:
+        res.notes.extend(str(b) for b in conv_ids.boundaries)
+    res.notes = list(dict.fromkeys(res.notes))
+    return res
+
+
+def _parse_modes(fmt: Format, R: str, synth: MarkerTokenizer, tokenizer: Any,
+                 res: CaseResult):
+    """Steps 1–3 of a case: text mode, id mode with the marker tokenizer (must agree with text
+    mode exactly), and a real tokenizer when given. Returns ``(conv, conv_ids)`` (and sets
+    ``res.found``), or ``(reason, extra)`` of the failure."""
     try:
         conv = fmt.parse(R)
     except ParseError as exc:
-        return fail(f"does not parse (text mode): {exc.message} at char {exc.offset}",
-                    "  rendered:\n" + _indent(R) + "\n  error:\n" + _indent(str(exc)))
-    found = _merge((s.start, s.end) for s in conv.spans(OUTPUT_POLICY))
-    found_end = _merge((s.start, s.end) for s in conv.spans(_WITH_END))
-    end_spans = [(s.start, s.end) for s in conv.spans(_WITH_END) if s.kind == "end"]
-    res.found = found
-
-    # ---- 2. id mode with the marker tokenizer: must agree with text mode exactly
+        return (f"does not parse (text mode): {exc.message} at char {exc.offset}",
+                "  rendered:\n" + _indent(R) + "\n  error:\n" + _indent(str(exc)))
+    res.found = _merge((s.start, s.end) for s in conv.spans(OUTPUT_POLICY))
     ids, starts = synth.encode_with_offsets(R)
     try:
         conv_ids = fmt.parse_ids(ids, synth)
     except ParseError as exc:
-        return fail(f"text mode parses but id mode does not: {exc.message} at token "
-                    f"{exc.offset}")
+        return (f"text mode parses but id mode does not: {exc.message} at token "
+                f"{exc.offset}", "")
     bounds = starts + [len(R)]
     for pol in (OUTPUT_POLICY, _WITH_END):
         a = _merge((s.start, s.end) for s in conv.spans(pol))
@@ -617,64 +654,81 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
         if a != b:
             ma, mb = _mask_of(a, len(R)), _mask_of(b, len(R))
             at = next(k for k in range(len(R)) if ma[k] != mb[k])
-            return fail(f"id mode (one id per marker) disagrees with text mode at char {at} "
-                        f"({'trained' if mb[at] else 'not trained'} in id mode)")
-
-    # ---- 3. a real tokenizer, when given
+            return (f"id mode (one id per marker) disagrees with text mode at char {at} "
+                    f"({'trained' if mb[at] else 'not trained'} in id mode)", "")
     if tokenizer is not None:
         problem = _check_real_ids(fmt, tokenizer, R, conv, res)
         if problem:
-            return fail(problem)
+            return (problem, "")
+    return conv, conv_ids
 
-    # ---- 4. expected spans, from the template alone
-    marker_rx = synth._rx
-    openers = _Openers(fmt)
-    P, tail, suffix = _message_starts(R, r, len(case.messages), variables, openers, marker_rx)
-    stable = {k: P[k] is not None for k in P}
-    asst = [i for i, m in enumerate(case.messages) if m.get("role") == "assistant"]
-    turns = [t for t in conv.turns if t.role == "assistant" and not t.generation_prompt]
-    runs = _assistant_runs(conv)
-    generic_g = None
-    # (message, region start, output start, earliest allowed training start, output end)
-    regions: list[tuple[int, int, int, int, int]] = []
-    g_of: dict[int, str] = {}  # message -> its generation prompt (header) as located
-    turn_starts = {t.start for t in turns}
-    problems: list[str] = []
-    for k, i in enumerate(asst):
-        s = P[i] if i >= 1 and stable.get(i) else None
-        e = P[i + 1] if stable.get(i + 1) else None
-        if e is not None and e == len(R) and tail and R.endswith(tail):
-            e -= len(tail)  # the closing tail belongs to no message
+
+class _Locator:
+    """Where each assistant message of one rendering is, from the template alone: its span,
+    the generation prompt that heads it, and where its output starts."""
+
+    def __init__(self, template: str, case: MatrixCase, variables: dict,
+                 timeout: float | None, r: "_Renderer", R: str, fmt: Format, marker_rx):
+        self.template, self.variables, self.timeout = template, variables, timeout
+        self.r, self.R, self.marker_rx = r, R, marker_rx
+        self.openers = _Openers(fmt)
+        self.P, self.tail, self.suffix = _message_starts(R, r, len(case.messages), variables,
+                                                         self.openers, marker_rx)
+        self.stable = {k: self.P[k] is not None for k in self.P}
+        self._generic_g: str | None = None
+
+    def message_span(self, k: int, i: int, turns, runs, n_asst: int,
+                     res: CaseResult) -> tuple[int, int] | str:
+        """Message ``i`` (the ``k``-th assistant message): ``(start, end)`` in the rendering,
+        located by the parse where the template renders it differently once later messages
+        exist; or the failure reason."""
+        P, R = self.P, self.R
+        s = P[i] if i >= 1 and self.stable.get(i) else None
+        e = P[i + 1] if self.stable.get(i + 1) else None
+        if e is not None and e == len(R) and self.tail and R.endswith(self.tail):
+            e -= len(self.tail)  # the closing tail belongs to no message
         if s is None or e is None:
-            if len(turns) == len(asst):
+            if len(turns) == n_asst:
                 first = last = turns[k]
-            elif len(runs) == len(asst):
+            elif len(runs) == n_asst:
                 first, last = runs[k][0], runs[k][-1]
             else:
-                return fail(f"the template renders {len(asst)} assistant message(s) but the "
-                            f"format parses {len(turns)} assistant turn(s)")
+                return (f"the template renders {n_asst} assistant message(s) but the "
+                        f"format parses {len(turns)} assistant turn(s)")
             s = first.start if s is None else s
             e = last.end if e is None else e
             while e < len(R) and R[e].isspace():
                 e += 1
             res.notes.append("some messages located by the parse (the template renders them "
                              "differently once later messages exist)")
-        g = _generation_prompt(r, i, P.get(i)) if i >= 1 else None
+        return s, e
+
+    def _prompt(self, i: int) -> str:
+        """The generation prompt before message ``i`` as the template writes it."""
+        g = _generation_prompt(self.r, i, self.P.get(i)) if i >= 1 else None
+        suffix = self.suffix
         if suffix and g is not None and g.startswith(suffix) and len(g) > len(suffix):
             # the prompt follows the fixed suffix (Command R+: the instruction turn, then
             # `<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>`); where the suffix is all the template
             # adds (Command R7B always prompts), the suffix is the prompt
             g = g[len(suffix):]
         if g is None:
-            if generic_g is None:
+            if self._generic_g is None:
                 probe = MatrixCase("probe", "", [{"role": "user", "content": "x"}])
-                gr = _Renderer(template, probe, variables, timeout)
-                generic_g = _generation_prompt(gr, 1) or ""
-            g = generic_g
+                gr = _Renderer(self.template, probe, self.variables, self.timeout)
+                self._generic_g = _generation_prompt(gr, 1) or ""
+            g = self._generic_g
+        return g
+
+    def region(self, i: int, s: int, e: int, res: CaseResult) -> tuple[tuple, str]:
+        """``((i, start, output start, earliest training start, output end), header)`` of
+        message ``i`` spanning ``R[s:e]``."""
+        R, rx, openers = self.R, self.marker_rx, self.openers
+        g = self._prompt(i)
         if not g and e > s:
             # the template renders the same with and without a generation prompt (Apriel
             # 1.6 forces one): the message's leading markers are its header
-            g = R[s:s + openers.leading_glue(R[s:e], marker_rx)].rstrip()
+            g = R[s:s + openers.leading_glue(R[s:e], rx)].rstrip()
             if R.startswith("\n", s + len(g)):
                 g += "\n"  # the header's own line end, not the body's leading whitespace
         if g and not g[0].isspace():
@@ -687,36 +741,21 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
             # The template prompts with more than it renders for this message (a prefilled
             # "<think>\n" that history turns do not repeat): the header is the common part.
             common = len(os.path.commonprefix([R[s:s + len(g)], g]))
-            cut = _snap_into_marker(g, common, marker_rx)
+            cut = _snap_into_marker(g, common, rx)
             if cut == 0:
                 # nothing in common (a message glued to the previous one, e.g. opened by the
                 # marker that closes the tool outputs): its leading markers are the header
-                glue = openers.leading_glue(R[s:e], marker_rx)
+                glue = openers.leading_glue(R[s:e], rx)
                 head, p = R[s:s + glue], glue
             else:
-                head, p = g[:cut], min(openers.prefill_start(g, marker_rx), cut)
+                head, p = g[:cut], min(openers.prefill_start(g, rx), cut)
             res.notes.append(f"the template prompts with {_show(g)} but renders the message "
                              f"with {_show(R[s:s + len(g)])}: header taken as {_show(head)}")
             g = head
         else:
-            p = openers.prefill_start(g, marker_rx)
-        g_of[i] = g
+            p = openers.prefill_start(g, rx)
         out_end = s + len(R[s:e].rstrip())
-        regions.append((i, s, s + len(g), s + p, max(out_end, s + len(g))))
-
-    res.expected = _expected_spans(regions, found_end, end_spans)
-
-    problems += _outside_problems(R, found, regions, turns, accepted, res)
-    problems += _message_problems(R, found, found_end, end_spans, regions, case.outputs, g_of,
-                                  turn_starts, accepted, res)
-    if problems:
-        uniq = list(dict.fromkeys(problems))
-        more = f" (+{len(uniq) - 1} more)" if len(uniq) > 1 else ""
-        return fail(uniq[0] + more, "  problems:\n" + "\n".join("    - " + p for p in uniq))
-    if conv_ids.boundaries:
-        res.notes.extend(str(b) for b in conv_ids.boundaries)
-    res.notes = list(dict.fromkeys(res.notes))
-    return res
+        return (i, s, s + len(g), s + p, max(out_end, s + len(g))), g
 
 
 def _outside_problems(R: str, found, regions, turns, accepted: dict,
