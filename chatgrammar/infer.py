@@ -1124,6 +1124,41 @@ def _headerless_replies(plan: _Plan, sh: _Shape) -> None:
 _REPLIES = ("reply", "reply_after_reply", "reply_after_tool")
 
 
+def _loose_markers(plan: _Plan) -> list[str]:
+    """The plan's markers no element opens, ends a header at, or closes with: markers that may
+    stand inside a turn's body (``inner_markers``)."""
+    structural = set()
+    for el in plan.elements.values():
+        o = el.get("open")
+        structural.update([o] if isinstance(o, str) else o or [])
+        for h in (el.get("header") or {}, (el.get("close") or {}).get("header") or {}):
+            if h.get("until"):
+                structural.add(h["until"])
+        structural.update((el.get("close") or {}).get("markers", []))
+        structural.update((el.get("close") or {}).get("after", []))
+    return [n for n in plan.names.by_text.values() if n not in structural]
+
+
+def _system_text(plan: _Plan, lex: _Lexicon, sh: _Shape, cut: dict, children: list) -> dict:
+    """The element of a bare system text before the first turn."""
+    el: dict = {"role": "system"}
+    # a bare system text ended by a marker (Taiwan-LLM's 'SYSTEM TEXT</s>USER: …',
+    # TenyxChat's 'System:…<|end_of_turn|>'): that marker closes it
+    marks = _term_parts(lex, sh.terms.get("system"))[0]
+    if not marks and sh.first.get("user"):
+        ps = [q for q in lex.pieces(sh.first["user"]) if q[0] or q[1].strip()]
+        k = next((i for i, q in enumerate(ps) if not q[0]), None)
+        if k is not None:
+            marks = [p for _, p in ps[k + 1:k + 2] if _] if len(ps) > k + 1 and \
+                ps[k + 1][0] and ps[k + 1][1] not in lex.extra and \
+                ps[k + 1][1] not in {c.opener for c in cut.values()} else []
+    if marks:
+        el["close"] = {"markers": [plan.m(marks[0])]}
+    if children:
+        el["children"] = list(children)
+    return el
+
+
 def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> dict:
     """The spec (a plain dict) the shape describes."""
     plan = _Plan()
@@ -1170,16 +1205,7 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
                     raise InferenceError("a turn before a headerless assistant reply has no "
                                          "terminator to end at", where=f"element {ename}")
                 el["follow"] = "reply"
-    structural = set()
-    for el in plan.elements.values():
-        o = el.get("open")
-        structural.update([o] if isinstance(o, str) else o or [])
-        for h in (el.get("header") or {}, (el.get("close") or {}).get("header") or {}):
-            if h.get("until"):
-                structural.add(h["until"])
-        structural.update((el.get("close") or {}).get("markers", []))
-        structural.update((el.get("close") or {}).get("after", []))
-    loose = [n for n in plan.names.by_text.values() if n not in structural]
+    loose = _loose_markers(plan)
     for ename, el in plan.elements.items():
         if (ename in plan.top or ename in _REPLIES) and loose:
             el["inner_markers"] = list(loose)
@@ -1191,21 +1217,7 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
     betweens = [b for b in betweens if b not in opener_texts]   # the next turn's header
     preamble = [p for p in preamble if p not in betweens]
     if bare:
-        plan.elements["system_text"] = {"role": "system"}
-        # a bare system text ended by a marker (Taiwan-LLM's 'SYSTEM TEXT</s>USER: …',
-        # TenyxChat's 'System:…<|end_of_turn|>'): that marker closes it
-        marks = _term_parts(lex, sh.terms.get("system"))[0]
-        if not marks and sh.first.get("user"):
-            ps = [q for q in lex.pieces(sh.first["user"]) if q[0] or q[1].strip()]
-            k = next((i for i, q in enumerate(ps) if not q[0]), None)
-            if k is not None:
-                marks = [p for _, p in ps[k + 1:k + 2] if _] if len(ps) > k + 1 and \
-                    ps[k + 1][0] and ps[k + 1][1] not in lex.extra and \
-                    ps[k + 1][1] not in {c.opener for c in cut.values()} else []
-        if marks:
-            plan.elements["system_text"]["close"] = {"markers": [plan.m(marks[0])]}
-        if children:
-            plan.elements["system_text"]["children"] = list(children)
+        plan.elements["system_text"] = _system_text(plan, lex, sh, cut, children)
     spec: dict = {
         "name": name,
         "description": "Inferred from a chat template by chatgrammar.infer_format and verified "
