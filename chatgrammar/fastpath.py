@@ -1159,16 +1159,17 @@ def _mask_of(n: int, spans, as_list: bool):
     return m
 
 
-# os.environ.get costs microseconds (it encodes the key): read the mapping behind it
-_ENV = getattr(os.environ, "_data", None)
+# os.environ.get costs microseconds (it encodes the key): read the mapping behind it, looked
+# up on each call (a library may replace os.environ, as datasets' multiprocessing does)
 _VERIFY_KEY = (os.environ.encodekey("CHATGRAMMAR_VERIFY")
-               if _ENV is not None and hasattr(os.environ, "encodekey") else None)
+               if hasattr(os.environ, "_data") and hasattr(os.environ, "encodekey") else None)
 
 
 def verify_enabled() -> bool:
     """``CHATGRAMMAR_VERIFY=1``: every fast answer is checked against the full pipeline."""
-    if _VERIFY_KEY is not None:
-        v = _ENV.get(_VERIFY_KEY)
+    env = getattr(os.environ, "_data", None)
+    if _VERIFY_KEY is not None and env is not None:
+        v = env.get(_VERIFY_KEY)
         return v is not None and v not in (b"", b"0", "", "0")
     return os.environ.get("CHATGRAMMAR_VERIFY", "") not in ("", "0")
 
