@@ -46,6 +46,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-input / large fuzz sizes; run with --runslow")
     if config.getoption("--runslow"):  # the longer fuzz campaign (tests/test_fuzz.py)
         os.environ.setdefault("CHATGRAMMAR_FUZZ_SECONDS", "60")
+        os.environ.setdefault("CHATGRAMMAR_FUZZ_MIN_CASES", "300")
 
 
 def pytest_collection_modifyitems(config, items):

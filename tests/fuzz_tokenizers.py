@@ -262,9 +262,12 @@ def format_templates(fmt: Any) -> list[tuple[str, str, dict]]:
 # its variant with soft markers left as text, and the real ones of tests/tokenizers.py.
 REAL_TOKENIZERS = {
     "qwen": ("chatml", lambda: _tk().qwen_fast_tokenizer()),
+    # Qwen2.5's vocabulary without Qwen3's additions (<think>, <tool_response> are text)
+    "qwen2.5": ("chatml", lambda: _tk().qwen25_encoding()),
     "mistral-v3": ("mistral", lambda: _tk().mistral_tokenizer("v3")),
     "mistral-v3-slow": ("mistral", lambda: _tk().mistral_tokenizer("v3", fast=False)),
     "mistral-v7": ("mistral", lambda: _tk().mistral_tokenizer("v7")),
+    "mistral-v7-slow": ("mistral", lambda: _tk().mistral_tokenizer("v7", fast=False)),
     "phi3": ("phi3", lambda: _tk().phi3_tokenizer()),
 }
 
