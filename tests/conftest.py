@@ -99,6 +99,40 @@ def update_goldens(request) -> bool:
     return bool(request.config.getoption("--update-goldens"))
 
 
+_last_format: list = [None]
+
+
+@pytest.fixture(autouse=True)
+def _release_between_formats(request):
+    """In a module parametrised by format (``name``), when the format changes, the previous
+    one drops its per-tokenizer state and its text memo: a fuzz or reliability loop over every
+    format otherwise keeps each format's memos (bounded per format, not over 51 of them)."""
+    name = getattr(getattr(request.node, "callspec", None), "params", {}).get("name")
+    prev = _last_format[0]
+    if isinstance(name, str) and name != prev:
+        _last_format[0] = name
+        if isinstance(prev, str):
+            _drop_format_state(prev)
+    yield
+
+
+def _drop_format_state(name: str) -> None:
+    try:
+        import chatgrammar as cg
+
+        if name not in cg.list_formats():
+            return
+        fmt = cg.load_format(name)
+    except Exception:  # not a format name (a parameter of another kind)
+        return
+    for attr in ("_states", "_by_obj"):
+        cache = getattr(fmt, attr, None)
+        if isinstance(cache, dict):
+            cache.clear()
+    if hasattr(fmt, "_text_memo"):
+        fmt._text_memo = None
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_between_modules():
     """After each test module, drop what it built and nothing else keeps: the test helpers'
@@ -126,11 +160,7 @@ def _release() -> None:
         from chatgrammar import tokenizers as cg_tokenizers
 
         for name in cg.list_formats():
-            fmt = cg.load_format(name)
-            for attr in ("_states", "_by_obj"):
-                cache = getattr(fmt, attr, None)
-                if isinstance(cache, dict):
-                    cache.clear()
+            _drop_format_state(name)
         adapters = getattr(cg_tokenizers, "_ADAPTERS", None)
         if hasattr(adapters, "clear"):
             adapters.clear()

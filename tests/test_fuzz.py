@@ -238,17 +238,19 @@ def test_fuzz_soft_markers_as_text(name):
 
 @pytest.mark.parametrize("tokenizer", sorted(REAL_TOKENIZERS))
 def test_fuzz_real_tokenizers(tokenizer):
-    """transformers tokenizers (fast and slow, BPE and SentencePiece) decode hostile ids
-    through their own code paths: the contract holds there too."""
+    """Real tokenizers (transformers' fast and slow, BPE and SentencePiece; tiktoken's Qwen2.5)
+    decode hostile ids through their own code paths: the contract holds there too."""
     pytest.importorskip("transformers")
     name, _build = REAL_TOKENIZERS[tokenizer]
     if name not in FORMATS:
         pytest.fail(f"{tokenizer}: format {name!r} is not bundled")
     fmt = cg.load_format(name)
     tok = named_tokenizer(fmt, tokenizer)
-    _fuzz_ids_only(fmt, tok, tokenizer,
-                   lambda s: tok.encode(s, add_special_tokens=False),
-                   tok.encode(" ".join(_NOISE), add_special_tokens=False), len(tok),
+    from tests.format_kit import encode_ids, is_tiktoken
+
+    _fuzz_ids_only(fmt, tok, tokenizer, lambda s: encode_ids(tok, s),
+                   encode_ids(tok, " ".join(_NOISE)),
+                   tok.n_vocab if is_tiktoken(tok) else len(tok),
                    FUZZ_SECONDS / max(1, len(FORMATS)) / 5, MIN_CASES // 5)
 
 
