@@ -161,6 +161,9 @@ def _release() -> None:
 
         for name in cg.list_formats():
             _drop_format_state(name)
+        from tests import fuzz_tokenizers
+
+        fuzz_tokenizers._MEMOLESS.clear()  # the memo-less copies of formats (check_contract)
         adapters = getattr(cg_tokenizers, "_ADAPTERS", None)
         if hasattr(adapters, "clear"):
             adapters.clear()

@@ -329,6 +329,8 @@ def _memoless(fmt: Any) -> Any:
         memo = TextMemo(plain)
         memo.enabled = False
         plain._text_memo = memo
+    if len(_MEMOLESS) >= 2:  # a copy holds its own tables and per-tokenizer state: few kept
+        _MEMOLESS.clear()
     _MEMOLESS[id(fmt)] = (fmt, plain)
     return plain
 
