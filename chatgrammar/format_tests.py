@@ -20,6 +20,7 @@ Schema (every key optional)::
       added: {special_ids: {"<think>": 200000}}
       other: {special_ids: {...}, use: detection}   # only for the detection checks
       qwen: {real: qwen}
+      phi4: {real: qwen, add_special: ["<|im_sep|>"]}   # a real one plus added specials
     accepted:                      # matrix case shape -> why a conformance deviation is accepted
       repeated-prompt: "docs/formats.md, harmony: what is not trained"
     refused:                       # matrix case -> why the format refuses it on purpose: the
@@ -104,7 +105,10 @@ def check_tests(data: Any, file: str = "<tests.yaml>") -> list[str]:
             continue
         ids.append((f"tokenizers.{name}.special_ids", tk.get("special_ids") or {}))
         out += [f"{file}: tokenizers.{name}: unknown key {k!r}" for k in tk
-                if k not in ("special_ids", "real", "use")]
+                if k not in ("special_ids", "real", "use", "add_special")]
+        if "add_special" in tk and ("real" not in tk or not isinstance(tk["add_special"], list)):
+            out.append(f"{file}: tokenizers.{name}.add_special is a list of strings added to "
+                       "a `real:` tokenizer")
         if tk.get("use", "all") not in ("all", "detection"):
             out.append(f"{file}: tokenizers.{name}.use is `all` or `detection`")
     for where, table in ids:

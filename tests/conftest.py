@@ -6,6 +6,12 @@
   turns); review the diff before committing it.
 - ``--runslow``: also run the tests marked ``slow`` (long inputs and fuzz sizes of the longer
   run); the default run keeps their guarantees at a smaller size.
+
+Cost (issue 14: the whole suite in about 5 minutes and under 4 GB on 2 cores): the whole suite
+runs on two pytest-xdist workers, file by file (``pytest_cmdline_main``; named files, ``-k``
+and ``--update-goldens`` stay in one process); the format-parametrised modules run format by
+format; after each module the test helpers' cached tokenizers and the formats' per-tokenizer
+state are dropped (``_release_between_modules``).
 """
 from __future__ import annotations
 
@@ -42,22 +48,43 @@ def _fixed_clock_for_goldens(request, monkeypatch):
         monkeypatch.setattr(_render, "datetime", _FixedClock)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the option
+def pytest_cmdline_main(config):
+    """The whole suite (``python -m pytest``, no paths given) runs on two workers, file by
+    file, when pytest-xdist is installed (the ``test`` extra has it) and the caller did not
+    choose (``-n``, ``-p no:xdist``). A run of named files or ``-k`` stays in one process."""
+    whole = getattr(config, "args_source", None) in (pytest.Config.ArgsSource.TESTPATHS,
+                                                     pytest.Config.ArgsSource.INVOCATION_DIR)
+    if getattr(config.option, "numprocesses", "absent") is not None or not whole \
+            or os.environ.get("PYTEST_XDIST_WORKER") or config.getoption("usepdb", False) \
+            or getattr(config.option, "keyword", "") or config.getoption("--update-goldens"):
+        return
+    config.option.numprocesses = 2
+    config.option.dist = "loadfile"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-input / large fuzz sizes; run with --runslow")
     if config.getoption("--runslow"):  # the longer fuzz campaign (tests/test_fuzz.py)
         os.environ.setdefault("CHATGRAMMAR_FUZZ_SECONDS", "60")
+        os.environ.setdefault("CHATGRAMMAR_FUZZ_MIN_CASES", "300")
+
+
+# modules whose tests run format by format (each format's tokenizers are built once, used by
+# all its checks, then dropped by bounded caches: tests/test_formats.py releases them itself)
+BY_FORMAT = ("tests/test_formats.py::", "tests/test_new_families.py::")
 
 
 def pytest_collection_modifyitems(config, items):
-    # the format suite runs format by format (each format's tokenizers are built once, used by
-    # all its checks, and released before the next format: tests/test_formats.py)
-    suite = [i for i in items if i.nodeid.startswith("tests/test_formats.py::")]
-    if suite:
-        first = items.index(suite[0])
-        rest = [i for i in items if i not in set(suite)]
-        order = sorted(suite, key=lambda i: getattr(getattr(i, "callspec", None), "params",
-                                                    {}).get("name", ""))
-        items[:] = rest[:first] + order + rest[first:]
+    for prefix in BY_FORMAT:
+        suite = [i for i in items if i.nodeid.startswith(prefix)]
+        if suite:
+            first = items.index(suite[0])
+            chosen = set(suite)
+            rest = [i for i in items if i not in chosen]
+            order = sorted(suite, key=lambda i: getattr(getattr(i, "callspec", None), "params",
+                                                        {}).get("name", ""))
+            items[:] = rest[:first] + order + rest[first:]
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow")
@@ -70,3 +97,87 @@ def pytest_collection_modifyitems(config, items):
 def update_goldens(request) -> bool:
     """Whether this run regenerates the format suite's goldens."""
     return bool(request.config.getoption("--update-goldens"))
+
+
+_last_format: list = [None]
+
+
+@pytest.fixture(autouse=True)
+def _release_between_formats(request):
+    """In a module parametrised by format (``name``), when the format changes, the previous
+    one drops its per-tokenizer state and its text memo: a fuzz or reliability loop over every
+    format otherwise keeps each format's memos (bounded per format, not over 51 of them)."""
+    name = getattr(getattr(request.node, "callspec", None), "params", {}).get("name")
+    prev = _last_format[0]
+    if isinstance(name, str) and name != prev:
+        _last_format[0] = name
+        if isinstance(prev, str):
+            _drop_format_state(prev)
+    yield
+
+
+def _drop_format_state(name: str) -> None:
+    try:
+        import chatgrammar as cg
+
+        if name not in cg.list_formats():
+            return
+        fmt = cg.load_format(name)
+    except Exception:  # not a format name (a parameter of another kind)
+        return
+    for attr in ("_states", "_by_obj"):
+        cache = getattr(fmt, attr, None)
+        if isinstance(cache, dict):
+            cache.clear()
+    if hasattr(fmt, "_text_memo"):
+        fmt._text_memo = None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_between_modules():
+    """After each test module, drop what it built and nothing else keeps: the test helpers'
+    cached tokenizers (every ``functools.lru_cache`` of a ``tests.*`` module: a Qwen-ranks
+    vocabulary is ~35 MB, transformers tokenizers more), every loaded format's per-tokenizer
+    state, then give the freed heap back to the system. The suite's peak is then one module's
+    working set, not the sum of all of them."""
+    yield
+    _release()
+
+
+def _release() -> None:
+    import gc
+    import sys
+
+    for mod_name, mod in list(sys.modules.items()):
+        if not (mod_name.startswith("tests.") or mod_name.startswith("test_")) or mod is None:
+            continue
+        for value in list(vars(mod).values()):
+            clear = getattr(value, "cache_clear", None)
+            if callable(clear) and hasattr(value, "cache_info"):
+                clear()
+    try:
+        import chatgrammar as cg
+        from chatgrammar import tokenizers as cg_tokenizers
+
+        for name in cg.list_formats():
+            _drop_format_state(name)
+        from tests import fuzz_tokenizers
+
+        fuzz_tokenizers._MEMOLESS.clear()  # the memo-less copies of formats (check_contract)
+        adapters = getattr(cg_tokenizers, "_ADAPTERS", None)
+        if hasattr(adapters, "clear"):
+            adapters.clear()
+    except Exception:  # a module that broke the registry reports that itself
+        pass
+    gc.collect()
+    _malloc_trim()
+
+
+def _malloc_trim() -> None:
+    """glibc keeps freed arenas mapped; ``malloc_trim`` returns them (elsewhere: a no-op)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

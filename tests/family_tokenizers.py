@@ -77,7 +77,7 @@ SPECIAL_TOKENS: dict[str, dict[str, str]] = {
 }
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=4)  # each holds Qwen's ranks (~35 MB)
 def encoding_for(family: str):
     """The ``tiktoken.Encoding`` of a family (shared; treat as read-only).
 

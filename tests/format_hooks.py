@@ -146,8 +146,9 @@ def trl_generation_parity(fd: FormatData) -> None:
 def deviations_need_the_tests_yaml(fd: FormatData) -> None:
     """``hooks``: the conformance deviations the format's tests.yaml accepts are accepted for
     it only: the same spec copied under another name without its tests.yaml fails exactly the
-    cases that deviated (each with a reason), on every template. About the checker and a
-    second spec file: hence a hook."""
+    cases that deviated (each with a reason, containing every ``deviation_reasons`` string of
+    the suite.yaml), on every template. About the checker and a second spec file: hence a
+    hook."""
     import tempfile
     from pathlib import Path
 
@@ -166,6 +167,8 @@ def deviations_need_the_tests_yaml(fd: FormatData) -> None:
             deviated = {c.case for c in ours.cases if c.deviations}
             failed = {c.case: c.reason for c in theirs.cases if c.status == "fail"}
             assert set(failed) == deviated, t["file"]
+            for why in fd.data.get("deviation_reasons") or ():  # what each failure says
+                assert all(why in r for r in failed.values()), (t["file"], why, failed)
             seen += len(deviated)
         assert seen, "no template of the format shows a deviation"
 
@@ -198,3 +201,47 @@ def cohere_fixed_suffix_is_no_message(fd: FormatData) -> None:
     tail = "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
     assert basic.status == "pass" and basic.text.endswith("<|END_OF_TURN_TOKEN|>" + tail)
     assert basic.expected[-1][1] == len(basic.text) - len(tail + "<|END_OF_TURN_TOKEN|>")
+
+
+def same_ids_same_masks(fd: FormatData) -> None:
+    """``hooks``, with ``tokenizers_agree: {pairs: [[a, b], ...], min_compared: N}``: two
+    implementations of one vocabulary (a fast and a slow tokenizer) give the same masks on
+    every rendering they encode to the same ids (the slow one has no offsets, so this is what
+    ties its masks to the checked ones), on every template checked with both. About two
+    tokenizers at once: hence a hook."""
+    from chatgrammar.render import TemplateError
+    from tests.format_kit import encode_ids
+
+    x = fd.data["tokenizers_agree"]
+    compared = 0
+    for t in fd.templates():
+        names = fd.id_tokenizers(t["file"])
+        for a, b in x["pairs"]:
+            if a not in names or b not in names:
+                continue
+            ta, tb = fd.tokenizer(a), fd.tokenizer(b)
+            for c in fd.cases():
+                try:
+                    text = fd.render(t["file"], c)
+                except TemplateError:
+                    continue
+                ia, ib = encode_ids(ta, text), encode_ids(tb, text)
+                if ia == ib:
+                    compared += 1
+                    assert fd.fmt.loss_mask(ia, ta) == fd.fmt.loss_mask(ib, tb), (t["file"], c.name)
+    assert compared >= x.get("min_compared", 1), compared
+
+
+def conformance_expected_regions(fd: FormatData) -> None:
+    """``hooks``, with ``expected_regions: [{template, case, last_starts_with}]``: where the
+    render-diff checker expects a case's last trained region to start (e.g. the reply after
+    tool outputs trains from right after the marker the template prompts with). About the
+    checker's expected spans: hence a hook."""
+    from chatgrammar.conformance import check_template
+
+    for x in fd.data["expected_regions"]:
+        t = fd.template(x["template"])
+        res = check_template(fd.fmt, fd.source(x["template"]), name=x["template"],
+                             variables=t.get("vars"))
+        c = next(c for c in res.cases if c.case == x["case"])
+        assert c.text[c.expected[-1][0]:].startswith(x["last_starts_with"]), c.expected

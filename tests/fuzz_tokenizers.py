@@ -58,7 +58,7 @@ def marker_texts(fmt: Any, *, soft: bool = True) -> list[str]:
     return [m.text for m in fmt.spec.markers.values() if soft or m.special]
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=8)  # each holds Qwen's ranks (~35 MB): a few formats at a time
 def _encoding(name: str, markers: tuple[str, ...]) -> Any:
     import tiktoken
 
@@ -262,9 +262,12 @@ def format_templates(fmt: Any) -> list[tuple[str, str, dict]]:
 # its variant with soft markers left as text, and the real ones of tests/tokenizers.py.
 REAL_TOKENIZERS = {
     "qwen": ("chatml", lambda: _tk().qwen_fast_tokenizer()),
+    # Qwen2.5's vocabulary without Qwen3's additions (<think>, <tool_response> are text)
+    "qwen2.5": ("chatml", lambda: _tk().qwen25_encoding()),
     "mistral-v3": ("mistral", lambda: _tk().mistral_tokenizer("v3")),
     "mistral-v3-slow": ("mistral", lambda: _tk().mistral_tokenizer("v3", fast=False)),
     "mistral-v7": ("mistral", lambda: _tk().mistral_tokenizer("v7")),
+    "mistral-v7-slow": ("mistral", lambda: _tk().mistral_tokenizer("v7", fast=False)),
     "phi3": ("phi3", lambda: _tk().phi3_tokenizer()),
 }
 
@@ -326,6 +329,8 @@ def _memoless(fmt: Any) -> Any:
         memo = TextMemo(plain)
         memo.enabled = False
         plain._text_memo = memo
+    if len(_MEMOLESS) >= 2:  # a copy holds its own tables and per-tokenizer state: few kept
+        _MEMOLESS.clear()
     _MEMOLESS[id(fmt)] = (fmt, plain)
     return plain
 

@@ -19,7 +19,12 @@ docs/writing-a-format.md ("A format's tests") says what each file holds. The che
   vocabularies with markers added or removed detect as the data says;
 - **truncation** (format × template × case): every cut, both modes, as the golden;
 - **typed markers**: marker strings typed in message text are text in id mode;
+- **texts / id texts**: renderings or third-party token ids given as data parse as their golden;
+- **generation templates**: ``{% generation %}`` templates (TRL's) train what the format trains;
 - **hooks**: the few checks that are a format's own (tests/format_hooks.py), named in the data.
+
+Id mode runs on the format's special ids over Qwen's BPE and on every vocabulary the data
+names (real transformers tokenizers too, fast or slow: tests.yaml ``tokenizers: {x: {real: ...}}``).
 """
 from __future__ import annotations
 
@@ -38,9 +43,10 @@ from chatgrammar.format_tests import check_tests
 from chatgrammar.format_tests import tests_path as facts_path
 from chatgrammar.render import TemplateError
 from tests import format_hooks
-from tests.format_kit import (SUITE_DIR, TEMPLATES, FormatData, check_embedded_examples,
-                              check_id_mode, check_record, encode_with_ranges, make_policy,
-                              record, subsample, truncation_record)
+from tests.format_kit import (SUITE_DIR, TEMPLATES, FormatData, IdsOnlyTokenizer,
+                              check_embedded_examples, check_id_mode, check_record, encode_ids,
+                              encode_with_ranges, make_policy, policy_key, record, subsample,
+                              truncation_record)
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = cg.list_formats()
@@ -72,7 +78,7 @@ def _one_format_at_a_time(request):
         from tests import format_kit, fuzz_tokenizers
 
         for fmt in {cg.load_format(n) for n in BUNDLED}:
-            for attr in ("_id_lexers", "_fast"):
+            for attr in ("_states", "_by_obj"):  # per-tokenizer state (lexers, fast path)
                 cache = getattr(fmt, attr, None)
                 if isinstance(cache, dict):
                     cache.clear()
@@ -84,6 +90,7 @@ def _one_format_at_a_time(request):
                 cache.clear()
         format_kit.id_encoding.cache_clear()
         format_kit.renumbered_encoding.cache_clear()
+        format_kit.real_tokenizer.cache_clear()
         fuzz_tokenizers._encoding.cache_clear()
         gc.collect()
     yield
@@ -146,14 +153,25 @@ def _params(kind: str) -> list:
             out += [pytest.param(name, t["file"], id=f"{name}-{Path(t['file']).stem}")
                     for t in fd.templates()]
         elif kind == "tokenizer":
-            out += [pytest.param(name, tk, id=f"{name}-{tk}") for tk in fd.tokenizer_names()]
+            out += [pytest.param(name, tk, id=f"{name}-{tk}") for tk in
+                    fd.tokenizer_names() + list(fd.data.get("examples_tokenizers") or ())]
         elif kind == "detect_tokenizer":
             out += [pytest.param(name, tk, id=f"{name}-{tk}")
                     for tk in fd.tokenizer_names(detection=True)]
         elif kind == "truncation":
-            out += [pytest.param(name, x["template"], x["case"],
-                                 id=f"{name}-{Path(x['template']).stem}-{x['case']}")
+            out += [pytest.param(name, x["template"], x["case"], x.get("tokenizer"),
+                                 id=f"{name}-{Path(x['template']).stem}-{x['case']}"
+                                    + (f"-{x['tokenizer']}" if x.get("tokenizer") else ""))
                     for x in fd.data.get("truncation") or []]
+        elif kind == "generation":
+            out += [pytest.param(name, i, id=f"{name}-{Path(x['file']).stem}")
+                    for i, x in enumerate(fd.data.get("generation_templates") or [])]
+        elif kind == "id_text":
+            out += [pytest.param(name, i, id=f"{name}-{x['name']}")
+                    for i, x in enumerate(fd.data.get("id_texts") or [])]
+        elif kind == "detect_matched":
+            out += [pytest.param(name, k, v, id=f"{name}-{Path(k).stem}")
+                    for k, v in (fd.data.get("detect_matched") or {}).items()]
         elif kind == "vocabulary":
             out += [pytest.param(name, i, id=f"{name}-{i}")
                     for i in range(len(fd.data.get("vocabularies") or []))]
@@ -201,11 +219,12 @@ def test_tests_yaml_is_valid(name):
     assert missing == []
 
 
-@pytest.mark.parametrize("name", [n for n in FORMATS if n in ("gemma4", "reka")])
+@pytest.mark.parametrize("name", [n for n in FORMATS if data(n).data.get("special_ids_complete")])
 def test_special_ids_tokenizer_is_qwen_bpe_with_the_specials(name):
-    """The id-mode tokenizer built from a tests.yaml: every special is one id, at its id, every
-    marker of the spec that is special is one of them, and ordinary text splits exactly as
-    with Qwen's own ranks (the renumbering around the ids is monotone)."""
+    """``special_ids_complete: true``: the id-mode tokenizer built from the tests.yaml: every
+    special is one id, at its id, every marker of the spec that is special is one of them,
+    and ordinary text splits exactly as with Qwen's own ranks (the renumbering around the ids
+    is monotone)."""
     from tests.format_kit import qwen_ranks, id_encoding
 
     fd = data(name)
@@ -382,6 +401,9 @@ def check_conformance(fd: FormatData, file: str, update_goldens: bool = False) -
                     "deviations": {c.case: len(c.deviations) for c in res.cases if c.deviations},
                     "not_passed": {c.case: [c.status, c.reason] for c in res.cases
                                    if c.status != "pass"}}
+        if fd.data.get("conformance_deviation_texts"):  # what each accepted deviation says
+            got[key]["deviation_texts"] = {c.case: list(c.deviations) for c in res.cases
+                                           if c.deviations}
     _expect(fd, file, "conformance", None, got, update_goldens)
 
 
@@ -455,6 +477,7 @@ def test_detect_tokenizer(name, tk, update_goldens):
     if fd.data.get("detect_matched_only"):
         assert cg.explain_detection(tok).matched == [want]
     got = {"alone": _explained(tok)}
+    carrying = None  # one copy of the vocabulary, carrying each template in turn (cheaper)
     # ``detect_with_template: false``: a template-detected family whose bare tokenizer speaks
     # another family (an OLMo-2 vocabulary carries ChatML's tokens): the pair is a disagreement
     for t in fd.templates() if fd.data.get("detect_with_template", True) else []:
@@ -462,7 +485,8 @@ def test_detect_tokenizer(name, tk, update_goldens):
             src = fd.source(t["file"])
             assert cg.detect_format(tok, chat_template=src).name == t.get("detect", name)
             got[t["file"]] = _explained(tok, chat_template=src)
-            got[t["file"] + " (carried)"] = _explained(_carrying(tok, src))
+            carrying = _carrying(tok, src, carrying)
+            got[t["file"] + " (carried)"] = _explained(carrying)
     _expect(fd, FORMAT_FILE, "detection", tk, got, update_goldens)
 
 
@@ -476,13 +500,15 @@ def _explained(tok, **kw) -> dict:
     return {"format": ex.format, "matched": ex.matched, "rule": rule}
 
 
-def _carrying(tok, template_src: str):
-    """The same vocabulary carrying a chat template, as a transformers tokenizer does."""
+def _carrying(tok, template_src: str, enc=None):
+    """The same vocabulary carrying a chat template, as a transformers tokenizer does
+    (``enc``: a copy made before, now given this template)."""
     import tiktoken
 
-    enc = tiktoken.Encoding(name=tok.name + "-tpl", pat_str=tok._pat_str,
-                            mergeable_ranks=tok._mergeable_ranks,
-                            special_tokens=tok._special_tokens)
+    if enc is None:
+        enc = tiktoken.Encoding(name=tok.name + "-tpl", pat_str=tok._pat_str,
+                                mergeable_ranks=tok._mergeable_ranks,
+                                special_tokens=tok._special_tokens)
     enc.chat_template = template_src
     return enc
 
@@ -529,29 +555,31 @@ def test_detect_real_tokenizer(name, tk, want):
 
 # --------------------------------------------------------------------------- truncation
 
-@pytest.mark.parametrize("name,file,case", _params("truncation"))
-def test_truncation(name, file, case, update_goldens, request):
+@pytest.mark.parametrize("name,file,case,tk", _params("truncation"))
+def test_truncation(name, file, case, tk, update_goldens, request):
     # every cut with --runslow; every third (and the last) in the default run
     stride = 1 if request.config.getoption("--runslow") else 3
-    check_truncation(data(name), file, case, update_goldens, stride)
+    check_truncation(data(name), file, case, update_goldens, stride, tk)
 
 
 def check_truncation(fd: FormatData, file: str, case: str, update_goldens: bool = False,
-                     stride: int = 1):
+                     stride: int = 1, tokenizer: str | None = None):
     """Every cut of the rendering in text mode and every prefix of its ids (every
     ``stride``-th): each trains, reads and warns as the golden, none trains what the whole
-    does not (unless the data says a cut may)."""
+    does not (unless the data says a cut may). ``tokenizer``: the entry's own vocabulary
+    (default: the template's); its golden is ``case@tokenizer``."""
     text = fd.render(file, fd.case(case))
-    tok = fd.tokenizer(fd.template(file)["tokenizer"])
+    tok = fd.tokenizer(tokenizer or fd.template(file)["tokenizer"])
+    key = case if tokenizer is None else f"{case}@{tokenizer}"
     within = fd.data.get("truncation_within_whole", True)
     if update_goldens or stride == 1:  # the golden holds every cut
         got = truncation_record(fd.fmt, text, tok, within)
-        _expect(fd, file, "truncation", case, got, update_goldens)
+        _expect(fd, file, "truncation", key, got, update_goldens)
         return
     got = truncation_record(fd.fmt, text, tok, within, stride=stride)
-    gold = fd.golden(file).get("truncation", {}).get(case)
-    assert gold is not None, f"no truncation golden for {fd.name} {file} {case}"
-    assert got == subsample(gold, stride), f"{fd.name} × {file}: truncation {case}"
+    gold = fd.golden(file).get("truncation", {}).get(key)
+    assert gold is not None, f"no truncation golden for {fd.name} {file} {key}"
+    assert got == subsample(gold, stride), f"{fd.name} × {file}: truncation {key}"
 
 
 # --------------------------------------------------------------------------- typed markers
@@ -590,17 +618,31 @@ def test_rendered_text(name, i, update_goldens):
     check_text(data(name), i, update_goldens)
 
 
+def _text_of(x: dict) -> str:
+    """A ``texts`` entry's text: ``text``, or ``file`` (under tests/data; a third party's golden
+    rendering, read as its own tests read it: CRLF normalised, trailing whitespace trimmed),
+    after ``prefix`` (e.g. the header a completion follows)."""
+    if "file" in x:
+        text = (TEMPLATES.parent / x["file"]).read_text(encoding="utf-8")
+        text = text.replace("\r\n", "\n").rstrip()
+    else:
+        text = x["text"]
+    return x.get("prefix", "") + text
+
+
 def check_text(fd: FormatData, i: int, update_goldens: bool = False) -> None:
     """``texts``: a rendering given as text (a layout no template of the data writes, e.g. a
     vendor's reference example): parsed as its golden (turns, blocks, closes, every policy's
     spans), and id mode as text mode."""
     x = fd.data["texts"][i]
-    text = x["text"]
+    text = _text_of(x)
     rec = record(fd.fmt, text, fd.policies())
     check_record(rec)
     conv = fd.fmt.parse(text)
     rec["closes"] = [text[t.block.close_start:t.block.close_end]
                      if t.block.close_start is not None else None for t in conv.turns]
+    if x.get("record_attrs"):  # each turn's block kind and header attributes
+        rec["attrs"] = [[t.block.kind, dict(sorted(t.attrs.items()))] for t in conv.turns]
     tok = fd.tokenizer(x.get("tokenizer", "default"))
     conv_ids = check_id_mode(fd.fmt, text, conv, tok, [make_policy(p) for p in fd.policies()],
                              warnings=fd.data.get("id_warnings", "count"), conv_mask=True)
@@ -629,7 +671,7 @@ def test_malformed_input_is_an_error_in_both_modes(name, i):
             fd.fmt.parse(x["text"])
     if "ids" in modes:
         with pytest.raises(cg.ParseError, match=x.get("match")):
-            fd.fmt.parse_ids(tok.encode(x["text"], allowed_special="all"), tok)
+            fd.fmt.parse_ids(encode_ids(tok, x["text"]), tok)
 
 
 # --------------------------------------------------------------------------- hooks
@@ -640,6 +682,162 @@ def test_hook(name, hook):
     getattr(format_hooks, hook)(data(name))
 
 
+# --------------------------------------------------------------------------- ids as data
+
+@pytest.mark.parametrize("name,i", _params("id_text"))
+def test_id_text(name, i, update_goldens):
+    check_id_text(data(name), i, update_goldens)
+
+
+def check_id_text(fd: FormatData, i: int, update_goldens: bool = False) -> None:
+    """``id_texts``: a third party's token ids (a file of integers under tests/data, after
+    ``prefix_ids``) parsed with a tokenizer that knows only the format's special ids and the
+    ``words`` given (id → text; every other id decodes to a placeholder, so content is never
+    read): the turns (role, header attributes, complete), every policy's spans and the header
+    ids before each turn's first span are the golden's."""
+    x = fd.data["id_texts"][i]
+    ids = list(x.get("prefix_ids") or []) + [
+        int(t) for t in (TEMPLATES.parent / x["file"]).read_text(encoding="utf-8").split()]
+    tok = IdsOnlyTokenizer(fd.facts.get("special_ids") or {},
+                           {int(k): v for k, v in (x.get("words") or {}).items()})
+    conv = fd.fmt.parse_ids(ids, tok)
+    first = {}
+    for s in conv.spans():
+        first.setdefault(s.turn, s)
+    got = {"turns": [[t.role, dict(sorted(t.attrs.items())), t.start, t.end, t.complete]
+                     for t in conv.turns],
+           "warnings": [w.message for w in conv.warnings],
+           "spans": {policy_key(p): [[s.kind, s.start, s.end, s.turn]
+                                     for s in conv.spans(make_policy(p))]
+                     for p in fd.policies()},
+           "header_ids": {str(k): ids[conv.turns[k].start:s.start] for k, s in first.items()}}
+    _expect(fd, FORMAT_FILE, "id_texts", x["name"], got, update_goldens)
+
+
+# --------------------------------------------------------------------------- generation spans
+
+@pytest.mark.parametrize("name,i", _params("generation"))
+def test_generation_spans(name, i):
+    check_generation(data(name), i)
+
+
+def check_generation(fd: FormatData, i: int) -> None:
+    """``generation_templates``: a training template with ``{% generation %}`` (TRL's, or an
+    upstream one) renders every case with the spans transformers records; the format's spans
+    under ``end_marker=True`` cover the same assistant output, up to the documented
+    differences the entry names (docs/formats.md):
+
+    - ``compare: chars`` (default): the same characters, whitespace aside; ``trailing``: a
+      marker TRL also trains after the last turn (not part of any turn here); with
+      ``tokenizer``, transformers' own ``return_assistant_tokens_mask`` agrees token by token
+      (whitespace tokens and that trailing marker aside);
+    - ``compare: spans``: each generation span holds exactly the format's spans inside it
+      (``opener``: a marker TRL's span may start with, prompt here; ``drop``: a string TRL's
+      span carries that the format does not train; ``next_markers``: TRL's span ends with the
+      next turn's marker), every span of the format lies in one, and id mode (``id_tokenizer``)
+      agrees on the rendering;
+    - ``detect``: what the template detects as; ``min_cases``: how many cases must render."""
+    import copy
+
+    import numpy as np
+
+    from chatgrammar.render import render_chat_with_spans
+
+    x = fd.data["generation_templates"][i]
+    path = TEMPLATES / x["file"]
+    src = (path if path.is_file() else TEMPLATES / "generation" / x["file"]).read_text(
+        encoding="utf-8")
+    end = cg.MaskPolicy(end_marker=True)
+    checked = 0
+    for case in fd.cases():
+        try:
+            r = render_chat_with_spans(src, copy.deepcopy(case.messages),
+                                       **{**(x.get("vars") or {}), **case.render_kwargs()})
+        except TemplateError:
+            continue
+        text, conv = r.text, fd.fmt.parse(r.text)
+        if x.get("compare", "chars") == "chars":
+            theirs = np.zeros(len(text), bool)
+            for a, b in r.generation_spans:
+                theirs[a:b] = True
+            tail = x.get("trailing")
+            if tail and text.endswith(tail) and not case.add_generation_prompt:
+                assert theirs[-len(tail):].all()  # the documented difference
+                theirs[-len(tail):] = False
+            ours = conv.mask_array(end).astype(bool)
+            visible = np.array([not c.isspace() for c in text], bool)
+            diff = np.flatnonzero((theirs != ours) & visible)
+            assert not diff.size, (case.name, text[max(0, diff[0] - 30):diff[0] + 30])
+            assert ours.any() == bool(case.outputs) or case.add_generation_prompt
+            if x.get("tokenizer"):
+                _assistant_tokens_parity(fd, fd.tokenizer(x["tokenizer"]), src, case, tail)
+        else:
+            assert not conv.warnings
+            ours = conv.spans(end)
+            assert len(r.generation_spans) == sum(1 for m in case.messages
+                                                  if m["role"] == "assistant")
+            covered = set()
+            for gs, ge in r.generation_spans:
+                inside = [s for s in ours if gs <= s.start and s.end <= ge]
+                covered.update(id(s) for s in inside)
+                gen = text[gs:ge]
+                gen = gen[len(next((o for o in x.get("opener") or () if gen.startswith(o)),
+                                   "")):]
+                if x.get("drop"):
+                    gen = gen.replace(x["drop"], "")
+                if x.get("next_markers"):
+                    nxt = [m for m in x["next_markers"] if gen.endswith(m)]
+                    assert nxt, (case.name, gen[-40:])
+                    gen = gen[:-len(nxt[0])]
+                assert "".join(text[s.start:s.end] for s in inside) == gen, case.name
+            assert covered == {id(s) for s in ours}, case.name  # nothing TRL does not train
+            check_id_mode(fd.fmt, text, conv, fd.tokenizer(x.get("id_tokenizer", "default")),
+                          [None, cg.MaskPolicy(thinking=False, end_marker=True),
+                           cg.MaskPolicy(tool_calls=False, end_marker=False)],
+                          warnings="none", turn_fields=("role", "generation_prompt"))
+        checked += 1
+    assert checked >= x.get("min_cases", 1), checked
+    if "detect" in x:
+        assert cg.detect_format(chat_template=src).name == x["detect"]
+
+
+def _assistant_tokens_parity(fd: FormatData, tok, src: str, case, tail) -> None:
+    """transformers' ``return_assistant_tokens_mask`` (a fast tokenizer) against
+    ``loss_mask(end_marker=True)`` on the ids transformers renders."""
+    import copy
+
+    import numpy as np
+
+    out = tok.apply_chat_template(copy.deepcopy(case.messages), chat_template=src,
+                                  tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True, **case.render_kwargs())
+    ids = out["input_ids"]
+    theirs = np.asarray(out["assistant_masks"], bool)
+    ours = np.asarray(fd.fmt.loss_mask(ids, tok, policy=cg.MaskPolicy(end_marker=True)), bool)
+    assert theirs.any() == ours.any() == any(o.content or o.tool_calls for o in case.outputs), \
+        case.name
+    for i in np.flatnonzero(theirs != ours):
+        piece = tok.decode([ids[i]], skip_special_tokens=False)
+        if piece.strip() == "":
+            continue  # template whitespace (the "\n" after a close marker, SentencePiece's "▁")
+        if tail and i == len(ids) - 1 and piece == tail:
+            continue  # the documented difference (``trailing``)
+        pytest.fail(f"{case.name}: token {i} {piece!r}: transformers {theirs[i]}, "
+                    f"ours {ours[i]}")
+
+
+@pytest.mark.parametrize("name,key,want", _params("detect_matched"))
+def test_detect_matched(name, key, want):
+    """``detect_matched``: a tokenizer of the data (by name) or a template (by file) detects as
+    this format while these formats' detectors match it too (precedence decides, never file
+    order)."""
+    fd = data(name)
+    kw = {"chat_template": fd.source(key)} if key.endswith(".jinja") else \
+        {"tokenizer": fd.tokenizer(key)}
+    ex = cg.explain_detection(**kw)
+    assert ex.format == name and set(want) <= set(ex.matched), ex
+
+
 # --------------------------------------------------------------------------- a new format
 
 def test_a_new_format_is_its_yaml_and_its_data(tmp_path, monkeypatch):
@@ -647,7 +845,8 @@ def test_a_new_format_is_its_yaml_and_its_data(tmp_path, monkeypatch):
     bundled spec copied under a new name, with its data, into a plugin directory passes the
     suite's checks (detection aside: two identical detectors without a declared precedence
     are, rightly, a precedence error)."""
-    src = "reka" if "reka" in FORMATS else FORMATS[0]
+    # the guide's complete example (docs/writing-a-format.md names its folder)
+    src = next((n for n in FORMATS if data(n).data.get("guide_example")), FORMATS[0])
     new = "my-new-format"
     fmt_dir = tmp_path / "formats"
     fmt_dir.mkdir()
@@ -670,10 +869,14 @@ def test_a_new_format_is_its_yaml_and_its_data(tmp_path, monkeypatch):
     for tk in fd.tokenizer_names():
         check_examples(fd, tk)
     for x in fd.data.get("truncation") or []:
-        check_truncation(fd, x["template"], x["case"])
+        check_truncation(fd, x["template"], x["case"], tokenizer=x.get("tokenizer"))
     for i in range(len(fd.data.get("typed_markers") or [])):
         check_typed_markers(fd, i)
     for i in range(len(fd.data.get("contrasts") or [])):
         check_contrast(fd, i)
     for i in range(len(fd.data.get("texts") or [])):
         check_text(fd, i)
+    for i in range(len(fd.data.get("id_texts") or [])):
+        check_id_text(fd, i)
+    for i in range(len(fd.data.get("generation_templates") or [])):
+        check_generation(fd, i)

@@ -62,7 +62,7 @@ def _special_ids(name: str, template: str | None = None) -> dict:
     return dict(_facts(name).get("special_ids") or {})
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=4)  # each holds Qwen's ranks (~35 MB); tests run family by family
 def _encoding(name: str, template: str | None = None):
     """Qwen's BPE with the family's special ids at their real ids (ordinary ranks renumbered
     around them: the order of merges, hence every tokenisation of text, is Qwen's)."""

@@ -158,6 +158,23 @@ def qwen_tiktoken_encoding() -> Any:
     )
 
 
+@lru_cache(maxsize=None)
+def qwen25_encoding() -> Any:
+    """Qwen2.5's vocabulary without Qwen3's additions (ids up to 151664): ``<think>``,
+    ``</think>``, ``<tool_response>`` are plain text there, so id mode must find soft markers
+    in decoded text.
+
+    Returns:
+        A ``tiktoken.Encoding`` (shared, treat as read-only).
+    """
+    import tiktoken
+
+    base = qwen_tiktoken_encoding()
+    specials = {c: i for i, c, _ in QWEN_ADDED_TOKENS if i <= 151664}
+    return tiktoken.Encoding(name="qwen2.5-no-qwen3-additions", pat_str=QWEN_PATTERN,
+                             mergeable_ranks=base._mergeable_ranks, special_tokens=specials)
+
+
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
