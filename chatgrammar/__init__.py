@@ -11,16 +11,16 @@ Example:
 from .errors import (ChatGrammarError, CompileError, DetectionError, DeviationWarning,
                      InferenceError, NormError,
                      ParseError, SpecError)
-from .format import Format
-from .policy import MaskPolicy
-from .registry import list_formats, load_format
-from .spans import Block, Conversation, Issue, Span, Turn
-from .detect import detect_format, explain_detection
+from .runtime.format import Format
+from .runtime.policy import MaskPolicy
+from .core.registry import list_formats, load_format
+from .runtime.spans import Block, Conversation, Issue, Span, Turn
+from .core.detect import detect_format, explain_detection
 
-from .infer import infer_format
+from .conformance.infer import infer_format
 
-from .norms import (FinalNorm, build_final_norm, explain_final_norm, final_norm_kind,
-                    resolve_final_norm)
+from .core.norms import (FinalNorm, build_final_norm, explain_final_norm, final_norm_kind,
+                         resolve_final_norm)
 
 __version__ = "0.1.0"
 

@@ -92,7 +92,7 @@ class DetectionError(ChatGrammarError):
         message: what went wrong (its first line is a one-line summary).
         candidates: the nearest formats, best first (no match), or the formats in conflict.
         evidence: per format name, what was looked for and what was found
-            (the ``evidence`` of :class:`chatgrammar.detect.Detection`).
+            (the ``evidence`` of :class:`chatgrammar.core.detect.Detection`).
     """
 
     def __init__(self, message: str, *, candidates: Sequence[str] = (),
@@ -104,8 +104,8 @@ class DetectionError(ChatGrammarError):
 
 
 # Errors of later stages, defined here so that every error of the package has one home; their
-# modules re-export them (``chatgrammar.detect.PrecedenceError``, ``chatgrammar.render.
-# TemplateError`` / ``RenderTimeout``, ``chatgrammar.tokenizers.TokenizerLoadError``). Not in
+# modules re-export them (``chatgrammar.core.detect.PrecedenceError``, ``chatgrammar.conformance.render.
+# TemplateError`` / ``RenderTimeout``, ``chatgrammar.runtime.tokenizers.TokenizerLoadError``). Not in
 # ``__all__``, which lists what ``chatgrammar`` itself exports.
 
 class PrecedenceError(SpecError, DetectionError):

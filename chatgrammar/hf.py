@@ -18,9 +18,9 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from .format import Format
-from .policy import MaskPolicy
-from .registry import load_format
+from .runtime.format import Format
+from .runtime.policy import MaskPolicy
+from .core.registry import load_format
 
 __all__ = ["MaskFn", "map_fn", "apply_chat_template", "mask_batch"]
 
@@ -39,10 +39,10 @@ class MaskFn:
         if on_error not in ("raise", "record"):
             raise ValueError("on_error must be 'raise' or 'record'")
         # "auto": the bundled format detected for the tokenizer / template, else one inferred
-        # from the chat template and verified (chatgrammar.infer); format_source says which
+        # from the chat template and verified (chatgrammar.conformance.infer); format_source says which
         self.format_source = "given"
         if isinstance(fmt, str) and fmt == "auto":
-            from .infer import resolve_format
+            from .conformance.infer import resolve_format
             self.fmt, self.format_source = resolve_format(
                 tokenizer, chat_template=template, **dict(template_kwargs or {}))
         else:
@@ -70,7 +70,7 @@ class MaskFn:
         if not tpl:
             raise ValueError("rows carry messages but there is no chat template: pass "
                              "template= to map_fn or use a tokenizer that has one")
-        from .render import special_token_vars
+        from .conformance.render import special_token_vars
 
         return tpl, {**special_token_vars(tok), **self.template_kwargs}
 
@@ -98,7 +98,7 @@ class MaskFn:
                 if ids is None:
                     if setup is None:
                         setup = self._render_setup()
-                    from .render import render_chat
+                    from .conformance.render import render_chat
 
                     tools = batch.get("tools")
                     text = render_chat(setup[0], msgs_col[i],
@@ -214,8 +214,8 @@ def format_for(fmt: Any, tokenizer: Any, chat_template: str | None) -> Format:
     """
     if fmt is not None:
         return load_format(fmt)
-    from .detect import detect_format
-    from .tokenizers import content_version
+    from .core.detect import detect_format
+    from .runtime.tokenizers import content_version
 
     own = getattr(tokenizer, "chat_template", None)
     key = (content_version(tokenizer), chat_template,
@@ -348,7 +348,7 @@ def apply_chat_template(
     Rendering and tokenisation: a transformers tokenizer renders and tokenises with its own
     ``apply_chat_template`` (so ``input_ids`` and ``attention_mask`` are exactly transformers'
     output, padding and truncation included); a ``tiktoken.Encoding`` (or any object with
-    ``encode``) is rendered with chatgrammar's sandboxed renderer (:func:`chatgrammar.render.
+    ``encode``) is rendered with chatgrammar's sandboxed renderer (:func:`chatgrammar.conformance.render.
     render_chat`, byte-identical to transformers) and encoded with specials allowed.
 
     Masks: computed on the ids the model sees. Right truncation (the default side) masks the
@@ -504,7 +504,7 @@ def _batch_encoding(data: dict, return_tensors: Any):
 def _apply_plain(tok, convs, batched, *, tools, documents, chat_template, add_generation_prompt,
                  continue_final_message, tokenize, padding, truncation, max_length,
                  return_tensors, return_dict, return_mask, fmt, policy, strict, kwargs):
-    from .render import render_chat
+    from .conformance.render import render_chat
 
     template = chat_template_of(tok, chat_template, tools)
     specials = dict(getattr(tok, "special_tokens_map", None) or {})

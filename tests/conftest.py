@@ -43,7 +43,7 @@ def _fixed_clock_for_goldens(request, monkeypatch):
     # only the format suite's goldens need it; render parity tests compare with transformers,
     # whose strftime_now reads the real clock
     if request.node.nodeid.startswith("tests/test_formats.py::"):
-        import chatgrammar.render as _render
+        import chatgrammar.conformance.render as _render
 
         monkeypatch.setattr(_render, "datetime", _FixedClock)
 
@@ -157,7 +157,7 @@ def _release() -> None:
                 clear()
     try:
         import chatgrammar as cg
-        from chatgrammar import tokenizers as cg_tokenizers
+        from chatgrammar.runtime import tokenizers as cg_tokenizers
 
         for name in cg.list_formats():
             _drop_format_state(name)

@@ -66,7 +66,7 @@ def granite_llamacpp_goldens(fd: FormatData) -> None:
     import json
     import re
 
-    from chatgrammar.render import render_chat
+    from chatgrammar.conformance.render import render_chat
     from tests.format_kit import TEMPLATES, check_id_mode, trained_per_turn
 
     data = json.loads((TEMPLATES.parent / "granite" / "llamacpp-granite-cases.json")
@@ -107,7 +107,7 @@ def trl_generation_parity(fd: FormatData) -> None:
     the renderer, not a golden: hence a hook."""
     import copy
 
-    from chatgrammar.render import TemplateError, render_chat_with_spans
+    from chatgrammar.conformance.render import TemplateError, render_chat_with_spans
     from tests.format_kit import TEMPLATES, check_id_mode
 
     for name, x in fd.data["trl"].items():
@@ -152,7 +152,7 @@ def deviations_need_the_tests_yaml(fd: FormatData) -> None:
     import tempfile
     from pathlib import Path
 
-    from chatgrammar.conformance import check_template
+    from chatgrammar.conformance.templates import check_template
 
     spec = Path(fd.fmt.path).read_text(encoding="utf-8")
     with tempfile.TemporaryDirectory() as d:
@@ -193,7 +193,7 @@ def cohere_fixed_suffix_is_no_message(fd: FormatData) -> None:
     """``hooks``: R7B's tool_use template ends every rendering with `<|START_OF_TURN_TOKEN|>
     <|CHATBOT_TOKEN|>`: the checker gives it to no message, so the last reply's expected region
     ends at its own terminator. About the checker's expected spans: hence a hook."""
-    from chatgrammar.conformance import check_template
+    from chatgrammar.conformance.templates import check_template
 
     file = "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja"
     res = check_template(fd.fmt, fd.source(file), variables=fd.template(file).get("vars"))
@@ -209,7 +209,7 @@ def same_ids_same_masks(fd: FormatData) -> None:
     every rendering they encode to the same ids (the slow one has no offsets, so this is what
     ties its masks to the checked ones), on every template checked with both. About two
     tokenizers at once: hence a hook."""
-    from chatgrammar.render import TemplateError
+    from chatgrammar.conformance.render import TemplateError
     from tests.format_kit import encode_ids
 
     x = fd.data["tokenizers_agree"]
@@ -237,7 +237,7 @@ def conformance_expected_regions(fd: FormatData) -> None:
     render-diff checker expects a case's last trained region to start (e.g. the reply after
     tool outputs trains from right after the marker the template prompts with). About the
     checker's expected spans: hence a hook."""
-    from chatgrammar.conformance import check_template
+    from chatgrammar.conformance.templates import check_template
 
     for x in fd.data["expected_regions"]:
         t = fd.template(x["template"])

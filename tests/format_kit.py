@@ -328,9 +328,9 @@ import json as _json  # noqa: E402
 
 import yaml as _yaml  # noqa: E402
 
-from chatgrammar.format_tests import tests_for  # noqa: E402
-from chatgrammar.matrix import MatrixCase, default_matrix  # noqa: E402
-from chatgrammar.render import render_chat  # noqa: E402
+from chatgrammar.conformance.format_tests import tests_for  # noqa: E402
+from chatgrammar.conformance.matrix import MatrixCase, default_matrix  # noqa: E402
+from chatgrammar.conformance.render import render_chat  # noqa: E402
 
 SUITE_DIR = Path(__file__).resolve().parent / "formats"
 _MARKS = ("\u27e6", "\u27e7")  # ⟦ ⟧

@@ -231,7 +231,7 @@ def engine_templates(fmt: Any) -> list[tuple[str, str, dict]]:
 
 
 def tests_for_format(fmt: Any) -> dict:
-    from chatgrammar.format_tests import tests_for
+    from chatgrammar.conformance.format_tests import tests_for
 
     return tests_for(fmt)
 
@@ -241,7 +241,7 @@ def format_templates(fmt: Any) -> list[tuple[str, str, dict]]:
     format: the ``templates:`` of its test facts (``formats/<name>.tests.yaml``) marked
     ``main: true``, with their ``main_vars`` (default ``vars``); a template marked ``content_as_parts`` gets the
     prelude above."""
-    from chatgrammar.format_tests import tests_for
+    from chatgrammar.conformance.format_tests import tests_for
 
     out = []
     facts = tests_for(fmt)
@@ -313,16 +313,16 @@ _MEMOLESS: dict[int, tuple[Any, Any]] = {}
 
 
 def _memoless(fmt: Any) -> Any:
-    """The same format with its text-mode memo switched off (chatgrammar.fastpath.TextMemo):
+    """The same format with its text-mode memo switched off (chatgrammar.runtime.fastpath.TextMemo):
     every parse takes the full pipeline."""
     hit = _MEMOLESS.get(id(fmt))
     if hit is not None and hit[0] is fmt:
         return hit[1]
-    from chatgrammar.format import Format
+    from chatgrammar.runtime.format import Format
 
     plain = Format(fmt.spec, fmt.source)
     try:
-        from chatgrammar.fastpath import TextMemo
+        from chatgrammar.runtime.fastpath import TextMemo
     except ImportError:  # no memo in this version: the plain format is the format
         TextMemo = None
     if TextMemo is not None and hasattr(plain, "_text_memo"):

@@ -99,7 +99,7 @@ def render_and_encode(enc, template_src: str, messages: list[dict], **kwargs) ->
     Returns:
         (rendered text, ids); ``enc.decode(ids) == text``.
     """
-    from chatgrammar.render import render_chat
+    from chatgrammar.conformance.render import render_chat
 
     text = render_chat(template_src, messages, **kwargs)
     originals: list[str] = []

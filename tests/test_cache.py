@@ -1,4 +1,4 @@
-"""The persistent compile cache (chatgrammar.cache): same results, never required, never stale,
+"""The persistent compile cache (chatgrammar.core.cache): same results, never required, never stale,
 and never a way to run code (JSON entries; a private directory; planted, corrupt or foreign
 entries are rebuilt)."""
 from __future__ import annotations
@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 
 import chatgrammar as cg
-from chatgrammar import cache
-from chatgrammar.compile import Lark, _PassThroughLexer
+from chatgrammar.core import cache
+from chatgrammar.core.compile import Lark, _PassThroughLexer
 
 ROOT = Path(__file__).resolve().parent.parent
 
 SNIPPET = """
 import json, time
 import chatgrammar as cg
-from chatgrammar import compile as c
+from chatgrammar.core import compile as c
 from tests.kimi_tokenizers import kimi_k3_encoding, render_and_encode, template
 calls = []
 orig = c.Lark
@@ -257,7 +257,7 @@ def test_a_corrupt_or_foreign_entry_is_rebuilt(tmp_path, damage):
 
 
 def test_entries_are_keyed_by_content_not_path(tmp_path, monkeypatch):
-    from chatgrammar import compile as c, registry
+    from chatgrammar.core import compile as c, registry
 
     monkeypatch.setenv("CHATGRAMMAR_CACHE_DIR", str(tmp_path / "cache"))
     src = Path(cg.load_format("chatml").path).read_bytes()
@@ -279,7 +279,7 @@ def test_entries_are_keyed_by_content_not_path(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", cg.list_formats())
 def test_spec_entries_round_trip_exactly(name):
-    from chatgrammar.spec import read_spec
+    from chatgrammar.core.spec import read_spec
 
     fmt = cg.load_format(name)
     data = json.loads(json.dumps(cache.encode_spec(fmt.spec, fmt.source, fmt.tables)))

@@ -291,14 +291,14 @@ def test_schema_describes_every_key():
     nodes = {"FormatSpec": schema, **schema["$defs"]}
     missing = [f"{m}.{k}" for m, node in nodes.items()
                for k, prop in node.get("properties", {}).items() if "description" not in prop]
-    assert not missing, f"give these keys a Field(description=...) in chatgrammar/spec.py: " \
+    assert not missing, f"give these keys a Field(description=...) in chatgrammar/core/spec.py: " \
                         f"{missing}"
     assert all(node.get("description") for node in nodes.values())  # (model docstrings)
 
 
 def test_the_guide_key_reference_is_generated_from_the_models(tmp_path):
     from chatgrammar.commands.schema import reference_markdown, splice_reference
-    from chatgrammar.spec import FormatSpec
+    from chatgrammar.core.spec import FormatSpec
     guide = (ROOT / "docs" / "writing-a-format.md").read_text(encoding="utf-8")
     assert reference_markdown() in guide, \
         "the key reference of docs/writing-a-format.md is stale: run " \
@@ -321,8 +321,8 @@ def test_the_spec_policy_is_mask_policy():
     import dataclasses
 
     import chatgrammar as cg
-    from chatgrammar.format import Format
-    from chatgrammar.spec import Policy, parse_spec
+    from chatgrammar.runtime.format import Format
+    from chatgrammar.core.spec import Policy, parse_spec
     fields = dataclasses.fields(cg.MaskPolicy)
     assert list(Policy.model_fields) == [f.name for f in fields]  # exclude_kinds included
     for f in fields:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import chatgrammar as cg
-from chatgrammar.conformance import MarkerTokenizer
+from chatgrammar.conformance.templates import MarkerTokenizer
 from chatgrammar.errors import CompileError
 
 SPEC = """

@@ -1,4 +1,4 @@
-"""The conformance checker's id mode with a real SentencePiece tokenizer (chatgrammar.conformance).
+"""The conformance checker's id mode with a real SentencePiece tokenizer (chatgrammar.conformance.templates).
 
 Mistral's replies follow ``[/INST]`` with a space: SentencePiece encodes it into the first
 token of the reply (``▁The``), and decoding that span alone drops the space. The checker must
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import chatgrammar as cg
-from chatgrammar.conformance import check_template
-from chatgrammar.matrix import default_matrix
+from chatgrammar.conformance.templates import check_template
+from chatgrammar.conformance.matrix import default_matrix
 from tests.tokenizers import mistral_tokenizer
 
 TEMPLATE = (Path(__file__).resolve().parent / "data" / "templates"

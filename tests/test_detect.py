@@ -22,9 +22,9 @@ import pytest
 import tiktoken
 
 import chatgrammar as cg
-import chatgrammar.registry as registry
+import chatgrammar.core.registry as registry
 from chatgrammar.cli import main
-from chatgrammar.detect import (PrecedenceError, check_precedence, detection_formats,
+from chatgrammar.core.detect import (PrecedenceError, check_precedence, detection_formats,
                                 explain_detection)
 from tests.kimi_tokenizers import (_NAMED, K2_SPECIALS, K3_SPECIALS, PAT_STR,
                                    kimi_k2_encoding, kimi_k3_encoding, kimi_slow_tokenizer,
@@ -340,8 +340,8 @@ def test_verification_failing_everywhere_is_an_error(tmp_path):
 
 
 def test_verification_is_cached_by_content(monkeypatch):
-    import chatgrammar.conformance as conformance
-    import chatgrammar.detect as detect
+    import chatgrammar.conformance.templates as conformance
+    import chatgrammar.core.detect as detect
 
     src = (TEMPLATES / "HuggingFaceH4-zephyr-7b-beta.jinja").read_text(encoding="utf-8")
     src += "{# a comment no other test renders #}"
@@ -564,7 +564,7 @@ def test_two_files_claiming_one_name_is_an_error(plugins):
 
 
 def test_proof_accepts_uncompiled_specs():
-    from chatgrammar.spec import parse_spec
+    from chatgrammar.core.spec import parse_spec
 
     a = parse_spec(plugin_spec("acme", OVERLAPS_K2), "acme.yaml")
     k2 = cg.load_format("kimi-k2")

@@ -6,8 +6,8 @@ import re
 import pytest
 
 import chatgrammar as cg
-from chatgrammar import registry
-from chatgrammar.validate import validate_paths
+from chatgrammar.core import registry
+from chatgrammar.conformance.validate import validate_paths
 from tests.fuzz_tokenizers import encode_rendered, format_encoding
 
 # Phi-4's layout written as a change to ChatML: one more marker, a marker-ended header instead

@@ -1,6 +1,6 @@
-"""The memoised mask path (chatgrammar.fastpath) gives exactly ``parse_ids(...).mask()``.
+"""The memoised mask path (chatgrammar.runtime.fastpath) gives exactly ``parse_ids(...).mask()``.
 
-``Format.loss_mask`` / ``loss_masks`` go through :class:`chatgrammar.fastpath.FastMasker`, which
+``Format.loss_mask`` / ``loss_masks`` go through :class:`chatgrammar.runtime.fastpath.FastMasker`, which
 memoises item shapes and falls back to the full pipeline when it must. These tests compare it
 with the full pipeline on many inputs: every bundled format's templates rendered with the built-in
 matrix (soft markers as single ids and as plain BPE text), truncations of every rendering,
@@ -17,7 +17,7 @@ import pytest
 
 import chatgrammar as cg
 from chatgrammar.errors import ParseError
-from chatgrammar.matrix import iter_renderable
+from chatgrammar.conformance.matrix import iter_renderable
 from tests.fuzz_tokenizers import encode_rendered, engine_templates, format_encoding
 
 POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
@@ -137,8 +137,8 @@ def test_marker_strings_typed_in_content_stay_text():
 
 def _reference(fmt):
     """The same format with the text memo switched off: the full pipeline every time."""
-    from chatgrammar.fastpath import TextMemo
-    from chatgrammar.format import Format
+    from chatgrammar.runtime.fastpath import TextMemo
+    from chatgrammar.runtime.format import Format
 
     ref = Format(fmt.spec, fmt.source)
     ref._text_memo = TextMemo(ref)
@@ -197,7 +197,7 @@ def test_text_memo_serves_the_workload_and_returns_fresh_objects():
 def test_large_batches_are_worked_through_in_groups(group, monkeypatch):
     # loss_masks splits a batch into groups of about _BATCH_TOKENS tokens (cache-sized);
     # every grouping gives every sample its own mask, in order, for every container kind.
-    from chatgrammar import fastpath
+    from chatgrammar.runtime import fastpath
 
     bench = _bench()
     _texts, ids = bench.workload("kimi-k2", 12, seed=5)
@@ -479,7 +479,7 @@ def test_loss_masks_records_errors_per_sample():
 def test_adapter_follows_a_tokenizer_that_gains_special_tokens():
     # adapt() is cached per object but checked against the tokenizer's content: a marker added
     # after first use is found (a cache keyed by the object alone kept the old lookups)
-    from chatgrammar.tokenizers import adapt
+    from chatgrammar.runtime.tokenizers import adapt
     from tests.tokenizers import qwen_fast_tokenizer
 
     import copy

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from chatgrammar.matrix import default_matrix, iter_renderable
-from chatgrammar.render import render_chat
+from chatgrammar.conformance.matrix import default_matrix, iter_renderable
+from chatgrammar.conformance.render import render_chat
 
 pytest.importorskip("transformers")
 from tests import tokenizers as tk  # noqa: E402

@@ -12,7 +12,7 @@ docs/writing-a-format.md ("A format's tests") says what each file holds. The che
   over Qwen's BPE) gives the same turns and spans and ``loss_mask`` = the text-mode mask mapped
   through the token offsets. A shape the template rejects must be rejected with the golden's
   message;
-- **conformance** (format × template): the render-diff oracle (:mod:`chatgrammar.conformance`)
+- **conformance** (format × template): the render-diff oracle (:mod:`chatgrammar.conformance.templates`)
   passes every case (deviations only as accepted in tests.yaml) with the golden's counts;
 - **examples** (format × tokenizer): the spec's embedded examples, text and id mode;
 - **detection**: each template and each tokenizer detects as the format (or as the data says),
@@ -38,10 +38,10 @@ import pytest
 import yaml
 
 import chatgrammar as cg
-from chatgrammar.conformance import check_template
-from chatgrammar.format_tests import check_tests
-from chatgrammar.format_tests import tests_path as facts_path
-from chatgrammar.render import TemplateError
+from chatgrammar.conformance.templates import check_template
+from chatgrammar.conformance.format_tests import check_tests
+from chatgrammar.conformance.format_tests import tests_path as facts_path
+from chatgrammar.conformance.render import TemplateError
 from tests import format_hooks
 from tests.format_kit import (SUITE_DIR, TEMPLATES, FormatData, IdsOnlyTokenizer,
                               check_embedded_examples, check_id_mode, check_record, encode_ids,
@@ -82,7 +82,7 @@ def _one_format_at_a_time(request):
                 cache = getattr(fmt, attr, None)
                 if isinstance(cache, dict):
                     cache.clear()
-        from chatgrammar import tokenizers as cg_tokenizers
+        from chatgrammar.runtime import tokenizers as cg_tokenizers
 
         for attr in ("_ADAPTERS",):  # adapters hold their tokenizer
             cache = getattr(cg_tokenizers, attr, None)
@@ -268,7 +268,7 @@ def test_matrix(name, file, case, update_goldens):
 
 def _refused(fd: FormatData, c) -> bool:
     """Whether the format's tests.yaml refuses this matrix case by design."""
-    from chatgrammar.format_tests import tests_for as facts_of
+    from chatgrammar.conformance.format_tests import tests_for as facts_of
 
     facts = facts_of(fd.fmt)
     if c.name in (facts.get("refused") or {}):
@@ -381,7 +381,7 @@ def check_conformance(fd: FormatData, file: str, update_goldens: bool = False) -
     got = {}
     for r in runs:
         if r.get("only") == "matrix":  # the built-in matrix alone
-            from chatgrammar.matrix import default_matrix
+            from chatgrammar.conformance.matrix import default_matrix
 
             cases = default_matrix()
         else:
@@ -741,7 +741,7 @@ def check_generation(fd: FormatData, i: int) -> None:
 
     import numpy as np
 
-    from chatgrammar.render import render_chat_with_spans
+    from chatgrammar.conformance.render import render_chat_with_spans
 
     x = fd.data["generation_templates"][i]
     path = TEMPLATES / x["file"]

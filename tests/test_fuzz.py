@@ -38,7 +38,7 @@ import pytest
 import yaml
 
 import chatgrammar as cg
-from chatgrammar.matrix import get_case, iter_renderable
+from chatgrammar.conformance.matrix import get_case, iter_renderable
 from tests.fuzz_tokenizers import (QWEN_BASE_VOCAB, REAL_TOKENIZERS, check_contract,
                                    encode_rendered, format_encoding, format_templates,
                                    named_tokenizer)
@@ -307,8 +307,8 @@ def test_fuzz_specs():
     """Mutated bundled specs (keys deleted, values replaced or swapped, keys added): loading
     raises SpecError / CompileError or builds a Format — never another exception — and a
     Format that builds keeps the parse contract on marker soup, in both modes."""
-    from chatgrammar.format import Format
-    from chatgrammar.spec import parse_spec
+    from chatgrammar.runtime.format import Format
+    from chatgrammar.core.spec import parse_spec
 
     rng = random.Random(zlib.crc32(b"specs") ^ FUZZ_SEED)
     sources = {n: yaml.safe_load(Path(cg.load_format(n).path).read_text(encoding="utf-8"))

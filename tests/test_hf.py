@@ -9,7 +9,7 @@ import pytest
 
 import chatgrammar as cg
 from chatgrammar.hf import MaskFn, map_fn
-from chatgrammar.render import render_chat
+from chatgrammar.conformance.render import render_chat
 from tests.tokenizers import qwen_fast_tokenizer
 
 datasets = pytest.importorskip("datasets")

@@ -6,7 +6,7 @@
     tests): a verified format with the right masks;
 (c) bad input: templates that reject shapes (recorded), that only print content parts, that
     never emit an assistant turn, hostile ones: a clear InferenceError; the CLI prints one line.
-Every template is rendered exactly as transformers renders it, through chatgrammar.render.
+Every template is rendered exactly as transformers renders it, through chatgrammar.conformance.render.
 """
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 
 import chatgrammar as cg
-from chatgrammar.format_tests import tests_for as _facts_of
-from chatgrammar import infer as inf
+from chatgrammar.conformance.format_tests import tests_for as _facts_of
+from chatgrammar.conformance import infer as inf
 from chatgrammar.cli import main
-from chatgrammar.conformance import OUTPUT_POLICY, MarkerTokenizer
-from chatgrammar.matrix import default_matrix, render_case
-from chatgrammar.render import TemplateError, render_chat
+from chatgrammar.conformance.templates import OUTPUT_POLICY, MarkerTokenizer
+from chatgrammar.conformance.matrix import default_matrix, render_case
+from chatgrammar.conformance.render import TemplateError, render_chat
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "tests" / "data" / "templates"
@@ -554,7 +554,7 @@ def test_cache_keeps_nothing_alive():
     import gc
     import weakref
 
-    # (the tokenizer itself is the adapter cache's business, chatgrammar.tokenizers)
+    # (the tokenizer itself is the adapter cache's business, chatgrammar.runtime.tokenizers)
     fmt = cg.infer_format(CHATML, tokenizer=MarkerTokenizer(["<|im_start|>", "<|im_end|>"]))
     fref = weakref.ref(fmt)
     del fmt

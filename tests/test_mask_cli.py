@@ -10,7 +10,7 @@ import pytest
 
 import chatgrammar as cg
 from chatgrammar.cli import main
-from chatgrammar.render import render_chat
+from chatgrammar.conformance.render import render_chat
 from tests.tokenizers import qwen_fast_tokenizer
 
 pa = pytest.importorskip("pyarrow")

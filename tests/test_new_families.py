@@ -2,7 +2,7 @@
 
 For every family in :data:`FAMILIES`, every template its ``.tests.yaml`` lists (under
 tests/data/templates, provenance in SOURCES.md) is checked with
-:func:`chatgrammar.conformance.check_template` over the conversation matrix — text mode and id
+:func:`chatgrammar.conformance.templates.check_template` over the conversation matrix — text mode and id
 mode with the one-id-per-marker tokenizer, then id mode with a tokenizer carrying the family's
 ``special_ids`` at their real ids (Qwen's byte-level BPE ranks renumbered around them, so marker
 strings typed in text are ordinary BPE pieces) — and must fail no case. Detection: each template
@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 import chatgrammar as cg
-from chatgrammar.conformance import check_template
+from chatgrammar.conformance.templates import check_template
 from chatgrammar.errors import DetectionError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +150,7 @@ def test_template_conformance_without_system(name, template, variables):
         pytest.skip("the template takes system messages")
     import dataclasses
 
-    from chatgrammar.matrix import default_matrix
+    from chatgrammar.conformance.matrix import default_matrix
 
     cases = [dataclasses.replace(c, messages=[m for m in c.messages if m.get("role") != "system"])
              for c in default_matrix()]
@@ -168,7 +168,7 @@ def test_template_conformance_content_parts(name, template, variables):
         pytest.skip("the template renders string contents")
     import dataclasses
 
-    from chatgrammar.matrix import default_matrix
+    from chatgrammar.conformance.matrix import default_matrix
 
     cases = [dataclasses.replace(c, messages=_as_parts(c.messages)) for c in default_matrix()]
     res = check_template(cg.load_format(name), (TEMPLATES / template).read_text(encoding="utf-8"),

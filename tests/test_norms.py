@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from chatgrammar.errors import NormError
-from chatgrammar.norms import (FinalNorm, NormKind, apply_norm, build_final_norm,
+from chatgrammar.core.norms import (FinalNorm, NormKind, apply_norm, build_final_norm,
                                explain_final_norm, final_norm_kind, load_norms, norms_path,
                                read_config, resolve_final_norm, validate_norms)
 
@@ -356,7 +356,7 @@ def test_nemotron_h_norm_changed_in_transformers_5_18():
 
 
 def test_resolution_follows_the_installed_transformers_version(monkeypatch):
-    import chatgrammar.norms as norms
+    import chatgrammar.core.norms as norms
 
     cfg = {"model_type": "nemotron_h"}
     monkeypatch.setattr(norms, "installed_transformers_version", lambda: "5.14.1")
@@ -373,7 +373,7 @@ def test_resolution_follows_the_installed_transformers_version(monkeypatch):
     ("4.57.6", "==4.57.6", True), ("5.0", "!=5.0.0", False),
 ])
 def test_version_ranges(version, text, inside):
-    from chatgrammar.norms import version_in_range
+    from chatgrammar.core.norms import version_in_range
 
     assert version_in_range(version, text) is inside
 
@@ -795,7 +795,7 @@ def test_apply_norm_hand_computed_values():
 
 def test_offset_dtype_weight_rounds_one_plus_w_to_the_model_dtype():
     # Nemotron's LayerNorm1P: `weight + 1.0` in bf16, then F.layer_norm's fp32 scaling
-    from chatgrammar.norms import _rounder
+    from chatgrammar.core.norms import _rounder
 
     bf16 = _rounder("bfloat16")
     rng = np.random.default_rng(4)
@@ -843,7 +843,7 @@ def test_apply_norm_bfloat16_values_are_bf16_exact():
 
 def test_bf16_rounding_matches_torch():
     torch = pytest.importorskip("torch")
-    from chatgrammar.norms import _rounder
+    from chatgrammar.core.norms import _rounder
 
     rng = np.random.default_rng(1)
     x = (rng.normal(size=4096) * 10.0 ** rng.integers(-8, 8, size=4096)).astype(np.float32)

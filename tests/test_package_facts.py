@@ -10,7 +10,7 @@ import pytest
 
 import chatgrammar
 from chatgrammar import errors
-from chatgrammar.spans import merge_spans
+from chatgrammar.runtime.spans import merge_spans
 
 
 def _package_modules():
@@ -34,10 +34,10 @@ def test_every_error_class_is_defined_in_errors():
 
 
 # (whole dotted names, so that a re-layout of the package rewrites them with the imports)
-@pytest.mark.parametrize("where, name", [("chatgrammar.detect", "PrecedenceError"),
-                                         ("chatgrammar.render", "TemplateError"),
-                                         ("chatgrammar.render", "RenderTimeout"),
-                                         ("chatgrammar.tokenizers", "TokenizerLoadError")])
+@pytest.mark.parametrize("where, name", [("chatgrammar.core.detect", "PrecedenceError"),
+                                         ("chatgrammar.conformance.render", "TemplateError"),
+                                         ("chatgrammar.conformance.render", "RenderTimeout"),
+                                         ("chatgrammar.runtime.tokenizers", "TokenizerLoadError")])
 def test_moved_error_classes_keep_their_import_paths(where, name):
     mod = importlib.import_module(where)
     assert getattr(mod, name) is getattr(errors, name)

@@ -4,7 +4,7 @@ For every bundled format (``cg.list_formats()``, so formats added later are cove
 its main templates (``main: true`` in formats/<name>.tests.yaml), hypothesis draws
 conversations — roles, lengths, unicode, empty contents, tool calls and results, reasoning,
 generation prompts, and marker strings (of this and other formats) typed inside message text —
-and renders them exactly as transformers would (:func:`chatgrammar.render.render_chat`).
+and renders them exactly as transformers would (:func:`chatgrammar.conformance.render.render_chat`).
 
 The oracle is the rendering itself. Message strings are rendered with every typed marker string
 replaced by a private-use placeholder (:func:`tests.fuzz_tokenizers.mask_markers`), so the
@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 import chatgrammar as cg
 from chatgrammar.errors import ParseError
-from chatgrammar.render import TemplateError, render_chat
+from chatgrammar.conformance.render import TemplateError, render_chat
 from tests.fuzz_tokenizers import (check_contract, encode_rendered, expected_token_mask,
                                    format_encoding, format_templates, mask_markers,
                                    placeholder_table, rejected_by_design, messages_for,
@@ -155,7 +155,7 @@ def _cases():
 def test_every_format_has_a_template():
     """Every bundled format is exercised by at least one real template: its main ones here
     (``main: true`` in its tests.yaml), else its templates in the conformance suites."""
-    from chatgrammar.format_tests import tests_for
+    from chatgrammar.conformance.format_tests import tests_for
 
     for name in FORMATS:
         fmt = cg.load_format(name)

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 import chatgrammar as cg
-from chatgrammar.compile import HEADER_CHARS_PER_TOKEN, regex_risk
+from chatgrammar.core.compile import HEADER_CHARS_PER_TOKEN, regex_risk
 from chatgrammar.errors import ChatGrammarError, CompileError, ParseError, SpecError
-from chatgrammar.render import RenderTimeout, TemplateError, render_chat
-from chatgrammar.spec import parse_spec
+from chatgrammar.conformance.render import RenderTimeout, TemplateError, render_chat
+from chatgrammar.core.spec import parse_spec
 from tests.fuzz_tokenizers import (check_contract, encode_rendered, expected_token_mask,
                                    format_encoding, format_templates, mask_markers,
                                    placeholder_table, token_char_starts, unmask)
@@ -564,8 +564,8 @@ def test_memo_memory_stays_bounded_over_long_runs(monkeypatch):
     """A long data run must not leak through the parse memos: a sample whose between-text
     differs every time, and samples whose free-text headers never repeat (K2's message
     names), keep memory bounded in both modes."""
-    from chatgrammar import fastpath
-    from chatgrammar.format import Format
+    from chatgrammar.runtime import fastpath
+    from chatgrammar.runtime.format import Format
 
     chatml = cg.load_format("chatml")
     fmt = Format(chatml.spec, chatml.source)  # a fresh memo

@@ -1,4 +1,4 @@
-"""chatgrammar.render renders exactly like transformers; chatgrammar.matrix is well-formed.
+"""chatgrammar.conformance.render renders exactly like transformers; chatgrammar.conformance.matrix is well-formed.
 
 The oracle is transformers itself: ``apply_chat_template(tokenize=False)`` on a tokenizer built
 offline with the template, and ``render_jinja_template(return_assistant_tokens_mask=True)`` for
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from chatgrammar.errors import ChatGrammarError
-from chatgrammar.matrix import (
+from chatgrammar.conformance.matrix import (
     MatrixCase,
     case_names,
     default_matrix,
@@ -27,7 +27,7 @@ from chatgrammar.matrix import (
     missing_outputs,
     render_case,
 )
-from chatgrammar.render import (
+from chatgrammar.conformance.render import (
     RenderResult,
     RenderTimeout,
     TemplateError,

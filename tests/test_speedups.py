@@ -1,4 +1,4 @@
-"""The optional C accelerator (chatgrammar/_speedups.c) against the numpy / struct code it
+"""The optional C accelerator (chatgrammar/runtime/_speedups.c) against the numpy / struct code it
 replaces: unit properties of each pass, and whole masks with and without it on real renders."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import chatgrammar as cg
-from chatgrammar import fastpath
+from chatgrammar.runtime import fastpath
 from tests.fuzz_tokenizers import format_encoding
 from tests.test_fastpath import POLICIES, _bench, _samples
 
@@ -28,12 +28,12 @@ def test_accelerator_is_built():
     # show up as a slower loss_mask. A machine that cannot build it says so explicitly.
     if os.environ.get("CHATGRAMMAR_PURE"):
         pytest.skip("CHATGRAMMAR_PURE is set")
-    assert S is not None, ("chatgrammar._speedups did not build (needs a C compiler and the "
+    assert S is not None, ("chatgrammar.runtime._speedups did not build (needs a C compiler and the "
                            "Python headers); set CHATGRAMMAR_PURE=1 to run without it")
 
 
 def test_pure_env_disables_it():
-    code = "import chatgrammar.fastpath as f; print(f._speedups is None)"
+    code = "import chatgrammar.runtime.fastpath as f; print(f._speedups is None)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "CHATGRAMMAR_PURE": "1"}, check=True)
     assert out.stdout.strip() == "True"

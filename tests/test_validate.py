@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 import chatgrammar as cg
-from chatgrammar.compile import grammar_conflicts
-from chatgrammar.conformance import MarkerTokenizer, check_template, marked
-from chatgrammar.matrix import case_names, get_case
-from chatgrammar.spec import parse_spec, spec_errors
-from chatgrammar.validate import (check_examples, check_tokenizer, parse_marked,
+from chatgrammar.core.compile import grammar_conflicts
+from chatgrammar.conformance.templates import MarkerTokenizer, check_template, marked
+from chatgrammar.conformance.matrix import case_names, get_case
+from chatgrammar.core.spec import parse_spec, spec_errors
+from chatgrammar.conformance.validate import (check_examples, check_tokenizer, parse_marked,
                                   validate_paths)
 from tests.kimi_tokenizers import kimi_k2_encoding, kimi_k3_encoding
 
@@ -110,7 +110,7 @@ def test_conflict_names_elements_markers_and_a_shortest_input():
     assert "markers: a = '<a>', e = '<e>'" in text
     assert "e_x" not in text and "M_A" not in text  # no Lark-internal names
     spec, _ = parse_spec(path.read_text(encoding="utf-8"), str(path))
-    from chatgrammar.compile import build_grammar
+    from chatgrammar.core.compile import build_grammar
     conflicts = grammar_conflicts(build_grammar(spec))
     assert {c.kind for c in conflicts} == {"reduce/reduce"}
     assert conflicts[0].prefix == ("M_A", "M_E")

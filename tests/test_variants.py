@@ -7,9 +7,9 @@ assistant text".
    :data:`VARIANTS_AT_TOP` — is rendered over the whole conversation matrix exactly as
    transformers renders it, and each case must parse and train exactly the assistant output in
    text mode and in id mode (one id per marker), through
-   :func:`chatgrammar.conformance.check_template`. Shapes the template rejects are skipped, and
+   :func:`chatgrammar.conformance.templates.check_template`. Shapes the template rejects are skipped, and
    :data:`MIN_PASS` says how many cases of each template must really be checked.
-2. **Unknown markers** (:mod:`chatgrammar.parse`, ``_Ctx._unknown_markers``): a string shaped
+2. **Unknown markers** (:mod:`chatgrammar.runtime.parse`, ``_Ctx._unknown_markers``): a string shaped
    like the format's special markers that is none of them (text mode), or a special/added id of
    such a text (id mode), inside a turn of a trained role is a located ``ParseError`` in strict
    mode, and in lenient mode a warning and nothing trained of that turn — on the full parse
@@ -26,9 +26,9 @@ import pytest
 import yaml
 
 import chatgrammar as cg
-from chatgrammar.conformance import OUTPUT_POLICY, check_template
-from chatgrammar.matrix import default_matrix, get_case
-from chatgrammar.render import render_chat
+from chatgrammar.conformance.templates import OUTPUT_POLICY, check_template
+from chatgrammar.conformance.matrix import default_matrix, get_case
+from chatgrammar.conformance.render import render_chat
 
 ROOT = Path(__file__).resolve().parent.parent
 FORMATS = ROOT / "formats"
@@ -292,7 +292,7 @@ def test_unknown_special_outside_trained_turns_is_content():
 
 def test_unknown_marker_shapes():
     """Shapes come from the spec's special markers; bracket- and tag-like ones give none."""
-    from chatgrammar.parse import unknown_marker_shape
+    from chatgrammar.runtime.parse import unknown_marker_shape
     shape = {n: unknown_marker_shape(cg.load_format(n).spec) for n in cg.list_formats()}
     assert shape["chatml"].fullmatch("<|observation|>")
     assert shape["deepseek-v3"].fullmatch("<｜tool▁result｜>")

@@ -3,7 +3,7 @@
 
 For every template, ``tools/wild.py`` does what a user does: ``cg.detect_format(chat_template=T)``
 and, when a bundled format is detected, checks it against the template over the whole
-conversation matrix (``chatgrammar.conformance.check_template``: the masks of every case, in
+conversation matrix (``chatgrammar.conformance.templates.check_template``: the masks of every case, in
 text mode and in id mode with one id per marker); else ``cg.infer_format(T)`` and the same check
 of the inferred format. Each template is then ``detected`` / ``inferred`` (every case trains
 exactly the assistant output), ``safe`` (a clear error: DetectionError and InferenceError, or

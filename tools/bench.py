@@ -7,7 +7,7 @@ Run from the repository root::
 
 Workload: Kimi-K2 and Kimi-K3 conversations (1-8 user/assistant exchanges, lognormal turn
 lengths: user median ~55 tokens, assistant median ~200, some tool calls, K3 reasoning; ~3.7k
-tokens per sample on average) rendered with the real templates (``chatgrammar.render``, exactly as
+tokens per sample on average) rendered with the real templates (``chatgrammar.conformance.render``, exactly as
 transformers renders them) and tokenised with tiktoken into lists of ints, as trainers pass them.
 The tokenizer is Qwen2.5's byte-level BPE ranks with Kimi's special ids (as
 ``tests/kimi_tokenizers.py`` builds them; the bench does not import from ``tests/``).
@@ -140,8 +140,8 @@ def make_messages(version: str, rng: random.Random) -> list[dict]:
 
 
 def render(version: str, messages: list[dict]) -> str:
-    """The conversation rendered with the real template (chatgrammar.render, as transformers)."""
-    from chatgrammar.render import render_chat
+    """The conversation rendered with the real template (chatgrammar.conformance.render, as transformers)."""
+    from chatgrammar.conformance.render import render_chat
 
     return render_chat(TEMPLATES[version].read_text(encoding="utf-8"), messages)
 
@@ -336,9 +336,9 @@ def machine() -> dict[str, str]:
     info = {"cpu": cpu, "cores": str(os.cpu_count()),
             "python": platform.python_version(), "numpy": np.__version__,
             "platform": platform.platform(), "load average": _loadavg()}
-    from chatgrammar import fastpath
+    from chatgrammar.runtime import fastpath
 
-    info["C accelerator"] = ("built (chatgrammar._speedups)" if fastpath._speedups is not None
+    info["C accelerator"] = ("built (chatgrammar.runtime._speedups)" if fastpath._speedups is not None
                              else "not built or disabled (pure numpy path)")
     for mod in ("lark", "tiktoken", "transformers", "tokenizers"):
         try:
@@ -520,7 +520,7 @@ def bench_classes(version: str, n_samples: int, rounds: int, *, check: bool = Tr
     of scanner time / our time. Text mode (``fmt.parse(text).spans()`` against a whole-turn
     regex) gets its own fresh slice the same way."""
     import chatgrammar as cg
-    from chatgrammar import fastpath
+    from chatgrammar.runtime import fastpath
 
     enc = kimi_encoding(version)
     fmt = cg.load_format(version)
@@ -614,7 +614,7 @@ def bench_chatml(n_samples: int, rounds: int) -> dict | None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from chatgrammar.render import render_chat
+    from chatgrammar.conformance.render import render_chat
 
     tok = qwen_fast_tokenizer()
     tpl = TRL_QWEN.read_text(encoding="utf-8")
@@ -824,7 +824,7 @@ list, found the markers and built the output), measured by this bench in the pre
 
 
 NOTES = """- **One engine.** Every class above runs the same memoised core
-  (`chatgrammar/fastpath.py`): one lexing plan (marker id → code, run shapes, header budgets,
+  (`chatgrammar/runtime/fastpath.py`): one lexing plan (marker id → code, run shapes, header budgets,
   soft-marker pieces, the generation prompts' markers), a memoised LALR automaton (the driver's
   own tables, implicit closes included) and an item memo (each top-level item's turns, computed
   once by the full pipeline, keyed by bytes). The C executor (`_speedups.run`) takes a sample
@@ -855,7 +855,7 @@ METHOD = """\
   tokens), assistant turns lognormal (median 200), σ = 1.5 (capped at 16k tokens), a system
   message half the time, a tool call (and its result) in 15% of exchanges, K3 reasoning in 80% of
   assistant turns. Rendered with `tests/data/templates/moonshotai-Kimi-K2.jinja` /
-  `moonshotai-Kimi-K3.jinja` through `chatgrammar.render` (byte-identical to transformers),
+  `moonshotai-Kimi-K3.jinja` through `chatgrammar.conformance.render` (byte-identical to transformers),
   tokenised with tiktoken (Qwen2.5 ranks + Kimi's special ids).
 - First pass over fresh data: a warm-up draw runs every class once (compile, memo: what the
   first samples of a run do). Then each round draws new samples (a seed never used before) and

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import chatgrammar as cg  # noqa: E402
-from chatgrammar import infer as inf  # noqa: E402
-from chatgrammar.format_tests import tests_for  # noqa: E402
+from chatgrammar.conformance import infer as inf  # noqa: E402
+from chatgrammar.conformance.format_tests import tests_for  # noqa: E402
 
 
 def known_vars() -> dict:

@@ -5,7 +5,7 @@ variables a template is rendered with — ``bos_token``, ``eos_token`` — in it
 ``expected.yaml``), do what a user does with nothing but the template:
 
 1. ``cg.detect_format(chat_template=T)``. When a bundled format is detected, check it against
-   the template over the conversation matrix (``chatgrammar.conformance.check_template``: text
+   the template over the conversation matrix (``chatgrammar.conformance.templates.check_template``: text
    mode and id mode with one id per marker), exactly what ``chatgrammar validate FORMAT
    --template T`` does.
 2. Else ``cg.infer_format(T)`` (it verifies itself over the same matrix; a refusal is an
@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 import yaml  # noqa: E402
 
 import chatgrammar as cg  # noqa: E402
-from chatgrammar.conformance import check_template  # noqa: E402
+from chatgrammar.conformance.templates import check_template  # noqa: E402
 
 WILD = ROOT / "tests" / "data" / "templates" / "wild"
 
@@ -107,7 +107,7 @@ def default_vars(template: str) -> dict:
 def family_vars(fmt, template: str) -> dict:
     """The variables the detected family's own templates are checked with (its tests.yaml:
     what that family's tokenizer passes), else :func:`default_vars`."""
-    from chatgrammar.format_tests import tests_for
+    from chatgrammar.conformance.format_tests import tests_for
     for t in tests_for(fmt).get("templates") or []:
         if t.get("vars"):
             return {**default_vars(template), **t["vars"]}

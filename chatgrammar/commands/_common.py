@@ -10,11 +10,11 @@ import re
 import sys
 from typing import Any, Callable
 
-from ..policy import MaskPolicy
+from ..runtime.policy import MaskPolicy
 
 def _policy_fields(kind: str) -> tuple[tuple[str, str], ...]:
     # (name, help) of MaskPolicy's fields of one type: the help is the field's description,
-    # the one home of what it means (see chatgrammar.policy)
+    # the one home of what it means (see chatgrammar.runtime.policy)
     return tuple((f.name, f.metadata["description"].replace("`", ""))
                  for f in dataclasses.fields(MaskPolicy)
                  if str(f.type).replace("typing.", "").startswith(kind))
@@ -95,7 +95,7 @@ def load_format_arg(spec: str) -> Any:
         ChatGrammarError: the spec exists but is invalid (exit 1).
     """
     from ..errors import ChatGrammarError
-    from ..registry import load_format
+    from ..core.registry import load_format
 
     try:
         return load_format(spec)
@@ -111,7 +111,7 @@ def tokenizer_arg(path: str | None, trust_remote_code: bool = False) -> Any:
     Raises:
         UsageError: the tokenizer cannot be loaded (exit 2).
     """
-    from ..tokenizers import TokenizerLoadError, load_tokenizer
+    from ..runtime.tokenizers import TokenizerLoadError, load_tokenizer
 
     if not path:
         return None

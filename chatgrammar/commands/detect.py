@@ -107,7 +107,7 @@ def _inferred(tokenizer: Any, template: str | None, exc: DetectionError,
     """No bundled format: a format inferred from the template (given, or the tokenizer's),
     when inference captures it; None otherwise (the detection error stands)."""
     from ..errors import InferenceError
-    from ..infer import infer_format, template_of
+    from ..conformance.infer import infer_format, template_of
 
     template = template or template_of(tokenizer)
     if template is None:
@@ -137,7 +137,7 @@ def _inferred(tokenizer: Any, template: str | None, exc: DetectionError,
 
 def run(args: argparse.Namespace) -> int:
     """Run ``chatgrammar detect``; returns the exit code."""
-    from ..detect import explain_detection
+    from ..core.detect import explain_detection
 
     if not args.tokenizer and not args.template:
         raise UsageError("give --tokenizer PATH_OR_NAME, --template FILE, or both")

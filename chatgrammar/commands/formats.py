@@ -18,8 +18,8 @@ def register(subparsers: Any) -> None:
 
 
 def _entries() -> list[dict]:
-    from ..registry import bundled_paths, plugin_paths
-    from ..spec import read_spec
+    from ..core.registry import bundled_paths, plugin_paths
+    from ..core.spec import read_spec
 
     out = []
     bundled = bundled_paths()

@@ -24,7 +24,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``chatgrammar grammar``; returns the exit code."""
-    from ..compile import HEADER, TEXT, term_name
+    from ..core.compile import HEADER, TEXT, term_name
 
     try:
         fmt = load_format_arg(args.format)

@@ -58,7 +58,7 @@ def _read(path: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``chatgrammar infer``; returns the exit code."""
-    from ..infer import infer_format
+    from ..conformance.infer import infer_format
     from ._common import key_values, tokenizer_arg
 
     template = _read(args.template)

@@ -6,7 +6,7 @@
 
 IN is JSONL (``.jsonl`` / ``.json`` / ``.ndjson``) or Parquet (``.parquet``). Each row has either
 ``messages`` (rendered with ``--template FILE`` or the tokenizer's chat template, exactly as
-transformers renders it, see :mod:`chatgrammar.render`; a row's ``tools`` are passed along) or
+transformers renders it, see :mod:`chatgrammar.conformance.render`; a row's ``tools`` are passed along) or
 ``input_ids``. OUT (JSONL or Parquet, by extension) gets, per accepted row in input order,
 ``row`` (the input row number), ``input_ids``, ``loss_mask`` and ``num_trained``.
 
@@ -233,11 +233,11 @@ _STATE: dict = {}
 def _init(cfg: dict) -> None:
     """Per-process setup: format (compile cache) and tokenizer loaded here, never pickled."""
     import chatgrammar as cg
-    from ..render import special_token_vars
+    from ..conformance.render import special_token_vars
 
     tok = tokenizer_arg(cfg["tokenizer"], cfg["trust_remote_code"])
     if cfg.get("spec_yaml"):  # an inferred format: rebuilt from its YAML in each process
-        from ..infer import _from_yaml
+        from ..conformance.infer import _from_yaml
         fmt = _from_yaml(cfg["spec_yaml"])
     else:
         fmt = cg.load_format(cfg["format"])
@@ -267,7 +267,7 @@ def _ids_of(rec: Any) -> list[int]:
     tpl = _STATE["template"]
     if not tpl:
         raise ValueError("`messages` row but no chat template (pass --template)")
-    from ..render import render_chat
+    from ..conformance.render import render_chat
 
     text = render_chat(tpl, msgs, tools=rec.get("tools") or None, **_STATE["render_kwargs"])
     return list(_STATE["tok"](text, add_special_tokens=False)["input_ids"])
@@ -362,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
     how = "given"
     try:
         if args.format == "auto":
-            from ..infer import resolve_format
+            from ..conformance.infer import resolve_format
             fmt, how = resolve_format(tok, chat_template=template,
                                       **_template_kwargs(args.template_kwarg))
         else:

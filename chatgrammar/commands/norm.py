@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from ..errors import NormError
-from ..norms import ARROW, trace_final_norm, load_norms, read_config
+from ..core.norms import ARROW, trace_final_norm, load_norms, read_config
 from ._common import add_command
 
 

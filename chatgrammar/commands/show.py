@@ -21,7 +21,7 @@ from typing import Any
 
 from .._io import read_text
 
-from ..spans import merge_spans
+from ..runtime.spans import merge_spans
 from ._common import (UsageError, add_command, add_policy_args, add_tokenizer_args,
                       load_format_arg, policy_for, read_template, tokenizer_arg)
 
@@ -64,8 +64,8 @@ def _read_input(path: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``chatgrammar show``; returns the exit code (a UsageError is the caller's: 2)."""
-    from ..conformance import encode_text
-    from ..detect import detect_format
+    from ..conformance.templates import encode_text
+    from ..core.detect import detect_format
 
     if args.ids and not args.tokenizer:
         raise UsageError("--ids needs --tokenizer DIR")
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             else (data, None)
         if not isinstance(messages, list):
             raise UsageError("--template needs a JSON list of messages (or {\"messages\": [...]})")
-        from ..render import render_chat, special_token_vars
+        from ..conformance.render import render_chat, special_token_vars
         text = render_chat(template, messages, tools=tools,
                            add_generation_prompt=args.add_generation_prompt,
                            **special_token_vars(tokenizer))
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     strict = not args.lenient
     if ids is not None:
         conv = fmt.parse_ids(ids, tokenizer, strict=strict)
-        from ..tokenizers import adapt
+        from ..runtime.tokenizers import adapt
         shown, starts = adapt(tokenizer).decode_offsets(ids)
         bounds = list(starts) + [len(shown)]
         to_char = lambda k: bounds[k]  # noqa: E731 - token index → display char

@@ -2,7 +2,7 @@
 
 Every check runs and every problem is collected before anything is reported
 (check-jsonschema style): one line ``file:line:col::yaml.path: message`` per problem in text,
-the same content with ``--output json``. See :mod:`chatgrammar.validate` for the checks.
+the same content with ``--output json``. See :mod:`chatgrammar.conformance.validate` for the checks.
 
 Exit codes: 0 no errors (warnings allowed); 1 problems found; 2 usage error (a missing or
 unreadable file, a bad option).
@@ -67,7 +67,7 @@ def _pick_for_template(src: str, formats: dict) -> tuple[Any, str | None]:
 
 
 def _pick_for_tokenizer(tok: Any, formats: dict) -> tuple[Any, str | None]:
-    from ..tokenizers import adapt
+    from ..runtime.tokenizers import adapt
 
     ad = adapt(tok)
     cands = []
@@ -94,10 +94,10 @@ def _pick(cands: list, formats: dict, detector: str) -> tuple[Any, str | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``chatgrammar validate``; returns the exit code (a UsageError is the caller's: 2)."""
-    from ..conformance import check_template
-    from ..matrix import default_matrix
-    from ..registry import load_format
-    from ..validate import Problem, check_tokenizer, validate_paths
+    from ..conformance.templates import check_template
+    from ..conformance.matrix import default_matrix
+    from ..core.registry import load_format
+    from ..conformance.validate import Problem, check_tokenizer, validate_paths
 
     variables = key_values(args.var, "--var")
     templates = [(t, read_template(t)) for t in args.template]
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
 
     pool = formats
     if not pool:
-        from ..registry import all_formats
+        from ..core.registry import all_formats
         try:
             pool = {f.name: f for f in all_formats()}
         except ChatGrammarError:

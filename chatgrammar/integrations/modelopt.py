@@ -129,7 +129,7 @@ def needs_decoding(fmt: cg.Format, tokenizer: Any = None) -> bool:
     if soft:
         if tokenizer is None:
             return True
-        from chatgrammar.tokenizers import adapt
+        from chatgrammar.runtime.tokenizers import adapt
         adapter = adapt(tokenizer)
         if any(adapter.token_id(t, special=False) is None for t in soft):
             return True
@@ -137,7 +137,7 @@ def needs_decoding(fmt: cg.Format, tokenizer: Any = None) -> bool:
 
 
 def _marker_strings() -> list[str]:
-    from chatgrammar.detect import detection_formats
+    from chatgrammar.core.detect import detection_formats
 
     out: dict[str, None] = {}
     for fmt in detection_formats():
@@ -184,7 +184,7 @@ class ChatGrammarRecovery:
     # -------------------------------------------------------------- resolution (cached)
     def _resolve(self, tokenizer: Any) -> _Resolved:
         """The format for ``tokenizer``, cached by its content (see the cache above)."""
-        from chatgrammar.tokenizers import content_key, content_version
+        from chatgrammar.runtime.tokenizers import content_key, content_version
 
         ver = content_version(tokenizer)
         try:
@@ -231,8 +231,8 @@ class ChatGrammarRecovery:
         return _Resolved(fmt, tok)
 
     def _detect(self, tok: Any) -> cg.Format | None:
-        from chatgrammar.detect import _tokens_evidence, explain_detection
-        from chatgrammar.tokenizers import adapt
+        from chatgrammar.core.detect import _tokens_evidence, explain_detection
+        from chatgrammar.runtime.tokenizers import adapt
 
         if self.format is None:
             return cg.detect_format(tok)
@@ -471,7 +471,7 @@ def _norm_key(kind: str, eps: float | None) -> str:
 
 
 def _select(model_type: str | None, base_cfg: Any = None) -> str | None:
-    from chatgrammar.norms import explain_final_norm, load_norms
+    from chatgrammar.core.norms import explain_final_norm, load_norms
 
     table = load_norms()
     config = base_cfg if base_cfg is not None else {"model_type": model_type}
@@ -503,8 +503,8 @@ class _NormFactory:
 
     def __call__(self, hidden_size: int, eps: float = 1e-6, dtype: Any = torch.bfloat16
                  ) -> torch.nn.Module:
-        from chatgrammar.norm_torch import FinalNormModule
-        from chatgrammar.norms import load_norms
+        from chatgrammar.core.norm_torch import FinalNormModule
+        from chatgrammar.core.norms import load_norms
 
         kind = load_norms().kinds[self.kind]
         # the table's eps (read from the backbone's own attribute) wins over FakeBaseConfig's
@@ -521,7 +521,7 @@ class _NormClasses(dict):
     def __missing__(self, key: str) -> Any:
         if not isinstance(key, str) or not key.startswith(_KEY_PREFIX):
             raise KeyError(key)
-        from chatgrammar.norms import load_norms
+        from chatgrammar.core.norms import load_norms
 
         kind, _, eps = key[len(_KEY_PREFIX):].partition("@")
         if kind not in load_norms().kinds:
@@ -537,7 +537,7 @@ def _install_final_norm() -> None:
 
     if "select" in _installed:
         return
-    from chatgrammar.norms import load_norms
+    from chatgrammar.core.norms import load_norms
 
     _installed["select"] = final_norm._select_final_norm_type
     _installed["classes"] = final_norm._FINAL_NORM_CLASSES

@@ -22,9 +22,9 @@ import logging
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
-from ..format import Format
+from ..runtime.format import Format
 from ..hf import format_for, apply_chat_template, mask_batch
-from ..policy import MaskPolicy
+from ..runtime.policy import MaskPolicy
 
 __all__ = ["prepare", "PrepareFn"]
 
@@ -240,7 +240,7 @@ def _tokenizer_key(tok: Any) -> Any:
     the tokenizer as usual). Fast tokenizers: the backend's full JSON definition; tiktoken and
     tiktoken-backed slow tokenizers: pattern, ranks and specials; plus the added tokens, special
     tokens and chat template of a transformers wrapper."""
-    from ..tokenizers import _tiktoken_encoding
+    from ..runtime.tokenizers import _tiktoken_encoding
 
     wrapper = [type(tok).__module__, type(tok).__qualname__,
                getattr(tok, "chat_template", None),

@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
 import chatgrammar as cg  # noqa: E402
-from chatgrammar.render import render_chat  # noqa: E402
+from chatgrammar.conformance.render import render_chat  # noqa: E402
 
 _SENT = re.compile("\ue000(\\d+)\ue001")
 

@@ -2,7 +2,7 @@
 exactly the assistant output?
 
 :func:`check_template` renders every conversation of the built-in matrix
-(:mod:`chatgrammar.matrix`) with a real Jinja chat template (:mod:`chatgrammar.render`, byte for
+(:mod:`chatgrammar.conformance.matrix`) with a real Jinja chat template (:mod:`chatgrammar.conformance.render`, byte for
 byte as transformers renders), parses each rendering with the format, and compares what the
 format trains with what the template says the assistant produced. Shapes the template rejects
 (it raises on them) are skipped and reported with the template's reason.
@@ -38,7 +38,7 @@ Every case also runs in id mode with :class:`MarkerTokenizer` (each marker one i
 character one id), and with a real tokenizer when one is given: both must agree with text mode.
 
 Example:
-    >>> from chatgrammar.registry import load_format
+    >>> from chatgrammar.core.registry import load_format
     >>> res = check_template(load_format("kimi-k2"), open("moonshotai-Kimi-K2.jinja").read())
     ... # doctest: +SKIP
     >>> res.ok, res.counts()                                         # doctest: +SKIP
@@ -52,13 +52,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from .errors import ParseError
-from .format import Format
+from ..errors import ParseError
+from ..runtime.format import Format
 from .format_tests import ACCEPTED_SHAPES, tests_for
 from .matrix import MatrixCase, default_matrix
-from .policy import MaskPolicy
+from ..runtime.policy import MaskPolicy
 from .render import TemplateError, compile_template, render_chat, special_token_vars
-from .spans import merge_spans
+from ..runtime.spans import merge_spans
 
 __all__ = ["MarkerTokenizer", "CaseResult", "ConformanceResult", "check_template",
            "encode_text", "marked", "OUTPUT_POLICY"]
@@ -73,7 +73,7 @@ _WITH_END = OUTPUT_POLICY.replace(end_marker=True)
 
 #: Differences from "train exactly the assistant output" that a format may make on purpose.
 #: A format accepts one only by naming it, with where it is documented, under ``accepted:`` in
-#: its test facts (``formats/<name>.tests.yaml``, :mod:`chatgrammar.format_tests`). The checker
+#: its test facts (``formats/<name>.tests.yaml``, :mod:`chatgrammar.conformance.format_tests`). The checker
 #: reports it (``CaseResult.deviations`` and a note), never as a pass without a word, and only
 #: in the precise shape named:
 #:
@@ -285,7 +285,7 @@ def marked(text: str, spans: Iterable[tuple[int, int]], open_: str = OPEN_MARK,
     return "".join(out)
 
 
-_merge = merge_spans  # (the one span-merge helper, chatgrammar.spans)
+_merge = merge_spans  # (the one span-merge helper, chatgrammar.runtime.spans)
 
 
 def _clip(spans: Sequence[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
@@ -851,7 +851,7 @@ def _deviate(res: CaseResult, dev: str) -> None:
 
 def _check_real_ids(fmt: Format, tokenizer: Any, R: str, conv, res: CaseResult) -> str | None:
     """Id mode with a real tokenizer must train the same text as text mode."""
-    from .tokenizers import adapt
+    from ..runtime.tokenizers import adapt
 
     ids = encode_text(tokenizer, R)
     try:
@@ -910,7 +910,7 @@ def check_template(fmt: Format, template: str, *, name: str = "template",
         fmt: the format (``load_format("kimi-k3")``).
         template: the Jinja source of the chat template.
         name: what to call the template in results (its file name).
-        cases: the matrix cases (default: :func:`chatgrammar.matrix.default_matrix`).
+        cases: the matrix cases (default: :func:`chatgrammar.conformance.matrix.default_matrix`).
         tokenizer: a real tokenizer to check id mode with as well (optional). Its special
             tokens map (``bos_token``…) is passed to the template, as transformers does.
         tokenizer_name: what to call the tokenizer in results.
@@ -919,7 +919,7 @@ def check_template(fmt: Format, template: str, *, name: str = "template",
         timeout: per-render time limit in seconds.
         accepted: deviation shape -> where it is documented (:data:`DEVIATION_SHAPES`); default
             the ``accepted:`` of the format's test facts (``<spec>.tests.yaml`` beside its spec
-            file, :func:`chatgrammar.format_tests.tests_for`), none for a format without them.
+            file, :func:`chatgrammar.conformance.format_tests.tests_for`), none for a format without them.
         refused: matrix case -> why the format refuses that shape on purpose; default the
             ``refused:`` of the format's test facts. Such a case is reported ``"skip"`` when it
             fails safely (a located ParseError, or training only part of the assistant output

@@ -1,7 +1,7 @@
 """The built-in conversation matrix: the conversations every chat template is rendered with.
 
 ``chatgrammar validate --template FILE`` and the conformance runner render each case with a real
-chat template (:mod:`chatgrammar.render`) and check that the format's grammar parses the result
+chat template (:mod:`chatgrammar.conformance.render`) and check that the format's grammar parses the result
 and trains exactly the assistant output. The matrix covers the shapes real data has: with and
 without a system message, single and multi-turn, tools declared, assistant tool calls (arguments
 as a dict and as a JSON string, parallel calls) and tool results, reasoning
@@ -33,7 +33,7 @@ import json
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
-from chatgrammar.render import RenderResult, TemplateError, compile_template, render_chat_with_spans
+from chatgrammar.conformance.render import RenderResult, TemplateError, compile_template, render_chat_with_spans
 
 __all__ = [
     "AssistantOutput",
@@ -205,7 +205,7 @@ class MatrixCase:
         object.__setattr__(self, "outputs", _outputs(self.messages))
 
     def render_kwargs(self) -> dict:
-        """Keyword arguments for :func:`chatgrammar.render.render_chat` (tools, flags, switches).
+        """Keyword arguments for :func:`chatgrammar.conformance.render.render_chat` (tools, flags, switches).
 
         Returns:
             ``{"tools": ..., "add_generation_prompt": ..., **template_kwargs}`` (deep copies).
@@ -509,7 +509,7 @@ def render_case(template: str, case: MatrixCase, *, timeout: float | None = 10.0
             ``template_kwargs`` win over them if both name the same variable.
 
     Returns:
-        The :class:`~chatgrammar.render.RenderResult` (text and generation spans).
+        The :class:`~chatgrammar.conformance.render.RenderResult` (text and generation spans).
 
     Raises:
         TemplateError: the template rejects the case or fails (including ``RenderTimeout``).

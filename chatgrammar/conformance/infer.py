@@ -1,13 +1,13 @@
 """Infer a verified format spec from a chat template (:func:`infer_format`).
 
 A chat template is a function from conversations to text. Rendered (in the sandbox of
-:mod:`chatgrammar.render`, exactly as transformers renders) on conversations whose every value
+:mod:`chatgrammar.conformance.render`, exactly as transformers renders) on conversations whose every value
 is a unique sentinel, whatever is not a sentinel is the template's scaffolding. Comparing the
 scaffolding across probes gives each role's header and terminator, the text between turns, the
 BOS / preamble / default system prompt, the generation prompt, and the reasoning and tool-call
 wrappers. From them a spec is written in the ordinary spec language (YAML), compiled strictly
 and checked against the same template over the ``validate --template`` matrix
-(:func:`chatgrammar.conformance.check_template`) before it is returned. Whatever cannot be
+(:func:`chatgrammar.conformance.templates.check_template`) before it is returned. Whatever cannot be
 captured raises :class:`~chatgrammar.errors.InferenceError`. See docs/inference.md.
 """
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any
 
 import yaml
 
-from .errors import ChatGrammarError, DeviationWarning, InferenceError
-from .format import Format
+from ..errors import ChatGrammarError, DeviationWarning, InferenceError
+from ..runtime.format import Format
 from .render import RenderTimeout, TemplateError, compile_template, render_chat
-from .spec import parse_spec
+from ..core.spec import parse_spec
 
 __all__ = ["infer_format", "InferredFormat", "Verification", "CrossCheck", "cross_check"]
 
@@ -220,7 +220,7 @@ class _Lexicon:
     def special(self, marker: str, tokenizer: Any) -> bool:
         """With a tokenizer: one special/added id of it. Without: shaped like ``<|…|>``."""
         if tokenizer is not None:
-            from .tokenizers import adapt
+            from ..runtime.tokenizers import adapt
 
             return marker in self.specials or adapt(tokenizer).token_id(marker, True) is not None
         return bool(_SPECIAL_SHAPE.fullmatch(marker))
@@ -233,7 +233,7 @@ def _tokenizer_specials(tokenizer: Any) -> frozenset:
     """The strings that are one special/added id of the tokenizer."""
     if tokenizer is None:
         return frozenset()
-    from .tokenizers import adapt
+    from ..runtime.tokenizers import adapt
 
     ad = adapt(tokenizer)
     names = [n for n in ad.added_vocab() if isinstance(n, str) and n.strip()]
@@ -1359,7 +1359,7 @@ _QUICK = ("basic", "no-system", "multi-turn", "tool-call", "parallel-tool-calls"
 
 def _verify(fmt: Format, template: str, variables: dict, tokenizer: Any,
             timeout: float, quick: bool = False) -> tuple[Any, list]:
-    from .conformance import check_template
+    from .templates import check_template
     from .matrix import default_matrix
 
     cases = [c for c in default_matrix() if c.name in _QUICK] if quick else None
@@ -1376,7 +1376,7 @@ def _verify(fmt: Format, template: str, variables: dict, tokenizer: Any,
     return res, fails
 
 
-#: The deviations an inferred spec may make (:data:`chatgrammar.conformance.DEVIATION_SHAPES`),
+#: The deviations an inferred spec may make (:data:`chatgrammar.conformance.templates.DEVIATION_SHAPES`),
 #: reported in ``Verification.deviations``.
 ACCEPTED = {"unclosed-whitespace": "docs/inference.md, turns without a terminator: the "
                                    "whitespace before the next turn trains with the reply"}
@@ -1863,8 +1863,8 @@ def resolve_format(tokenizer: Any = None, *, chat_template: str | None = None,
         >>> how                                                                   # doctest: +SKIP
         'inferred'
     """
-    from .detect import detect_format
-    from .errors import DetectionError
+    from ..core.detect import detect_format
+    from ..errors import DetectionError
 
     template = chat_template or template_of(tokenizer)
     try:
@@ -1922,7 +1922,7 @@ def cross_check(inferred: Format, bundled: Format, chat_template: str, *,
         inferred: usually :func:`infer_format`'s result for the template.
         bundled: the bundled format the template is assigned to.
         chat_template: the Jinja source of the chat template.
-        cases: matrix cases (default: :func:`chatgrammar.matrix.default_matrix`).
+        cases: matrix cases (default: :func:`chatgrammar.conformance.matrix.default_matrix`).
         timeout: per-render time limit in seconds.
         **template_kwargs: template variables (``bos_token="<s>"`` …).
 
@@ -1934,8 +1934,8 @@ def cross_check(inferred: Format, bundled: Format, chat_template: str, *,
         >>> cross_check(infer_format(tpl), load_format("chatml"), tpl).agree  # doctest: +SKIP
         True
     """
-    from .conformance import OUTPUT_POLICY
-    from .errors import ParseError
+    from .templates import OUTPUT_POLICY
+    from ..errors import ParseError
     from .matrix import default_matrix, render_case
 
     policies = (OUTPUT_POLICY, OUTPUT_POLICY.replace(end_marker=True))

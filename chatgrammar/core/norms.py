@@ -20,7 +20,7 @@ config says ``kimi_k3``, its ``text_config`` says ``kimi_linear``, and the final
 Facts that changed across transformers versions say so (``by_version``: a version range per
 fact); resolution follows the installed transformers version or the one the caller names.
 The file is validated by pydantic models whose errors are located (``file:line:col`` and the
-YAML path) through the YAML node tree, as format specs are (:mod:`chatgrammar.spec`).
+YAML path) through the YAML node tree, as format specs are (:mod:`chatgrammar.core.spec`).
 
 Public names: :class:`FinalNorm`, :func:`resolve_final_norm`, :func:`explain_final_norm`,
 :func:`final_norm_kind`, :func:`build_final_norm`, :func:`apply_norm`, :func:`validate_norms`,
@@ -48,7 +48,7 @@ import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictStr, ValidationError,
                       ValidationInfo)
 
-from .errors import NormError
+from ..errors import NormError
 from .spec import SpecSource, duplicate_keys, format_path, node_marks
 
 #: Where a multimodal config keeps its text backbone, in lookup order.
@@ -330,7 +330,7 @@ class NormProblem:
 def norms_path() -> Path:
     """The bundled ``norms.yaml``.
 
-    It sits with the bundled format specs (:func:`chatgrammar.registry.formats_dir`).
+    It sits with the bundled format specs (:func:`chatgrammar.core.registry.formats_dir`).
 
     Returns:
         The path of the bundled file.
@@ -442,7 +442,7 @@ def _load(p: Path) -> NormsTable:
 
 # --------------------------------------------------------------------------------------------
 # Validation: pydantic models over the YAML data, errors located through the YAML node tree
-# (the same scheme as format specs, chatgrammar.spec)
+# (the same scheme as format specs, chatgrammar.core.spec)
 # --------------------------------------------------------------------------------------------
 
 def _did_you_mean(name: str, choices: Iterable[str]) -> str:
@@ -1091,7 +1091,7 @@ def build_final_norm(config: Any, *, dtype: Any = None, table: NormsTable | None
         hidden_size: the normalised size (default: the backbone config's ``hidden_size``).
 
     Returns:
-        A ``torch.nn.Module`` (:class:`chatgrammar.norm_torch.FinalNormModule`) whose ``weight``
+        A ``torch.nn.Module`` (:class:`chatgrammar.core.norm_torch.FinalNormModule`) whose ``weight``
         (and ``bias``, for LayerNorms with one) takes the checkpoint's norm tensor, e.g.
         ``norm.load_state_dict({"weight": state["model.norm.weight"]})``.
 

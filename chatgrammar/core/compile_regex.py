@@ -1,7 +1,7 @@
 """Regex safety of a spec's patterns: the compile stage's check that a header, content or
 ``between`` pattern cannot backtrack catastrophically on a header-length string, and that a
 repeated body cannot be split two ways (:func:`regex_risk`, used by
-:func:`chatgrammar.compile_checks.check_spec` and ``chatgrammar validate``).
+:func:`chatgrammar.core.compile_checks.check_spec` and ``chatgrammar validate``).
 
 Also the bounds that make those strings header-length, shared with the lexers.
 """

@@ -18,7 +18,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import TokenizerLoadError  # (defined there, re-exported)
+from ..errors import TokenizerLoadError  # (defined there, re-exported)
 
 
 class TokenizerAdapter:

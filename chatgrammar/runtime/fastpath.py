@@ -7,7 +7,7 @@ a response", "assistant turn with one tool call" — so this module memoises the
 level, keyed by everything the item's parse can depend on:
 
 1. **Lexing, vectorised.** Marker ids are found with numpy, or in one C pass by the optional
-   accelerator (``chatgrammar/_speedups.c``: list conversion, marker search, symbol tables and
+   accelerator (``chatgrammar/runtime/_speedups.c``: list conversion, marker search, symbol tables and
    list masks; the numpy code here is the reference it is tested against). No Python code looks
    at ordinary ids one by one. Each marker and the run of ordinary ids after it form one *symbol*: the marker's
    kind and the run's shape (none / text / header / header + text). The runs the lexer decodes
@@ -66,9 +66,9 @@ except ImportError:  # pragma: no cover - depends on the build
 if os.environ.get("CHATGRAMMAR_PURE"):
     _speedups = None
 
-from .compile import HEADER, HEADER_CHARS_PER_TOKEN, TEXT
+from ..core.compile import HEADER, HEADER_CHARS_PER_TOKEN, TEXT
 from .parse import unknown_marker_ids
-from .errors import ParseError, VerifyError
+from ..errors import ParseError, VerifyError
 from .lexers import IdLexer, as_id_array, lex_text
 from .parse import ACCEPT, Source, lalr_step, plain_reduce
 from .policy import MaskPolicy
@@ -163,7 +163,7 @@ class _Automaton:
 
     def _shift(self, stack: list, term: str) -> bool | None:
         """``_step`` without the implicit close (``stack`` is changed even on error): the
-        driver's own LALR step (:func:`chatgrammar.parse.lalr_step`)."""
+        driver's own LALR step (:func:`chatgrammar.runtime.parse.lalr_step`)."""
         hit = [False]
         target = lalr_step(self.states, self.shift, stack, term,
                            plain_reduce(self.states, stack, self.item_rules, hit))
@@ -276,7 +276,7 @@ class FastMasker:
     """Exact, memoised loss masks for one (format, tokenizer) pair. See the module docstring.
 
     Args:
-        fmt: the :class:`~chatgrammar.format.Format`.
+        fmt: the :class:`~chatgrammar.runtime.format.Format`.
         lx: its id lexer bound to the tokenizer.
     """
 
@@ -1341,10 +1341,10 @@ def _soft_lut(lx: IdLexer):
 def ids_input(ids: Any, *, scratch: bool = False) -> tuple[np.ndarray, list | None]:
     """``ids`` → (int64 array, the Python list when the input is one, else None).
 
-    A list of Python ints is converted by the C accelerator (``chatgrammar._speedups``), or
+    A list of Python ints is converted by the C accelerator (``chatgrammar.runtime._speedups``), or
     with ``struct`` where it is not built (still about twice as fast as ``np.asarray``, which
     first infers the dtype); anything else goes through
-    :func:`~chatgrammar.lexers.as_id_array` (same errors as ``parse_ids``).
+    :func:`~chatgrammar.runtime.lexers.as_id_array` (same errors as ``parse_ids``).
 
     Args:
         scratch: a long list may be packed into this thread's reusable buffer; the array is

@@ -1,8 +1,8 @@
 """Stage 4 — the LALR driver with an embedded, tree-less, non-recursive transformer.
 
 The driver runs Lark's LALR(1) tables (built with ``strict=True`` in
-:mod:`chatgrammar.compile`) over the lexers' short token lists. Each element rule is turned
-into a :class:`~chatgrammar.spans.Block` at the moment it is reduced (bottom-up), so no tree
+:mod:`chatgrammar.core.compile`) over the lexers' short token lists. Each element rule is turned
+into a :class:`~chatgrammar.runtime.spans.Block` at the moment it is reduced (bottom-up), so no tree
 is ever walked and depth costs no recursion. Top-level items become Turns as soon as they
 are reduced.
 
@@ -19,11 +19,11 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from .compile import (BETWEEN_MAX_CHARS, BETWEEN_MAX_TOKENS, HEADER, HEADER_CHARS_PER_TOKEN,
-                      TEXT, ParseTables, rule_name, term_name)
-from .errors import ParseError
+from ..core.compile import (BETWEEN_MAX_CHARS, BETWEEN_MAX_TOKENS, HEADER, HEADER_CHARS_PER_TOKEN,
+                            TEXT, ParseTables, rule_name, term_name)
+from ..errors import ParseError
 from .spans import Block, Issue, Turn
-from .spec import ROLE_NAMES, Element, FormatSpec
+from ..core.spec import ROLE_NAMES, Element, FormatSpec
 
 SYNTH = object()  # value of zero-width synthetic terminators added at end of input
 # value of a zero-width close the driver adds where a top-level element whose close may be

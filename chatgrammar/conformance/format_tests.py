@@ -47,7 +47,7 @@ from typing import Any
 
 import yaml
 
-from .errors import SpecError
+from ..errors import SpecError
 
 __all__ = ["TESTS_SUFFIX", "ACCEPTED_SHAPES", "is_tests_file", "tests_path", "read_tests",
            "tests_for", "check_tests"]
@@ -55,7 +55,7 @@ __all__ = ["TESTS_SUFFIX", "ACCEPTED_SHAPES", "is_tests_file", "tests_path", "re
 #: File-name ending of a format's test facts.
 TESTS_SUFFIX = ".tests.yaml"
 
-#: The deviation shapes :mod:`chatgrammar.conformance` knows how to accept (see its docstring).
+#: The deviation shapes :mod:`chatgrammar.conformance.templates` knows how to accept (see its docstring).
 ACCEPTED_SHAPES = ("repeated-prompt", "unclosed-whitespace")
 
 _TOP = {"templates", "special_ids", "tokenizers", "accepted", "refused", "no_system",
@@ -125,7 +125,7 @@ def check_tests(data: Any, file: str = "<tests.yaml>") -> list[str]:
     known = set(case_names())
     for case, why in (data.get("refused") or {}).items():
         if case not in known:
-            out.append(f"{file}: refused.{case}: not a matrix case (chatgrammar.matrix)")
+            out.append(f"{file}: refused.{case}: not a matrix case (chatgrammar.conformance.matrix)")
         elif not isinstance(why, str) or not why.strip():
             out.append(f"{file}: refused.{case}: say why the format refuses it")
     for flag in ("no_system", "content_parts"):

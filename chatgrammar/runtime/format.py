@@ -9,14 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from .compile import ParseTables, compile_spec, term_name
-from .errors import VerifyError
+from ..core.compile import ParseTables, compile_spec, term_name
+from ..errors import VerifyError
 from .fastpath import FastMasker, TextMemo, ids_input, mask_like, verify_enabled
 from .lexers import IdLexer, LexConfig, as_id_array, lex_text, partial_marker_tail
 from .parse import Driver, Source
 from .policy import MaskPolicy
 from .spans import Conversation, Issue
-from .spec import FormatSpec, SpecSource
+from ..core.spec import FormatSpec, SpecSource
 from .tokenizers import TokenizerAdapter, content_key, content_version
 
 
@@ -25,7 +25,7 @@ class Format:
 
     Attributes:
         name: the format id (``"kimi-k3"``).
-        spec: the validated :class:`~chatgrammar.spec.FormatSpec`.
+        spec: the validated :class:`~chatgrammar.core.spec.FormatSpec`.
         grammar: the compiled Lark grammar source.
         default_policy: the spec's declared :class:`MaskPolicy` (used when ``policy=None``).
         path: the spec file.
@@ -58,7 +58,7 @@ class Format:
 
     def __reduce__(self):
         # Picklable for worker processes: rebuilt (from the compile cache) on the other side.
-        from .registry import load_format
+        from ..core.registry import load_format
         return (load_format, (self.path,))
 
     # ------------------------------------------------------------------ text mode
@@ -83,7 +83,7 @@ class Format:
         if not isinstance(text, str):
             raise TypeError(f"parse() takes a str, got {type(text).__name__}; "
                             "use parse_ids() for token ids")
-        # Items seen before are rebuilt from the memo (chatgrammar.fastpath.TextMemo); the
+        # Items seen before are rebuilt from the memo (chatgrammar.runtime.fastpath.TextMemo); the
         # result is identical to the full parse below, which teaches the memo.
         memo = self._text_memo
         if memo is None:
@@ -126,13 +126,13 @@ class Format:
                             text=text)
 
     def _partial_marker_tail(self, text: str) -> int | None:
-        # one rule for the whole package: chatgrammar.lexers.partial_marker_tail
+        # one rule for the whole package: chatgrammar.runtime.lexers.partial_marker_tail
         return partial_marker_tail(text, self._lexcfg)
 
     # ------------------------------------------------------------------ id mode
     def _tok_state(self, tokenizer: Any) -> "_TokState":
         """The per-tokenizer state (id lexer, fast masker), keyed by the tokenizer's content
-        (:func:`~chatgrammar.tokenizers.content_key`), never by the object: a tokenizer that
+        (:func:`~chatgrammar.runtime.tokenizers.content_key`), never by the object: a tokenizer that
         gains special tokens gets a fresh lexer, equal tokenizers share one, and no tokenizer
         is kept alive (the state's adapter holds it weakly and is rebound on each lookup)."""
         if isinstance(tokenizer, TokenizerAdapter):
@@ -169,7 +169,7 @@ class Format:
         return self._tok_state(tokenizer).lexer
 
     def _fast_masker(self, tokenizer: Any) -> FastMasker:
-        """The memoised exact mask path bound to ``tokenizer`` (see :mod:`chatgrammar.fastpath`)."""
+        """The memoised exact mask path bound to ``tokenizer`` (see :mod:`chatgrammar.runtime.fastpath`)."""
         return self._tok_state(tokenizer).masker
 
     def stats(self) -> dict:
@@ -267,7 +267,7 @@ class Format:
             >>> fmt.loss_mask([163587, 1, 163601, 2, 163586], tok)  # doctest: +SKIP
         """
         # Same result as parse_ids(ids, tokenizer).mask_array(policy), through the memoised
-        # fast path (chatgrammar.fastpath), which falls back to exactly that when it must.
+        # fast path (chatgrammar.runtime.fastpath), which falls back to exactly that when it must.
         fm = self._fast_masker(tokenizer)
         pol = policy or self.default_policy
         # The C executor of the same plan and memo takes the sample when everything it needs

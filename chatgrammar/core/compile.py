@@ -31,7 +31,7 @@ from .compile_conflicts import Conflict, conflict_message, grammar_conflicts
 from .compile_grammar import HEADER, TEXT, build_grammar, rule_name, term_name
 from .compile_regex import (BETWEEN_MAX_CHARS, BETWEEN_MAX_TOKENS, HEADER_CHARS_PER_TOKEN,
                             regex_risk)
-from .errors import CompileError
+from ..errors import CompileError
 from .spec import FormatSpec, SpecSource
 
 __all__ = ["BETWEEN_MAX_CHARS", "BETWEEN_MAX_TOKENS", "HEADER", "HEADER_CHARS_PER_TOKEN", "TEXT",
@@ -55,7 +55,7 @@ class _PassThroughLexer(Lexer):
 
 @dataclass
 class ParseTables:
-    """What the driver in :mod:`chatgrammar.parse` needs from Lark's LALR analysis."""
+    """What the driver in :mod:`chatgrammar.runtime.parse` needs from Lark's LALR analysis."""
 
     states: dict
     start_state: int
@@ -70,7 +70,7 @@ class ParseTables:
 @lru_cache(maxsize=256)
 def _lalr(grammar: str) -> tuple:
     # Lark's LALR analysis is most of a cold load: tables are also cached on disk, keyed by
-    # the grammar text (see chatgrammar.cache; a grammar with conflicts raises, never cached).
+    # the grammar text (see chatgrammar.core.cache; a grammar with conflicts raises, never cached).
     # Actions are kept as (is_shift, arg) pairs whether built or loaded; the driver tests
     # `is_shift is True`. The disk entry is JSON (data that cannot run code): a corrupt or
     # foreign one does not decode and is rebuilt.

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from .compile import HEADER, HEADER_CHARS_PER_TOKEN, TEXT, term_name
-from .spec import FormatSpec
+from ..core.compile import HEADER, HEADER_CHARS_PER_TOKEN, TEXT, term_name
+from ..core.spec import FormatSpec
 from .tokenizers import TokenizerAdapter
 
 Tok = tuple  # (type, start, end, value)

@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .errors import DetectionError, PrecedenceError  # (PrecedenceError: defined there, re-exported)
-from .format import Format
-from .format_tests import tests_for
-from .tokenizers import adapt
+from ..errors import DetectionError, PrecedenceError  # (PrecedenceError: defined there, re-exported)
+from ..runtime.format import Format
+from ..conformance.format_tests import tests_for
+from ..runtime.tokenizers import adapt
 
 __all__ = ["Detection", "PrecedenceError", "VERDICTS", "check_precedence", "detect_format",
            "detection_formats", "explain_detection", "prove_precedence", "verify_candidate"]
@@ -206,7 +206,7 @@ def check_precedence(formats: Iterable[Any]) -> list["PrecedenceError"]:
     enough (a real Kimi-K3 tokenizer carries Kimi-K2's ``<|im_*|>`` strings).
 
     Args:
-        formats: :class:`~chatgrammar.format.Format` objects, or ``(FormatSpec, SpecSource)``
+        formats: :class:`~chatgrammar.runtime.format.Format` objects, or ``(FormatSpec, SpecSource)``
             pairs (specs that do not compile can still be checked).
 
     Returns:
@@ -440,7 +440,7 @@ def _template_evidence(fmt: Format, template: str) -> dict:
 # tags in another layout (GritLM's Tulu-2 template, which Zephyr's literals accept) then gets a
 # format that trains nothing, silently. So a candidate is also checked against the template
 # itself: the conformance matrix is rendered with it in the sandbox and parsed with the
-# candidate (chatgrammar.conformance.check_template, text mode and id mode with one id per
+# candidate (chatgrammar.conformance.templates.check_template, text mode and id mode with one id per
 # marker), and a candidate that trains a wrong mask, or parses none of the renderings, is out.
 
 #: Per-render time limit of a verification (a timeout is a case skipped, never a crash).
@@ -508,7 +508,7 @@ def _variable_sets(fmt: Format, given: dict | None) -> list[dict]:
 
 
 def _verify_once(fmt: Format, template: str, variables: dict) -> dict:
-    from .conformance import check_template
+    from ..conformance.templates import check_template
 
     res = check_template(fmt, template, variables=variables, timeout=VERIFY_TIMEOUT)
     if res.error:
@@ -551,7 +551,7 @@ def verify_candidate(fmt: Format, templates: Sequence[str], variables: dict | No
     """Check a format against chat templates over the conformance matrix; cached by content.
 
     Each template is rendered over the built-in matrix in the sandbox and every rendering is
-    parsed with the format (:func:`chatgrammar.conformance.check_template`); the verdict is
+    parsed with the format (:func:`chatgrammar.conformance.templates.check_template`); the verdict is
     the best over the variable sets tried (:func:`_variable_sets`) and the worst over the
     templates. Cached by (template hash, spec hash, variables), in memory, bounded; no Format,
     tokenizer or template object is kept.
@@ -853,7 +853,7 @@ def explain_detection(tokenizer: Any = None, *, chat_template: Any = None,
     verified = candidates
     vtemplates = _templates_to_verify(raw_template) if (verify and template is not None) else []
     if vtemplates:
-        from .render import special_token_vars
+        from ..conformance.render import special_token_vars
 
         variables = special_token_vars(tokenizer) if tokenizer is not None else None
         verified, ruled_by_check = _verified_pick(candidates, by_name, vtemplates, variables,

@@ -8,7 +8,7 @@ from typing import Any
 
 def _field(default: Any, description: str) -> Any:
     # The description is the one home of what the field means: the Args of this docstring, the
-    # spec's `policy:` model (chatgrammar.spec.Policy), its JSON Schema and the guide's key
+    # spec's `policy:` model (chatgrammar.core.spec.Policy), its JSON Schema and the guide's key
     # reference are all generated from it.
     return field(default=default, metadata={"description": description})
 

@@ -17,8 +17,8 @@ import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
                       create_model, field_validator)
 
-from .errors import SpecError
-from .policy import MaskPolicy
+from ..errors import SpecError
+from ..runtime.policy import MaskPolicy
 
 ROLE_NAMES = ("system", "user", "assistant", "tool", "developer")
 #: A format name: kebab-case (dots allowed between parts: ``deepseek-v3.2``).
@@ -186,7 +186,7 @@ class Element(_Model):
 
 
 def _policy_model() -> type[BaseModel]:
-    """The spec's ``policy:`` model, built from :class:`~chatgrammar.policy.MaskPolicy`'s
+    """The spec's ``policy:`` model, built from :class:`~chatgrammar.runtime.policy.MaskPolicy`'s
     fields (their names, types, defaults and descriptions), so the two cannot drift; tuples
     are YAML lists."""
     hints = get_type_hints(MaskPolicy)
@@ -616,7 +616,7 @@ def spec_errors(text: str, file: str = "<string>"
 
 
 def parse_spec(text: str, file: str = "<string>") -> tuple[FormatSpec, SpecSource]:
-    """Parse and schema-check a spec. Semantic checks happen in :mod:`chatgrammar.compile`.
+    """Parse and schema-check a spec. Semantic checks happen in :mod:`chatgrammar.core.compile`.
 
     Raises:
         SpecError: YAML syntax or schema violations, located ``file:line:col`` + YAML path

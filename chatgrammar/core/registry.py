@@ -8,9 +8,9 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from .errors import SpecError
-from .format import Format
-from .format_tests import is_tests_file
+from ..errors import SpecError
+from ..runtime.format import Format
+from ..conformance.format_tests import is_tests_file
 from .spec import read_spec
 
 ENTRY_POINT_GROUP = "chatgrammar.formats"
@@ -54,7 +54,7 @@ def _bundled_paths(d: str, stamp) -> tuple:
 
 def is_spec_file(path: Path) -> bool:
     """Whether a ``*.yaml`` of a formats directory is a spec: not ``norms.yaml``, not a
-    format's test facts (``<name>.tests.yaml``, :mod:`chatgrammar.format_tests`)."""
+    format's test facts (``<name>.tests.yaml``, :mod:`chatgrammar.conformance.format_tests`)."""
     return path.stem != "norms" and not is_tests_file(path)
 
 
@@ -118,7 +118,7 @@ def list_formats() -> list[str]:
 @lru_cache(maxsize=128)
 def _load_path(path: str, mtime: float) -> Format:
     # Reading YAML is half of a cold load: the parsed spec is cached on disk with its tables,
-    # keyed by the file's bytes (see chatgrammar.cache: JSON, rebuilt when it does not decode).
+    # keyed by the file's bytes (see chatgrammar.core.cache: JSON, rebuilt when it does not decode).
     from . import cache
 
     try:

@@ -5,23 +5,23 @@ Checks, per format spec:
 
 1. **yaml** — syntax (safe loader) and duplicate keys;
 2. **schema** — unknown keys, wrong types, missing keys: ALL of them, each located
-   ``file:line:col`` with its YAML path (:func:`chatgrammar.spec.spec_errors`);
+   ``file:line:col`` with its YAML path (:func:`chatgrammar.core.spec.spec_errors`);
 3. **patterns** — content patterns (``between``, header ``pattern``) that can swallow a marker,
    and marker strings hidden inside other marker strings;
 4. **compile** — the semantic checks and the strict LALR(1) build; a conflict is reported
-   against the spec's elements and markers (:func:`chatgrammar.compile.grammar_conflicts`);
+   against the spec's elements and markers (:func:`chatgrammar.core.compile.grammar_conflicts`);
 5. **examples** — each embedded example (``⟦…⟧`` marks the expected trained text; ``policy:``
    overrides the default policy; ``error:`` means it must fail with that text in the message),
-   run in text mode AND in id mode with a :class:`~chatgrammar.conformance.MarkerTokenizer`;
+   run in text mode AND in id mode with a :class:`~chatgrammar.conformance.templates.MarkerTokenizer`;
 
 and across the set:
 
-6. **precedence** — :func:`chatgrammar.detect.check_precedence`: overlapping detectors must be
+6. **precedence** — :func:`chatgrammar.core.detect.check_precedence`: overlapping detectors must be
    ordered, no cycles, unique names;
-7. **norms** — ``norms.yaml`` through :func:`chatgrammar.norms.validate_norms`;
+7. **norms** — ``norms.yaml`` through :func:`chatgrammar.core.norms.validate_norms`;
 
 and on request: **template** (a real chat template over the conversation matrix,
-:mod:`chatgrammar.conformance`) and **tokenizer** (every special marker is one special id; id
+:mod:`chatgrammar.conformance.templates`) and **tokenizer** (every special marker is one special id; id
 mode agrees with text mode).
 
 Example:
@@ -38,13 +38,13 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
-from ._io import read_text
-from .compile import regex_risk
-from .errors import ChatGrammarError, CompileError, ParseError, SpecError
+from .._io import read_text
+from ..core.compile import regex_risk
+from ..errors import ChatGrammarError, CompileError, ParseError, SpecError
 from .format_tests import is_tests_file, tests_path
-from .policy import MaskPolicy
-from .spec import (FormatSpec, SpecSource, check_node_graph, duplicate_keys, format_path,
-                   spec_errors)
+from ..runtime.policy import MaskPolicy
+from ..core.spec import (FormatSpec, SpecSource, check_node_graph, duplicate_keys, format_path,
+                         spec_errors)
 
 __all__ = ["Problem", "FileResult", "Report", "check_spec_text", "check_spec_file",
            "check_examples", "check_norms_file", "check_tokenizer", "parse_marked",
@@ -118,7 +118,7 @@ class Report:
     Attributes:
         files: the files checked.
         problems: every problem, in file order.
-        conformance: one :class:`~chatgrammar.conformance.ConformanceResult` per template.
+        conformance: one :class:`~chatgrammar.conformance.templates.ConformanceResult` per template.
         notes: things the user should know that are not problems (a check that could not run).
     """
 
@@ -266,20 +266,20 @@ def _mark(text: str, spans: Iterable[tuple[int, int]]) -> str:
 def check_examples(fmt: Any, tokenizer: Any = None) -> list[Problem]:
     """Run a format's embedded examples in text mode and id mode.
 
-    Id mode uses a :class:`~chatgrammar.conformance.MarkerTokenizer` (each marker one id, each
+    Id mode uses a :class:`~chatgrammar.conformance.templates.MarkerTokenizer` (each marker one id, each
     other character one id), and also ``tokenizer`` when given (then the trained text must be
     the same as in text mode). An example whose text ends inside a marker string (truncation
     in text) has no id-mode counterpart and runs in text mode only.
 
     Args:
-        fmt: a compiled :class:`~chatgrammar.format.Format`.
+        fmt: a compiled :class:`~chatgrammar.runtime.format.Format`.
         tokenizer: optional real tokenizer.
 
     Returns:
         One problem per failing example and mode.
     """
-    from .conformance import MarkerTokenizer, encode_text
-    from .tokenizers import adapt
+    from .templates import MarkerTokenizer, encode_text
+    from ..runtime.tokenizers import adapt
 
     src = fmt.source
     synth = MarkerTokenizer.for_format(fmt)
@@ -380,7 +380,7 @@ def check_spec_text(text: str, file: str) -> tuple[list[Problem], Any, tuple | N
         ``(problems, format_or_None, (spec, source) or None)``: the compiled Format when the
         spec compiles, and the schema-valid spec (for the precedence check) when it has one.
     """
-    from .format import Format
+    from ..runtime.format import Format
 
     problems = _duplicate_keys(text, file)
     spec, src, errs = spec_errors(text, file)
@@ -442,7 +442,7 @@ def is_norms_file(path: str | Path, text: str | None = None) -> bool:
 
 
 def check_norms_file(path: str | Path) -> tuple[list[Problem], list[str]]:
-    """Check a norms table with :func:`chatgrammar.norms.validate_norms`.
+    """Check a norms table with :func:`chatgrammar.core.norms.validate_norms`.
 
     Returns:
         ``(problems, notes)``; when the norms module offers no validation function, no
@@ -450,12 +450,12 @@ def check_norms_file(path: str | Path) -> tuple[list[Problem], list[str]]:
     """
     _read(path)  # a missing / unreadable file is a usage error, as for specs
     try:
-        from . import norms as norms_mod
+        from ..core import norms as norms_mod
     except ImportError as exc:  # pragma: no cover - only while norms.py is being written
-        return [], [f"{path}: norms checks unavailable (chatgrammar.norms: {exc})"]
+        return [], [f"{path}: norms checks unavailable (chatgrammar.core.norms: {exc})"]
     fn = getattr(norms_mod, "validate_norms", None)
     if fn is None:  # pragma: no cover - same
-        return [], [f"{path}: norms checks unavailable (chatgrammar.norms has no "
+        return [], [f"{path}: norms checks unavailable (chatgrammar.core.norms has no "
                     "validate_norms)"]
     out = []
     for p in fn(path):
@@ -466,7 +466,7 @@ def check_norms_file(path: str | Path) -> tuple[list[Problem], list[str]]:
 
 
 def check_tests_file(path: str | Path, text: str) -> list[Problem]:
-    """Check a format's test facts (``<name>.tests.yaml``, :mod:`chatgrammar.format_tests`)
+    """Check a format's test facts (``<name>.tests.yaml``, :mod:`chatgrammar.conformance.format_tests`)
     as test data: YAML and its schema, not as a spec."""
     from .format_tests import check_tests
 
@@ -491,7 +491,7 @@ def check_tokenizer(fmt: Any, tokenizer: Any, name: str = "tokenizer") -> list[P
     Returns:
         The problems (located at the marker in the spec).
     """
-    from .tokenizers import adapt
+    from ..runtime.tokenizers import adapt
 
     out: list[Problem] = []
     src = fmt.source
@@ -525,7 +525,7 @@ def resolve_paths(paths: Sequence[str]) -> list[Path]:
     Raises:
         ChatGrammarError: a PATH that is neither a file, a directory nor a bundled name.
     """
-    from .registry import bundled_paths, formats_dir
+    from ..core.registry import bundled_paths, formats_dir
 
     if not paths:
         out = list(bundled_paths().values())
@@ -628,13 +628,13 @@ def validate_paths(paths: Sequence[str | Path], *, precedence_with_bundled: bool
 def _precedence(checked: list[tuple], seen_files: set[str], with_bundled: bool
                 ) -> list[Problem]:
     try:
-        from .detect import check_precedence
+        from ..core.detect import check_precedence
     except ImportError as exc:  # pragma: no cover
         return [Problem("<set>", f"precedence check unavailable: {exc}", "precedence",
                         severity="warning")]
     pool = list(checked)
-    from .registry import bundled_paths, plugin_paths
-    from .spec import read_spec
+    from ..core.registry import bundled_paths, plugin_paths
+    from ..core.spec import read_spec
     names = {spec.name for spec, _ in checked}
     others: dict[str, tuple] = {}
     for name, p in {**plugin_paths(), **bundled_paths()}.items():

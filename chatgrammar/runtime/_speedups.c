@@ -1,8 +1,8 @@
 /*
- * chatgrammar._speedups: the C executor of the id fast path's plan.
+ * chatgrammar.runtime._speedups: the C executor of the id fast path's plan.
  *
  * Optional. setup.py builds it when a C compiler and the Python headers are there; without it
- * chatgrammar.fastpath runs the same plan with struct + numpy and its Python walk (same
+ * chatgrammar.runtime.fastpath runs the same plan with struct + numpy and its Python walk (same
  * results, slower). CHATGRAMMAR_PURE=1 disables it at import time.
  *
  * run(...) executes one sample end to end (see its comment below): the plan's marker table,
@@ -906,8 +906,8 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "chatgrammar._speedups",
-    "Optional C passes for chatgrammar.fastpath (see _speedups.c).", -1, methods,
+    PyModuleDef_HEAD_INIT, "chatgrammar.runtime._speedups",
+    "Optional C passes for chatgrammar.runtime.fastpath (see _speedups.c).", -1, methods,
 };
 
 PyMODINIT_FUNC

@@ -141,11 +141,12 @@ def usable_dir(create: bool = False) -> Path | None:
 @lru_cache(maxsize=1)
 def code_fingerprint() -> str:
     """Hash of everything that shapes a cached object besides its own input."""
-    from . import __version__
+    from .. import __version__
 
     h = hashlib.sha256(f"chatgrammar-{__version__}-cache-{CACHE_VERSION}|{sys.version}".encode())
     from . import compile, compile_checks, compile_conflicts, compile_grammar, compile_regex
-    from . import policy, spec
+    from ..runtime import policy
+    from . import spec
 
     # the modules by object, not by file name, so the hash follows them wherever they live
     for mod in (spec, policy, compile, compile_checks, compile_grammar, compile_regex,
@@ -401,7 +402,7 @@ def decode_spec(data: dict, file: str, text: bytes) -> tuple:
 
     Args:
         data: what :func:`encode_spec` returned (read back from JSON).
-        file: the spec file, as its :class:`~chatgrammar.spec.SpecSource` names it.
+        file: the spec file, as its :class:`~chatgrammar.core.spec.SpecSource` names it.
         text: the spec file's bytes (the entry's key): its YAML positions are composed again
             from them if an error ever needs one.
 

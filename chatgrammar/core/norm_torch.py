@@ -19,7 +19,7 @@ class FinalNormModule(nn.Module):
     """A final norm of one kind.
 
     Args:
-        kind: the :class:`chatgrammar.norms.NormKind`.
+        kind: the :class:`chatgrammar.core.norms.NormKind`.
         hidden_size: the size of the normalised (last) dimension.
         eps: the epsilon.
         dtype: the model dtype (the weight's, unless the kind keeps it in fp32).

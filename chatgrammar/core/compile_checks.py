@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from .compile_regex import BETWEEN_MAX_CHARS, HEADER_CHARS_PER_TOKEN, regex_risk
-from .errors import CompileError
+from ..errors import CompileError
 from .spec import Element, FormatSpec, SpecSource
 
 def check_spec(spec: FormatSpec, src: SpecSource) -> None:

@@ -1,0 +1,3 @@
+"""Checking specs and templates: the sandboxed renderer, the conversation matrix, template checks,
+spec validation, format test data, inference.
+"""
