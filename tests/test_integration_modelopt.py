@@ -465,7 +465,9 @@ def test_fake_base_model_from_source_builds_the_exact_norm(model_type, installed
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
     from tests.test_norms import _tiny_config
 
-    entry = cg.norms.load_norms().backbones[model_type].at(transformers.__version__)
+    from chatgrammar.core.norms import load_norms
+
+    entry = load_norms().backbones[model_type].at(transformers.__version__)
     config = _tiny_config(transformers.CONFIG_MAPPING[model_type], entry.eps[0])
     config.dtype = torch.bfloat16
     config.save_pretrained(tmp_path)
