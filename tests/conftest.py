@@ -127,7 +127,7 @@ def _drop_format_state(name: str) -> None:
         return
     for attr in ("_states", "_by_obj"):
         cache = getattr(fmt, attr, None)
-        if isinstance(cache, dict):
+        if cache is not None:  # a dict, or a WeakKeyDictionary
             cache.clear()
     if hasattr(fmt, "_text_memo"):
         fmt._text_memo = None

@@ -80,7 +80,7 @@ def _one_format_at_a_time(request):
         for fmt in {cg.load_format(n) for n in BUNDLED}:
             for attr in ("_states", "_by_obj"):  # per-tokenizer state (lexers, fast path)
                 cache = getattr(fmt, attr, None)
-                if isinstance(cache, dict):
+                if cache is not None:  # a dict, or a WeakKeyDictionary
                     cache.clear()
         from chatgrammar.runtime import tokenizers as cg_tokenizers
 

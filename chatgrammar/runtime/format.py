@@ -41,9 +41,11 @@ class Format:
         self.grammar: str = self.tables.grammar
         self.default_policy = MaskPolicy.from_mapping(spec.policy.model_dump())
         self._driver = Driver(spec, self.tables)
-        # per-tokenizer state by content key; id(tokenizer) -> (weakref, version, content key)
+        # per-tokenizer state by content key; a live tokenizer -> (its content version, content
+        # key) is only a shortcut past hashing the vocabulary, held weakly: it goes with the
+        # tokenizer, and a content version that moved (added tokens) misses it
         self._states: dict[Any, _TokState] = {}
-        self._by_obj: dict[int, tuple] = {}
+        self._by_obj: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._text_memo: TextMemo | None = None
         self._lock = threading.Lock()
 
@@ -137,10 +139,12 @@ class Format:
         is kept alive (the state's adapter holds it weakly and is rebound on each lookup)."""
         if isinstance(tokenizer, TokenizerAdapter):
             tokenizer = tokenizer.tokenizer
-        key = id(tokenizer)
-        hit = self._by_obj.get(key)
-        if hit is not None and hit[0]() is tokenizer and hit[1] == content_version(tokenizer):
-            st = self._states.get(hit[2])
+        try:
+            hit = self._by_obj.get(tokenizer)
+        except TypeError:  # not weakly referenceable, or unhashable: no shortcut
+            hit = None
+        if hit is not None and hit[0] == content_version(tokenizer):
+            st = self._states.get(hit[1])
             if st is not None:
                 if st.adapter._ref is None or st.adapter._ref() is not tokenizer:
                     st.adapter.rebind(tokenizer)
@@ -156,12 +160,9 @@ class Format:
             else:
                 st.adapter.rebind(tokenizer)
             try:
-                ref = weakref.ref(tokenizer)
-            except TypeError:
-                ref = _Strong(tokenizer)
-            if len(self._by_obj) >= 256:
-                self._by_obj.clear()
-            self._by_obj[key] = (ref, ver, ckey)
+                self._by_obj[tokenizer] = (ver, ckey)
+            except TypeError:  # kept nowhere: its content key is computed on each call
+                pass
         return st
 
     def id_lexer(self, tokenizer: Any) -> IdLexer:
@@ -376,15 +377,3 @@ class _TokState:
         if self._masker is None:
             self._masker = FastMasker(self.fmt, self.lexer)
         return self._masker
-
-
-class _Strong:
-    """A reference-like holder for a tokenizer that cannot be weakly referenced."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any):
-        self.obj = obj
-
-    def __call__(self) -> Any:
-        return self.obj
