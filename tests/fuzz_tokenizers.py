@@ -313,7 +313,7 @@ _MEMOLESS: dict[int, tuple[Any, Any]] = {}
 
 
 def _memoless(fmt: Any) -> Any:
-    """The same format with its text-mode memo switched off (chatgrammar.runtime.fastpath.TextMemo):
+    """The same format with its text-mode memo switched off (chatgrammar.runtime.textpath.TextMemo):
     every parse takes the full pipeline."""
     hit = _MEMOLESS.get(id(fmt))
     if hit is not None and hit[0] is fmt:
@@ -322,7 +322,7 @@ def _memoless(fmt: Any) -> Any:
 
     plain = Format(fmt.spec, fmt.source)
     try:
-        from chatgrammar.runtime.fastpath import TextMemo
+        from chatgrammar.runtime.textpath import TextMemo
     except ImportError:  # no memo in this version: the plain format is the format
         TextMemo = None
     if TextMemo is not None and hasattr(plain, "_text_memo"):

@@ -137,7 +137,7 @@ def test_marker_strings_typed_in_content_stay_text():
 
 def _reference(fmt):
     """The same format with the text memo switched off: the full pipeline every time."""
-    from chatgrammar.runtime.fastpath import TextMemo
+    from chatgrammar.runtime.textpath import TextMemo
     from chatgrammar.runtime.format import Format
 
     ref = Format(fmt.spec, fmt.source)

@@ -11,7 +11,8 @@ import numpy as np
 
 from ..core.compile import ParseTables, compile_spec, term_name
 from ..errors import VerifyError
-from .fastpath import FastMasker, TextMemo, ids_input, mask_like, verify_enabled
+from .fastpath import FastMasker, ids_input, mask_like, verify_enabled
+from .textpath import TextMemo
 from .lexers import IdLexer, LexConfig, as_id_array, lex_text, partial_marker_tail
 from .parse import Driver, Source
 from .policy import MaskPolicy
@@ -85,7 +86,7 @@ class Format:
         if not isinstance(text, str):
             raise TypeError(f"parse() takes a str, got {type(text).__name__}; "
                             "use parse_ids() for token ids")
-        # Items seen before are rebuilt from the memo (chatgrammar.runtime.fastpath.TextMemo); the
+        # Items seen before are rebuilt from the memo (chatgrammar.runtime.textpath.TextMemo); the
         # result is identical to the full parse below, which teaches the memo.
         memo = self._text_memo
         if memo is None:
