@@ -33,7 +33,8 @@ enc = kimi_k3_encoding()
 _, ids = render_and_encode(enc, template("moonshotai-Kimi-K3.jinja"), [
     {"role": "user", "content": "Hi"},
     {"role": "assistant", "content": "Hello", "reasoning_content": "greet"}])
-print(json.dumps({"lark_builds": len(calls), "mask": fmt.loss_mask(ids, enc),
+mask = fmt.loss_mask(ids, enc)  # (first: cached tables decode, or are rebuilt, on first use)
+print(json.dumps({"lark_builds": len(calls), "mask": mask,
                   "grammar": fmt.grammar, "path": fmt.path}))
 """
 
@@ -248,8 +249,11 @@ def test_a_corrupt_or_foreign_entry_is_rebuilt(tmp_path, damage):
         elif damage == "wrong-shape":
             p.write_text(json.dumps({**entry, "data": {"states": "nope"}}))
         else:  # consistent JSON whose tables name a state that does not exist
-            tables = entry["data"]["tables"] if kind == "spec" else entry["data"]
+            # (a spec entry holds its tables as one JSON string, decoded on first use)
+            tables = json.loads(entry["data"]["tables"]) if kind == "spec" else entry["data"]
             tables["states"][0][2][0] = 2 * 10_000 + 1
+            if kind == "spec":
+                entry["data"]["tables"] = json.dumps(tables)
             p.write_text(json.dumps(entry))
     again = _run(str(cdir))
     assert again["lark_builds"] == 1 and again["mask"] == first["mask"]
@@ -328,3 +332,39 @@ def test_tables_round_trip_exactly(name):
                 else:
                     assert (brg.origin.name, len(brg.expansion)) == (arg.origin.name,
                                                                      len(arg.expansion))
+
+def test_a_derived_spec_is_cached_with_its_chain_and_locates_like_a_fresh_load(tmp_path,
+                                                                               monkeypatch):
+    from chatgrammar.core import compile as c, registry, spec as spec_mod
+
+    monkeypatch.setenv("CHATGRAMMAR_CACHE_DIR", str(tmp_path / "cache"))
+    base = tmp_path / "base.yaml"
+    base.write_bytes(Path(cg.load_format("chatml").path).read_bytes()
+                     .replace(b"name: chatml", b"name: base", 1))
+    (tmp_path / "sub").mkdir()
+    mid = tmp_path / "sub" / "mid.yaml"
+    mid.write_text("name: mid\nextends: ../base.yaml\npolicy: {end_marker: true}\n")
+    kid = tmp_path / "kid.yaml"
+    kid.write_text("name: kid\nextends: sub/mid.yaml\n")
+    fresh = cg.load_format(kid)
+    registry._load_path.cache_clear()
+    c._lalr.cache_clear()
+    reads, builds = [], []
+    orig_yaml, orig_lark = spec_mod.load_yaml, c.Lark
+    monkeypatch.setattr(spec_mod, "load_yaml", lambda *a: reads.append(1) or orig_yaml(*a))
+    monkeypatch.setattr(c, "Lark", lambda *a, **k: builds.append(1) or orig_lark(*a, **k))
+    cached = cg.load_format(kid)
+    assert (reads, builds) == ([], [])  # from the entry: no YAML read, no Lark build
+    assert cached.spec == fresh.spec and cached.grammar == fresh.grammar
+    text = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n"
+    assert cached.parse(text).spans() == fresh.parse(text).spans()
+    # an inherited key is located in the base's file, as by a fresh load (read on demand)
+    for loc in (("elements",), ("policy", "end_marker"), ("name",)):
+        assert cached.source.where(loc) == fresh.source.where(loc)
+    assert Path(cached.source.where(("elements",))[0]).resolve() == base.resolve()
+    # a base edited: the entry does not hold any more; the edit is seen
+    base.write_bytes(base.read_bytes() + b"\n# an edit\n")
+    registry._load_path.cache_clear()
+    reads.clear()
+    again = cg.load_format(kid)
+    assert reads and again.spec == fresh.spec

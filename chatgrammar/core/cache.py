@@ -45,12 +45,15 @@ import os
 import re
 import stat
 import sys
+import threading
 import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-CACHE_VERSION = 2
+from .compile import ParseTables
+
+CACHE_VERSION = 3
 _OFF = {"", "0", "off", "none", "false", "no"}
 _SUFFIX = ".json"
 #: names this module writes (``.pkl``: version 1's pickles, never read, evicted first)
@@ -58,6 +61,7 @@ _OURS = re.compile(r"(?:spec|lalr)-[0-9a-f]{40}\.(?:json|pkl)|\.(?:spec|lalr)-.*
 _DEFAULT_MAX_MB = 64
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _warned: set[tuple[str, str]] = set()
+_decode_lock = threading.Lock()  # (LazyTables: one decode per entry, whatever the threads)
 
 
 def cache_dir() -> Path | None:
@@ -384,20 +388,106 @@ def decode_tables(data: dict) -> tuple:
 
 # ----------------------------------------------------------------------------- compiled specs
 
-def encode_spec(spec: Any, src: Any, tables: Any) -> dict:
+def encode_spec(spec: Any, src: Any, tables: Any, bases: list | None = None) -> dict:
     """A compiled spec — ``(FormatSpec, SpecSource, ParseTables)`` — as a JSON value.
 
     Not stored: the file name (entries are keyed by content) and the source positions (they
     are needed only to locate an error, and are read again from the spec's text then: see
-    :func:`decode_spec`). Only specs without ``extends`` are cached (``src.origins`` empty).
+    :func:`decode_spec`). The parse tables are stored as one JSON string, decoded only when
+    the format first parses (a load need not decode every format's tables).
+
+    Args:
+        bases: for a spec with ``extends``, its chain of bases as ``[ref, path, sha256 of the
+            file's bytes]`` each (see :func:`extends_chain`): the entry is keyed by the spec's
+            own bytes and holds only for these bases' bytes, checked on load.
     """
     return {"spec": spec.model_dump_json(),  # (a string: pydantic parses it fastest)
-            "tables": encode_tables(tables.states, tables.start_state, tables.end_state),
+            "tables": json.dumps(encode_tables(tables.states, tables.start_state,
+                                               tables.end_state), separators=(",", ":")),
+            "start": tables.start_state, "end": tables.end_state,
             "grammar": tables.grammar, "starters": sorted(tables.starters),
-            "close_terms": sorted(tables.close_terms), "until_terms": sorted(tables.until_terms)}
+            "close_terms": sorted(tables.close_terms), "until_terms": sorted(tables.until_terms),
+            "bases": list(bases or [])}
 
 
-def decode_spec(data: dict, file: str, text: bytes) -> tuple:
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def extends_chain(file: str) -> list:
+    """The ``extends`` chain of the spec ``file``: ``[ref, resolved base path, sha256 of its
+    bytes]`` for each base, nearest first (what a cached entry of ``file`` depends on besides
+    its own bytes). Only called for a spec that compiled (its chain resolves)."""
+    from .spec import _base_path, load_yaml
+
+    out: list = []
+    cur = file
+    data, _ = load_yaml(Path(cur).read_text(encoding="utf-8"), cur)
+    while isinstance(data, dict) and isinstance(data.get("extends"), str):
+        base = _base_path(data["extends"], cur)
+        if base is None:
+            raise ValueError("unresolved base")
+        out.append([data["extends"], str(base.resolve()), _digest(base)])
+        cur = str(base)
+        data, _ = load_yaml(base.read_text(encoding="utf-8"), cur)
+    return out
+
+
+def bases_hold(bases: list, file: str) -> bool:
+    """Whether a cached entry's ``extends`` chain (see :func:`extends_chain`) still resolves
+    from ``file`` to the same files with the same bytes."""
+    from .spec import _base_path
+
+    cur = file
+    try:
+        for ref, path, digest in bases:
+            base = _base_path(ref, cur)
+            if base is None or str(base.resolve()) != path or _digest(base) != digest:
+                return False
+            cur = str(base)
+    except (OSError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _source(file: str, text: bytes, extends: bool):
+    from .spec import SpecSource, load_yaml, read_spec
+
+    if not extends:
+        def marks() -> dict:
+            try:
+                return load_yaml(text.decode("utf-8"), file)[1]
+            except Exception:  # (cannot happen for the bytes that compiled; no position then)
+                return {}
+        return SpecSource(file, marks)
+
+    class _Inherited(SpecSource):
+        # positions and origins of a spec with ``extends``: from the whole chain, on demand
+        def __init__(self):
+            super().__init__(file, self._read)
+            self._full = None
+
+        def _read(self) -> dict:
+            if self._full is None:
+                try:
+                    self._full = read_spec(file)[1]
+                except Exception:
+                    self._full = SpecSource(file, {})
+            return self._full.marks
+
+        @property
+        def origins(self) -> dict:
+            self._read()
+            return self._full.origins
+
+        @origins.setter
+        def origins(self, value) -> None:
+            pass  # (set by SpecSource.__init__: always read from the chain instead)
+
+    return _Inherited()
+
+
+def decode_spec(data: dict, file: str, text: bytes, rebuilt: Any = None) -> tuple:
     """Inverse of :func:`encode_spec`, with the spec validated again by its pydantic model.
 
     Args:
@@ -405,31 +495,89 @@ def decode_spec(data: dict, file: str, text: bytes) -> tuple:
         file: the spec file, as its :class:`~chatgrammar.core.spec.SpecSource` names it.
         text: the spec file's bytes (the entry's key): its YAML positions are composed again
             from them if an error ever needs one.
+        rebuilt: called with ``(spec, src, tables)`` when the parse tables, decoded on first
+            use, turn out not to decode and are compiled again instead (the caller stores
+            the entry again).
 
     Returns:
-        ``(FormatSpec, SpecSource, ParseTables)``.
+        ``(FormatSpec, SpecSource, ParseTables)``; the tables' states decode on first use
+        (an entry whose tables do not decode then is compiled again, silently).
 
     Raises:
         Exception: (any) ``data`` is not such an encoding; the caller rebuilds the entry.
     """
-    from .compile import ParseTables
-    from .spec import FormatSpec, SpecSource, load_yaml
+    from .spec import FormatSpec
 
     spec = FormatSpec.model_validate_json(data["spec"])
-    states, start, end = decode_tables(data["tables"])
-    tables = ParseTables(states, start, end, True, str(data["grammar"]),
-                         frozenset(map(str, data["starters"])),
-                         frozenset(map(str, data["close_terms"])),
-                         frozenset(map(str, data["until_terms"])))
+    blob = data["tables"]
+    if type(blob) is not str or type(data["start"]) is not int or type(data["end"]) is not int:
+        raise TypeError("tables")
+    src = _source(file, text, bool(spec.extends))
+    tables = LazyTables(blob, data["start"], data["end"], str(data["grammar"]),
+                        frozenset(map(str, data["starters"])),
+                        frozenset(map(str, data["close_terms"])),
+                        frozenset(map(str, data["until_terms"])), spec, src, rebuilt)
+    return spec, src, tables
 
-    def marks() -> dict:
+
+class LazyTables(ParseTables):
+    """:class:`~chatgrammar.core.compile.ParseTables` whose states (and start / end
+    state) decode from a cache entry's JSON on first use. An entry whose tables do not
+    decode, or decode to other start / end states than it records, is compiled again
+    from the spec (Lark), as a cold load would."""
+
+    def __init__(self, blob, start, end, grammar, starters, close_terms, until_terms,
+                 spec, src, rebuilt):
+        self.__dict__.update(_blob=blob, _start=start, _end=end, grammar=grammar,
+                             starters=starters, close_terms=close_terms,
+                             until_terms=until_terms, _spec=spec, _src=src,
+                             _rebuilt=rebuilt, _states=None, _shift=True)
+
+    def _resolve(self) -> dict:
+        d = self.__dict__
+        if d["_states"] is None:
+            with _decode_lock:
+                if d["_states"] is None:
+                    self._decode(d)
+        return d["_states"]
+
+    @staticmethod
+    def _decode(d: dict) -> None:
         try:
-            if spec.extends:  # positions of inherited keys are the parent file's
-                from .spec import read_spec
+            states, start, end = decode_tables(json.loads(d["_blob"]))
+            if (start, end) != (d["_start"], d["_end"]):
+                raise ValueError("start / end state")
+        except Exception:  # a corrupt entry: compile the spec again, silently
+            from .compile import compile_spec
 
-                return read_spec(file)[1].marks
-            return load_yaml(text.decode("utf-8"), file)[1]
-        except Exception:  # (cannot happen for the bytes that compiled; no position then)
-            return {}
+            t = compile_spec(d["_spec"], d["_src"])
+            states, d["_start"], d["_end"], d["_shift"] = (
+                t.states, t.start_state, t.end_state, t.shift)
+            if d["_rebuilt"] is not None:
+                try:
+                    d["_rebuilt"](d["_spec"], d["_src"], t)
+                except Exception:
+                    pass
+        d["_states"] = states
+        d["_blob"] = d["_spec"] = d["_src"] = d["_rebuilt"] = None
 
-    return spec, SpecSource(file, marks), tables
+    @property
+    def states(self) -> dict:
+        return self._resolve()
+
+    @property
+    def start_state(self) -> int:
+        self._resolve()
+        return self.__dict__["_start"]
+
+    @property
+    def end_state(self) -> int:
+        self._resolve()
+        return self.__dict__["_end"]
+
+    @property
+    def shift(self) -> Any:
+        self._resolve()
+        return self.__dict__["_shift"]
+
+

@@ -30,7 +30,7 @@ def formats_dir() -> Path:
     try:
         p = Path(str(resources.files("chatgrammar.formats")))
         if p.is_dir():
-            return p
+            return p.resolve()
     except (ModuleNotFoundError, TypeError):
         pass
     return here.parent / "formats"
@@ -118,31 +118,43 @@ def list_formats() -> list[str]:
 @lru_cache(maxsize=128)
 def _load_path(path: str, mtime: float) -> Format:
     # Reading YAML is half of a cold load: the parsed spec is cached on disk with its tables,
-    # keyed by the file's bytes (see chatgrammar.core.cache: JSON, rebuilt when it does not decode).
+    # keyed by the file's bytes (see chatgrammar.core.cache: JSON, rebuilt when it does not
+    # decode). A spec that extends another depends on its bases' bytes too: its entry records
+    # the chain (each base's path and hash), checked before the entry is used.
     from . import cache
 
     try:
         data = Path(path).read_bytes()
     except OSError:
         data = None
-    # A spec that extends another depends on the base's bytes too: not cached (its grammar's
-    # tables still are).
-    cacheable = data is not None and b"extends" not in data
-    key = cache.key_for("spec", data) if cacheable else None
+    key = cache.key_for("spec", data) if data is not None else None
     hit = cache.load("spec", key) if key is not None else None
+
+    def store(spec, src, tables) -> None:
+        bases = cache.extends_chain(path) if spec.extends else []
+        cache.store("spec", key, cache.encode_spec(spec, src, tables, bases))
+
     if hit is not None:
         # stored only after it compiled, by the same code (the key's fingerprint covers
         # spec.py, compile.py and lark's version)
         try:
-            spec, src, tables = cache.decode_spec(hit, path, data)
+            if hit["bases"] and not cache.bases_hold(hit["bases"], path):
+                raise LookupError("a base changed")
+            spec, src, tables = cache.decode_spec(hit, path, data, rebuilt=store)
+            if bool(spec.extends) != bool(hit["bases"]):
+                raise LookupError("extends without its chain")
         except Exception:
             pass
         else:
             return Format(spec, src, tables=tables)
     spec, src = read_spec(path)
     fmt = Format(spec, src)
+    fmt._driver  # (built now: a spec the driver refuses fails to load, and is never stored)
     if key is not None:
-        cache.store("spec", key, cache.encode_spec(spec, src, fmt.tables))
+        try:
+            store(spec, src, fmt.tables)
+        except Exception:  # (a chain that no longer reads: just not cached)
+            pass
     return fmt
 
 
@@ -177,12 +189,17 @@ def load_format(name_or_path) -> Format:
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise SpecError(f"Unknown format {s!r}.{hint} Known: {', '.join(sorted(known))}")
         p = known[s]
+        # bundled paths are in a resolved directory (formats_dir()): one lstat instead of
+        # realpath's chain of them, unless the file itself is a link
+        resolved = s in bundled and not p.is_symlink()
+    else:
+        resolved = False
     try:
         mtime = p.stat().st_mtime
     except OSError:
         raise SpecError("no such file", file=str(p)) from None
     with _lock:
-        return _load_path(str(p.resolve()), mtime)
+        return _load_path(str(p) if resolved else str(p.resolve()), mtime)
 
 
 def all_formats() -> list[Format]:

@@ -41,7 +41,6 @@ class Format:
         self.tables: ParseTables = tables if tables is not None else compile_spec(spec, src)
         self.grammar: str = self.tables.grammar
         self.default_policy = MaskPolicy.from_mapping(spec.policy.model_dump())
-        self._driver = Driver(spec, self.tables)
         # per-tokenizer state by content key; a live tokenizer -> (its content version, content
         # key) is only a shortcut past hashing the vocabulary, held weakly: it goes with the
         # tokenizer, and a content version that moved (added tokens) misses it
@@ -49,6 +48,12 @@ class Format:
         self._by_obj: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._text_memo: TextMemo | None = None
         self._lock = threading.Lock()
+
+    @functools.cached_property
+    def _driver(self) -> Driver:
+        # built on first use, like the lexer below: a load (detection loads every format) need
+        # not build every driver, nor decode every cached table (chatgrammar.core.cache)
+        return Driver(self.spec, self.tables)
 
     @functools.cached_property
     def _lexcfg(self) -> LexConfig:
