@@ -102,7 +102,8 @@ class Format:
                 # verify mode: the memo's Conversation against the full parse
                 memo.stats["verified"] = memo.stats.get("verified", 0) + 1
                 want = self._parse_full(text, strict, _NO_MEMO)
-                if _facts(conv) != _facts(want):
+                # (spans first: a deferred Conversation answers them from its plan)
+                if conv.spans() != want.spans() or _facts(conv) != _facts(want):
                     raise VerifyError(f"{self.name}: the text memo's parse differs from the "
                                       f"full parse of a {len(text)}-char input")
             return conv

@@ -131,11 +131,44 @@ class Conversation:
         self.format = format
         self.mode = mode
         self.length = length
-        self.turns = turns
+        self._turns = turns
+        # a deferred conversation (the text memo's, chatgrammar.runtime.textpath): turns built
+        # on first access; until then spans and trained turns come from ``_plan``
+        self._build = self._plan = None
         self.warnings = warnings
         self.boundaries = boundaries
         self.default_policy = default_policy
         self.text = text
+
+    @classmethod
+    def deferred(cls, *, format: str, mode: str, length: int, default_policy: MaskPolicy,
+                 text: str | None, build, plan) -> "Conversation":
+        """A clean Conversation whose turns ``build()`` makes on first access of
+        :attr:`turns`; until then :meth:`spans` and :meth:`trained_turns` ask ``plan``
+        (``plan.trained(policy)`` / ``plan.spans(policy)``, which may answer None: then the
+        turns are built). Both give exactly what the built turns give."""
+        conv = cls(format=format, mode=mode, length=length, turns=None, warnings=[],
+                   boundaries=[], default_policy=default_policy, text=text)
+        conv._build, conv._plan = build, plan
+        return conv
+
+    def __getstate__(self) -> dict:
+        self.turns  # (a deferred conversation pickles built: its builder is a closure)
+        return self.__dict__
+
+    @property
+    def turns(self) -> list[Turn]:
+        """The turns, in order."""
+        t = self._turns
+        if t is None:
+            t = self._turns = self._build()
+            self._build = self._plan = None
+        return t
+
+    @turns.setter
+    def turns(self, value: list[Turn]) -> None:
+        self._turns = value
+        self._build = self._plan = None
 
     def __repr__(self) -> str:
         roles = ",".join(t.role for t in self.turns[:8]) + ("…" if len(self.turns) > 8 else "")
@@ -158,31 +191,14 @@ class Conversation:
             [Span(start=120, end=133, role='assistant', kind='content', turn=3)]
         """
         policy = policy or self.default_policy
+        if self._plan is not None:
+            got = self._plan.spans(policy)
+            if got is not None:
+                return got
         out: list[Span] = []
+        turns = self.turns
         for i in self.trained_turns(policy):
-            t = self.turns[i]
-            b = t.block
-            if b.body_start is None:
-                continue
-            base = b.kind or "content"
-            # the header's model-written tail (``header.trained_after``) trains with the body
-            cur = b.body_start if b.train_start is None else b.train_start
-            for c in b.children:
-                if c.start < b.body_start:
-                    continue  # before the body (a header that never ended): not trained
-                if c.start > cur and policy.allows(base):
-                    out.append(Span(cur, c.start, t.role, base, i))
-                k = c.kind or base
-                if c.end > c.start and policy.allows(k):
-                    out.extend(Span(s, e, t.role, kk, i) for s, e, kk in _segments(c, k, policy))
-                cur = max(cur, c.end)
-            if b.body_end is not None and b.body_end > cur and policy.allows(base):
-                out.append(Span(cur, b.body_end, t.role, base, i))
-            # a turn whose own kind the policy drops (a Harmony analysis message under
-            # thinking=False) does not train its terminator either
-            if (policy.end_marker and t.complete and b.close_start is not None
-                    and b.close_end > b.close_start and policy.allows(base)):
-                out.append(Span(b.close_start, b.close_end, t.role, "end", i))
+            turn_spans(turns[i], i, policy, out)
         return out
 
     def trained_turns(self, policy: MaskPolicy | None = None) -> list[int]:
@@ -194,6 +210,10 @@ class Conversation:
             [3]
         """
         policy = policy or self.default_policy
+        if self._plan is not None:
+            got = self._plan.trained(policy)
+            if got is not None:
+                return got
         roles = set(policy.roles)
         chosen = [i for i, t in enumerate(self.turns)
                   if t.role in roles and t.valid and not t.generation_prompt
@@ -216,6 +236,33 @@ class Conversation:
         if self.text is None:
             raise ValueError("trained_text() needs a text-mode conversation")
         return [self.text[s.start:s.end] for s in self.spans(policy)]
+
+
+def turn_spans(t: Turn, i: int, policy: MaskPolicy, out: list) -> None:
+    """Append the trained spans of turn ``t`` (index ``i``, chosen to train under ``policy``)
+    to ``out``: see :meth:`Conversation.spans`."""
+    b = t.block
+    if b.body_start is None:
+        return
+    base = b.kind or "content"
+    # the header's model-written tail (``header.trained_after``) trains with the body
+    cur = b.body_start if b.train_start is None else b.train_start
+    for c in b.children:
+        if c.start < b.body_start:
+            continue  # before the body (a header that never ended): not trained
+        if c.start > cur and policy.allows(base):
+            out.append(Span(cur, c.start, t.role, base, i))
+        k = c.kind or base
+        if c.end > c.start and policy.allows(k):
+            out.extend(Span(s, e, t.role, kk, i) for s, e, kk in _segments(c, k, policy))
+        cur = max(cur, c.end)
+    if b.body_end is not None and b.body_end > cur and policy.allows(base):
+        out.append(Span(cur, b.body_end, t.role, base, i))
+    # a turn whose own kind the policy drops (a Harmony analysis message under
+    # thinking=False) does not train its terminator either
+    if (policy.end_marker and t.complete and b.close_start is not None
+            and b.close_end > b.close_start and policy.allows(base)):
+        out.append(Span(b.close_start, b.close_end, t.role, "end", i))
 
 
 def _segments(block: Block, kind: str, policy: MaskPolicy) -> list[tuple[int, int, str]]:

@@ -9,13 +9,26 @@ field; ``CHATGRAMMAR_VERIFY=1`` checks every memo answer against the full parse)
 from __future__ import annotations
 
 import dataclasses
+import re
+from array import array
+from itertools import accumulate, chain
+from operator import or_
+
+import numpy as np
 
 from ..core.compile import HEADER, HEADER_CHARS_PER_TOKEN, TEXT
-from .fastpath import (_MAX_DEPTH, _MAX_ITEMS, _MAX_PROGS, _MAX_STACKS, _Automaton, _Item,
-                       _NoCache, _read_plan, _RecordingSource, _segments)
+from .fastpath import (_MAX_DEPTH, _MAX_ITEMS, _MAX_PROGS, _MAX_STACKS, NONE, PAD_SYM, RUN, _Automaton, _FakeTurn, _Item, _NoCache,
+                       _read_plan, _RecordingSource, _segments)
 from .lexers import lex_text
 from .parse import Source
-from .spans import Conversation
+from .spans import Block, Conversation, Span, Turn, turn_spans
+
+_MISSING = object()
+# the vectorised walk's window (symbols per lookup) and the bound on its memo (entries)
+_WALK = 16
+_MAX_WIDE = 200_000
+_PAD_BYTES = b"\xff" * _WALK
+_new = object.__new__
 
 
 # Block fields the text memo knows; every position field is relocated, the others copied.
@@ -80,13 +93,43 @@ class _BlockTpl:
 
 
 class _TurnTpl:
-    __slots__ = ("base", "start", "end", "block")
+    __slots__ = ("base", "start", "end", "block", "role", "meta", "hB", "place",
+                 "by_policy")
 
-    def __init__(self, t, place):
+    def __init__(self, t, place, hB: list | None = None):
         self.base = dict(t.__dict__)
         self.base["generation_prompt"] = False
         self.start, self.end = place(t.start), place(t.end)
         self.block = _BlockTpl(t.block, place)
+        self.role = t.role
+        self.meta = (t.role, t.valid, t.complete)
+        # the harvested item's part boundaries and the placer: this turn's trained spans per
+        # policy, in slots (from a fresh copy of the turn: the harvested one is the caller's)
+        self.hB, self.place = hB, place
+        self.by_policy: dict = {}
+
+    def span_plan(self, policy) -> tuple | None:
+        """This turn's trained spans under ``policy`` (when it trains) as
+        ``(start slot, offset, end slot, offset, kind)`` each, or None when a span boundary
+        is not a position the template can place. Computed once per policy from the harvested
+        turn by :func:`chatgrammar.runtime.spans.turn_spans` itself: positions of a keyed item
+        compare the same way in every text with that key (the lengths that vary, content runs,
+        are never empty there), so the spans of any such text are these, relocated."""
+        got = self.by_policy.get(policy, _MISSING)
+        if got is _MISSING:
+            out: list = []
+            if self.hB is not None:
+                turn_spans(self.make(self.hB, 0, Turn, Block), 0, policy, out)
+                try:
+                    got = tuple((*self.place(sp.start), *self.place(sp.end), sp.kind)
+                                for sp in out)
+                except _NoCache:
+                    got = None
+            else:
+                got = None
+            if len(self.by_policy) < 64:
+                self.by_policy[policy] = got
+        return got
 
     def make(self, bounds: list[int], a: int, turn_cls, block_cls):
         t = object.__new__(turn_cls)
@@ -96,6 +139,49 @@ class _TurnTpl:
         d["block"] = self.block.make(bounds, a, block_cls)
         t.__dict__ = d
         return t
+
+
+class _Plan:
+    """What a memo-answered Conversation knows before its turns are built: per turn its
+    template and item start slot, the part boundaries of the text, and whether the last turn
+    is a generation prompt. Answers :meth:`Conversation.spans` / ``trained_turns`` exactly as
+    the built turns would (see :meth:`_TurnTpl.span_plan`), or None (then they are built)."""
+
+    __slots__ = ("B", "turns", "gp")
+
+    def __init__(self, B: list[int], turns: list, gp: bool):
+        self.B, self.turns, self.gp = B, turns, gp
+
+    def trained(self, policy) -> list[int]:
+        roles = set(policy.roles)
+        truncated = policy.truncated
+        turns = self.turns
+        last = len(turns) - 1
+        chosen = [i for i, (tp, _) in enumerate(turns)
+                  if tp.meta[0] in roles and tp.meta[1] and (tp.meta[2] or truncated)
+                  and not (i == last and self.gp)]
+        return chosen[-1:] if policy.last_turn_only else chosen
+
+    def spans(self, policy) -> list | None:
+        B, turns = self.B, self.turns
+        out: list = []
+        append = out.append
+        for i in self.trained(policy):
+            tp, a = turns[i]
+            sp = tp.span_plan(policy)
+            if sp is None:
+                return None
+            role = tp.role
+            for ks, ds, ke, de, kind in sp:
+                x = _new(Span)  # (a frozen dataclass: its __init__ costs 2x this)
+                d = x.__dict__
+                d["start"] = B[a + ks] + ds
+                d["end"] = B[a + ke] + de
+                d["role"] = role
+                d["kind"] = kind
+                d["turn"] = i
+                append(x)
+        return out
 
 
 class TextMemo:
@@ -123,6 +209,7 @@ class TextMemo:
         self.stats = {"fast": 0, "slow": 0, "harvest": 0}
         self.reasons: dict[str, int] = {}   # full parses by why
         self._why: str | None = None
+        self._vec_setup(fmt._lexcfg)
 
     def _step(self, sid: int, term: str) -> int:
         auto = self.auto
@@ -162,6 +249,215 @@ class TextMemo:
             bounds.append(len(toks))
         return bounds
 
+    # ------------------------------------------------------------------ the vectorised path
+    #
+    # For a format whose text lexing is only "markers, and the runs between them" (no header
+    # ended by a literal, no marker absorbing the whitespace before it: most formats), one
+    # ``re.split`` of the text by the marker regex gives every part: run, marker, run, …
+    # (runs may be empty). Part boundaries come from ``itertools.accumulate`` over the part
+    # lengths, symbols (a marker and the shape of the run after it, as the id path's
+    # FastMasker steps them) from ``map`` over the markers, and the automaton is walked
+    # GRAM symbols per dictionary lookup: no Python code runs per character, and none per
+    # marker beyond those C-level maps. Item keys are the item's parts with each content run
+    # replaced by its presence; templates are placed on part indices.
+
+    def _vec_setup(self, cfg) -> None:
+        self.vec = False
+        if not self.enabled or cfg.regex is None or cfg.split_after or cfg.lstrip:
+            return
+        drv = self.drv
+        U = drv.unknown_rx
+        if U is not None and not _unknown_shape_is_safe(drv, cfg):
+            return
+        alts = cfg.regex.pattern + ("|" + U.pattern if U is not None else "")
+        self.splitter = re.compile("(" + alts + ")")
+        self.terms = sorted(set(cfg.by_text.values()))
+        self.code4 = {t: (k + 1) << 2 for k, t in enumerate(self.terms)}
+        self.sym_of = {txt: self.code4[term] for txt, term in cfg.by_text.items()}
+        self.known = frozenset(cfg.by_text)
+        # runs the parse reads (headers): keyed by their text; None: the run at input start
+        self.hdr_after = frozenset(txt for txt, term in cfg.by_text.items()
+                                   if term in cfg.decode_after)
+        self.hdr0 = None in cfg.decode_after
+        nsym = (len(self.terms) + 1) * 4
+        self.vauto = _Automaton(drv, self.terms, nsym)
+        self.narrow = nsym < 255  # one byte per symbol (255 pads the last window)
+        self.width = 1 if self.narrow else 2
+        self.wide: list[dict] = [{}]
+        self.wide_entries = 0
+        self.vec = True
+
+    def _vec_walk(self, syms: list) -> list[int] | None:
+        """Item bounds as part indices (symbol j is part 2j - 1, its marker, and part 2j, the
+        run after it), or None: a syntax error or an input that ends inside an item.
+
+        The automaton is stepped ``_WALK`` symbols per dictionary lookup: ``wide[sid]`` maps
+        a window of symbols (one byte each) to the configuration after it and the item
+        bounds inside it, filled from the automaton's per-symbol table on a miss."""
+        n = len(syms)
+        W = _WALK
+        pad = -n % W
+        if self.narrow:
+            buf = bytes(syms)
+            if pad:
+                buf += _PAD_BYTES[:pad]
+        else:
+            buf = array("H", syms)
+            if pad:
+                buf.extend([PAD_SYM] * pad)
+            buf = buf.tobytes()
+        step = W * self.width
+        wide = self.wide
+        sid = 0
+        bounds: list[int] = []
+        for k in range(0, len(buf), step):
+            g = buf[k:k + step]
+            v = wide[sid].get(g)
+            if v is None:
+                v = self._fill_wide(sid, g)
+                if v is None:
+                    return None
+            sid, offs = v
+            if offs:
+                base = 2 * (k // self.width)
+                bounds.extend([base + o for o in offs])
+        hit = self.vauto.end(sid)
+        if hit is None:
+            return None
+        if hit:
+            bounds.append(2 * n - 1)
+        return bounds
+
+    def _fill_wide(self, sid: int, g: bytes):
+        auto = self.vauto
+        syms = list(g) if self.narrow else np.frombuffer(g, dtype=np.uint16).tolist()
+        pad = 255 if self.narrow else PAD_SYM
+        cur = sid
+        offs: list[int] = []
+        for t, sym in enumerate(syms):
+            if sym == pad:
+                continue
+            v = auto.table[cur][sym]
+            if v is None:
+                v = auto.fill(cur, sym)
+            if v < 0:
+                return None  # a syntax error: the full parse reports it
+            if v & 1:
+                offs.append(2 * t - 1)
+            if v & 2:
+                offs.append(2 * t)
+            cur = v >> 3
+        while len(self.wide) < len(auto.stacks):
+            self.wide.append({})
+        got = (cur, tuple(offs))
+        if self.wide_entries < _MAX_WIDE:
+            self.wide[sid][g] = got
+            self.wide_entries += 1
+        return got
+
+    def _vec_split(self, text: str):
+        """``(parts, bounds, B, kp)`` of ``text``, or a reason string."""
+        parts = self.splitter.split(text)
+        mk = parts[1::2]
+        if not self.known.issuperset(mk):
+            return "a marker-shaped string the format does not know"
+        gaps = parts[0::2]
+        syms = [RUN if gaps[0] else NONE]
+        syms.extend(map(or_, map(self.sym_of.__getitem__, mk), map(bool, gaps[1:])))
+        bounds = self._vec_walk(syms)
+        if bounds is None:
+            return "syntax error or end of input inside an item"
+        B = [0]
+        B.extend(accumulate(map(len, parts)))
+        # the key view: markers and header runs as written, content runs as their presence
+        hdr = self.hdr_after
+        kp = parts[:]
+        kp[0::2] = [g if g and h else ("\x00" if g else "")
+                    for g, h in zip(gaps, chain((self.hdr0,), map(hdr.__contains__, mk)))]
+        return parts, bounds, B, kp
+
+    def _vec_lookup(self, text: str):
+        got = self._vec_split(text)
+        if type(got) is str:
+            self._why = got
+            return None
+        parts, bounds, B, kp = got
+        items = self.items
+        turns: list = []
+        a = 0
+        for b in bounds:
+            if b <= a:
+                continue
+            it = items.get(tuple(kp[a:b]))
+            if it is None or it.unstable:
+                self._why = "new item shape" if it is None else "item whose reads vary"
+                return None
+            if it.plan:
+                rkey = tuple(_text_read(text, B, a + s, a + e, lim) for s, e, lim in it.plan)
+            else:
+                rkey = ()
+            tpls = it.progs.get(rkey)
+            if tpls is None:
+                self._why = "new text read by the parse"
+                return None
+            turns.extend([(tp, a) for tp in tpls])
+            a = b
+        n = len(text)
+        gp = False
+        if turns:
+            tp, a = turns[-1]
+            last = _FakeTurn(B[a + tp.start[0]] + tp.start[1])
+            self.drv._mark_generation_prompt([last], Source("text", n, text=text), None)
+            gp = last.generation_prompt
+        self.stats["fast"] += 1
+        turn_cls, block_cls = self.turn_cls, self.block_cls
+
+        def build() -> list:
+            out = [tp.make(B, a, turn_cls, block_cls) for tp, a in turns]
+            if gp:
+                out[-1].generation_prompt = True
+            return out
+
+        fmt = self.fmt
+        return Conversation.deferred(format=fmt.name, mode="text", length=n,
+                                     default_policy=fmt.default_policy, text=text,
+                                     build=build, plan=_Plan(B, turns, gp))
+
+    def _vec_learn(self, text, turns, reads) -> None:
+        got = self._vec_split(text)
+        if type(got) is str:
+            raise _NoCache
+        parts, bounds, B, kp = got
+        self.stats["harvest"] += 1
+        segs, per_seg, reads_seg = _segments(bounds, B, turns, reads)
+        hdr = self.hdr_after
+        for (a, b), sturns, sreads in zip(segs, per_seg, reads_seg):
+            key = tuple(kp[a:b])
+            plan, slot_of = _read_plan(B, a, b, sreads)
+            it = self.items.get(key)
+            if it is None:
+                if len(self.items) > _MAX_ITEMS:
+                    self.items.clear()
+                it = self.items[key] = _Item(plan)
+            elif it.plan != plan:
+                it.unstable = True
+                continue
+            rkey = tuple(_text_read(text, B, a + s, a + e, lim) for s, e, lim in plan)
+            if rkey not in it.progs and len(it.progs) >= _MAX_PROGS:
+                it.unstable = True  # what the parse reads varies without end: stay slow
+                it.progs.clear()
+            elif rkey not in it.progs:
+                # keyed runs (headers: their whole text is in the key) and the text the
+                # parse read
+                runs = [(B[k], k - a, len(parts[k])) for k in range(a + a % 2, b, 2)
+                        if parts[k] and (parts[k - 1] in hdr if k else self.hdr0)]
+                for ks, ke, lim in plan:
+                    cap = -lim if lim < 0 else lim * HEADER_CHARS_PER_TOKEN
+                    runs.append((B[a + ks], ks, max(0, min(B[a + ke] - B[a + ks], cap))))
+                place = _placer(slot_of, tuple(runs))
+                hB = B[a:b + 1]
+                it.progs[rkey] = [_TurnTpl(t, place, hB) for t in sturns]
+
     @staticmethod
     def _key(toks: list, a: int, b: int) -> tuple:
         return tuple([(t[0], t[3]) for t in toks[a:b]])
@@ -175,6 +471,8 @@ class TextMemo:
         self._why = "input ends inside a marker"
         if fmt._partial_marker_tail(text) is not None:
             return None
+        if self.vec:
+            return self._vec_lookup(text)
         rx = self.drv.unknown_rx
         if rx is not None and not self.drv.known_prefixes.issuperset(
                 rx.findall(text) if rx.groups == 0 else [m.group() for m in rx.finditer(text)]):
@@ -233,7 +531,10 @@ class TextMemo:
         if not self.enabled or not isinstance(src, _RecordingSource):
             return
         try:
-            self._learn(text, toks, turns, src.reads)
+            if self.vec:
+                self._vec_learn(text, turns, src.reads)
+            else:
+                self._learn(text, toks, turns, src.reads)
         except _NoCache:
             pass
 
@@ -283,3 +584,68 @@ def _text_read(text: str, pos: list[int], js: int, je: int, limit: int):
     cap = -limit if limit < 0 else limit * HEADER_CHARS_PER_TOKEN
     k = min(e - s, cap + 1)
     return k, text[s:s + min(k, cap)]
+
+
+def _unknown_shape_is_safe(drv, cfg) -> bool:
+    """Whether one split by ``markers | unknown-marker shape`` can stand for the two scans
+    of the reference (the lexer's marker regex, then the unknown-marker check that every
+    string of that shape is a known marker or its head): true when the shape's alternatives
+    are ``PREFIX inner SUFFIX`` with punctuation-only prefix and suffix (the form
+    :func:`chatgrammar.runtime.parse.unknown_marker_shape` builds) and every marker text
+
+    - that the shape can start inside (strictly after its first character) — none may;
+    - that begins like a prefix is one whole ``PREFIX inner SUFFIX`` match, after which no
+      alternative with that prefix could go on matching (no suffix extends its suffix).
+
+    Then a split that finds only known markers took no shape match, so it found exactly
+    the lexer's markers, and every place the shape matches is the start of a known marker
+    where the match is a head of that marker. Otherwise the two scans run as before."""
+    inner_cls = r"(?:\w|[.:\-\u2581]){1,48}"  # (as parse.unknown_marker_shape writes it)
+    U = drv.unknown_rx
+    pieces = U.pattern.split(inner_cls)
+    # pattern = pre0 INNER suf0|pre1 INNER suf1|...: pieces = [pre0, suf0|pre1, ..., sufN]
+    if len(pieces) < 2:
+        return False
+    try:
+        texts = [_unescape(pieces[0])]
+        for mid in pieces[1:-1]:
+            suf, pre = mid.split("|")  # (escaped punctuation never holds a bare "|")
+            texts += [_unescape(suf), _unescape(pre)]
+        texts.append(_unescape(pieces[-1]))
+    except ValueError:
+        return False
+    pairs = [(texts[i], texts[i + 1]) for i in range(0, len(texts), 2)]
+    inner = re.compile(r"[\w.:\-\u2581]")
+    if any(not p or not q or inner.search(p) or inner.search(q) or p.isspace() or q.isspace()
+           or any(c.isspace() for c in p + q) for p, q in pairs):
+        return False
+    rebuilt = "|".join(sorted((re.escape(p) + inner_cls + re.escape(q) for p, q in pairs),
+                              key=len, reverse=True))
+    if rebuilt != U.pattern:
+        return False
+    for m in cfg.by_text:
+        for k in range(1, len(m)):
+            tail = m[k:]
+            if any(tail.startswith(p) or p.startswith(tail) for p, _ in pairs):
+                return False
+        heads = [(p, q) for p, q in pairs if m.startswith(p) or p.startswith(m)]
+        if not heads:
+            continue
+        full = [(p, q) for p, q in heads if len(m) > len(p) + len(q) and m.startswith(p)
+                and m.endswith(q) and re.fullmatch(r"[\w.:\-\u2581]{1,48}",
+                                                   m[len(p):len(m) - len(q)])]
+        if len(full) != 1:
+            return False
+        p0, q0 = full[0]
+        if any(p == p0 and q != q0 and (q.startswith(q0) or q0.startswith(q))
+               for p, q in heads) or any(p != p0 for p, _ in heads):
+            return False
+    return True
+
+
+def _unescape(s: str) -> str:
+    """The literal text of a ``re.escape``-d string (raises ValueError for anything else)."""
+    out = re.sub(r"\\(.)", r"\1", s)
+    if re.escape(out) != s:
+        raise ValueError(s)
+    return out
