@@ -147,9 +147,10 @@ class Conversation:
         :attr:`turns`; until then :meth:`spans` and :meth:`trained_turns` ask ``plan``
         (``plan.trained(policy)`` / ``plan.spans(policy)``, which may answer None: then the
         turns are built). Both give exactly what the built turns give."""
-        conv = cls(format=format, mode=mode, length=length, turns=None, warnings=[],
-                   boundaries=[], default_policy=default_policy, text=text)
-        conv._build, conv._plan = build, plan
+        conv = object.__new__(cls)  # (what __init__ sets, without its keyword call)
+        conv.__dict__.update(format=format, mode=mode, length=length, _turns=None,
+                             _build=build, _plan=plan, warnings=[], boundaries=[],
+                             default_policy=default_policy, text=text)
         return conv
 
     def __getstate__(self) -> dict:

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from array import array
-from itertools import accumulate, chain
-from operator import or_
-
-import numpy as np
+from bisect import bisect_left
+from itertools import accumulate, compress, repeat
 
 from ..core.compile import HEADER, HEADER_CHARS_PER_TOKEN, TEXT
-from .fastpath import (_MAX_DEPTH, _MAX_ITEMS, _MAX_PROGS, _MAX_STACKS, NONE, PAD_SYM, RUN, _Automaton, _FakeTurn, _Item, _NoCache,
+from .fastpath import (_MAX_DEPTH, _MAX_ITEMS, _MAX_PROGS, _MAX_STACKS, RUN, _Automaton,
+                       _FakeTurn, _Item, _NoCache,
                        _read_plan, _RecordingSource, _segments)
 from .lexers import lex_text
 from .parse import Source
@@ -27,6 +25,7 @@ _MISSING = object()
 # the vectorised walk's window (symbols per lookup) and the bound on its memo (entries)
 _WALK = 16
 _MAX_WIDE = 200_000
+_MAX_POLICIES = 64
 _PAD_BYTES = b"\xff" * _WALK
 _new = object.__new__
 
@@ -108,14 +107,14 @@ class _TurnTpl:
         self.hB, self.place = hB, place
         self.by_policy: dict = {}
 
-    def span_plan(self, policy) -> tuple | None:
+    def span_plan(self, policy, pk: int) -> tuple | None:
         """This turn's trained spans under ``policy`` (when it trains) as
         ``(start slot, offset, end slot, offset, kind)`` each, or None when a span boundary
         is not a position the template can place. Computed once per policy from the harvested
         turn by :func:`chatgrammar.runtime.spans.turn_spans` itself: positions of a keyed item
         compare the same way in every text with that key (the lengths that vary, content runs,
         are never empty there), so the spans of any such text are these, relocated."""
-        got = self.by_policy.get(policy, _MISSING)
+        got = self.by_policy.get(pk, _MISSING)  # (pk: the policy's number, TextMemo.policy_key)
         if got is _MISSING:
             out: list = []
             if self.hB is not None:
@@ -127,8 +126,7 @@ class _TurnTpl:
                     got = None
             else:
                 got = None
-            if len(self.by_policy) < 64:
-                self.by_policy[policy] = got
+            self.by_policy[pk] = got
         return got
 
     def make(self, bounds: list[int], a: int, turn_cls, block_cls):
@@ -147,10 +145,10 @@ class _Plan:
     is a generation prompt. Answers :meth:`Conversation.spans` / ``trained_turns`` exactly as
     the built turns would (see :meth:`_TurnTpl.span_plan`), or None (then they are built)."""
 
-    __slots__ = ("B", "turns", "gp")
+    __slots__ = ("B", "turns", "gp", "memo")
 
-    def __init__(self, B: list[int], turns: list, gp: bool):
-        self.B, self.turns, self.gp = B, turns, gp
+    def __init__(self, B: list[int], turns: list, gp: bool, memo: "TextMemo"):
+        self.B, self.turns, self.gp, self.memo = B, turns, gp, memo
 
     def trained(self, policy) -> list[int]:
         roles = set(policy.roles)
@@ -163,12 +161,15 @@ class _Plan:
         return chosen[-1:] if policy.last_turn_only else chosen
 
     def spans(self, policy) -> list | None:
+        pk = self.memo.policy_key(policy)
+        if pk is None:
+            return None
         B, turns = self.B, self.turns
         out: list = []
         append = out.append
         for i in self.trained(policy):
             tp, a = turns[i]
-            sp = tp.span_plan(policy)
+            sp = tp.span_plan(policy, pk)
             if sp is None:
                 return None
             role = tp.role
@@ -272,46 +273,44 @@ class TextMemo:
         alts = cfg.regex.pattern + ("|" + U.pattern if U is not None else "")
         self.splitter = re.compile("(" + alts + ")")
         self.terms = sorted(set(cfg.by_text.values()))
-        self.code4 = {t: (k + 1) << 2 for k, t in enumerate(self.terms)}
-        self.sym_of = {txt: self.code4[term] for txt, term in cfg.by_text.items()}
+        code4 = {t: (k + 1) << 2 for k, t in enumerate(self.terms)}
+        self.sym_of = {txt: code4[term] for txt, term in cfg.by_text.items()}
         self.known = frozenset(cfg.by_text)
         # runs the parse reads (headers): keyed by their text; None: the run at input start
-        self.hdr_after = frozenset(txt for txt, term in cfg.by_text.items()
-                                   if term in cfg.decode_after)
         self.hdr0 = None in cfg.decode_after
         nsym = (len(self.terms) + 1) * 4
+        if nsym > 255:
+            return  # symbols are bytes (255 pads the last window)
         self.vauto = _Automaton(drv, self.terms, nsym)
-        self.narrow = nsym < 255  # one byte per symbol (255 pads the last window)
-        self.width = 1 if self.narrow else 2
+        # symbol -> 1 when the run after its marker is a non-empty header
+        hdr_terms = {k + 1 for k, t in enumerate(self.terms) if t in cfg.decode_after}
+        if self.hdr0:
+            hdr_terms.add(0)
+        self.hdr_table = bytes(1 if (x >> 2) in hdr_terms and x & 3 == RUN else 0
+                               for x in range(256))
+        self.simple: dict = {}  # item key -> templates, for items whose parse reads nothing
+        self._policies: dict = {}
+        self._last_policy: tuple = (None, None)
         self.wide: list[dict] = [{}]
         self.wide_entries = 0
         self.vec = True
 
-    def _vec_walk(self, syms: list) -> list[int] | None:
-        """Item bounds as part indices (symbol j is part 2j - 1, its marker, and part 2j, the
-        run after it), or None: a syntax error or an input that ends inside an item.
+    def _vec_walk(self, sb: bytes) -> list[int] | None:
+        """Item bounds as part indices (symbol j, byte j of ``sb``, is part 2j - 1, its
+        marker, and part 2j, the run after it), or None: a syntax error or an input that ends
+        inside an item.
 
         The automaton is stepped ``_WALK`` symbols per dictionary lookup: ``wide[sid]`` maps
-        a window of symbols (one byte each) to the configuration after it and the item
-        bounds inside it, filled from the automaton's per-symbol table on a miss."""
-        n = len(syms)
-        W = _WALK
-        pad = -n % W
-        if self.narrow:
-            buf = bytes(syms)
-            if pad:
-                buf += _PAD_BYTES[:pad]
-        else:
-            buf = array("H", syms)
-            if pad:
-                buf.extend([PAD_SYM] * pad)
-            buf = buf.tobytes()
-        step = W * self.width
+        a window of symbols to the configuration after it and the item bounds inside it,
+        filled from the automaton's per-symbol table on a miss."""
+        n = len(sb)
+        pad = -n % _WALK
+        buf = sb + _PAD_BYTES[:pad] if pad else sb
         wide = self.wide
         sid = 0
         bounds: list[int] = []
-        for k in range(0, len(buf), step):
-            g = buf[k:k + step]
+        for k in range(0, len(buf), _WALK):
+            g = buf[k:k + _WALK]
             v = wide[sid].get(g)
             if v is None:
                 v = self._fill_wide(sid, g)
@@ -319,8 +318,7 @@ class TextMemo:
                     return None
             sid, offs = v
             if offs:
-                base = 2 * (k // self.width)
-                bounds.extend([base + o for o in offs])
+                bounds.extend([2 * k + o for o in offs])
         hit = self.vauto.end(sid)
         if hit is None:
             return None
@@ -330,12 +328,10 @@ class TextMemo:
 
     def _fill_wide(self, sid: int, g: bytes):
         auto = self.vauto
-        syms = list(g) if self.narrow else np.frombuffer(g, dtype=np.uint16).tolist()
-        pad = 255 if self.narrow else PAD_SYM
         cur = sid
         offs: list[int] = []
-        for t, sym in enumerate(syms):
-            if sym == pad:
+        for t, sym in enumerate(g):
+            if sym == 255:
                 continue
             v = auto.table[cur][sym]
             if v is None:
@@ -356,59 +352,67 @@ class TextMemo:
         return got
 
     def _vec_split(self, text: str):
-        """``(parts, bounds, B, kp)`` of ``text``, or a reason string."""
+        """``(parts, bounds, B, sb, hp)`` of ``text`` (parts, item bounds, part boundaries,
+        symbols, part indices of the non-empty header runs), or a reason string."""
         parts = self.splitter.split(text)
         mk = parts[1::2]
         if not self.known.issuperset(mk):
             return "a marker-shaped string the format does not know"
-        gaps = parts[0::2]
-        syms = [RUN if gaps[0] else NONE]
-        syms.extend(map(or_, map(self.sym_of.__getitem__, mk), map(bool, gaps[1:])))
-        bounds = self._vec_walk(syms)
+        n = len(mk) + 1
+        # symbol j: the code of marker j (none for j = 0) | whether the run after it is empty
+        ne = bytes(map(bool, parts[0::2]))
+        codes = bytes(map(self.sym_of.__getitem__, mk))
+        sb = (int.from_bytes(ne, "little") | int.from_bytes(codes, "little") << 8
+              ).to_bytes(n, "little")
+        bounds = self._vec_walk(sb)
         if bounds is None:
             return "syntax error or end of input inside an item"
         B = [0]
         B.extend(accumulate(map(len, parts)))
-        # the key view: markers and header runs as written, content runs as their presence
-        hdr = self.hdr_after
-        kp = parts[:]
-        kp[0::2] = [g if g and h else ("\x00" if g else "")
-                    for g, h in zip(gaps, chain((self.hdr0,), map(hdr.__contains__, mk)))]
-        return parts, bounds, B, kp
+        hp = list(compress(range(0, 2 * n, 2), sb.translate(self.hdr_table)))
+        return parts, bounds, B, sb, hp
+
+    @staticmethod
+    def _vec_key(parts, sb: bytes, hp: list, a: int, b: int) -> tuple:
+        # an item's key: its symbols (markers, which runs are empty), whether it starts at a
+        # marker and ends after a run, and its header runs' text
+        lo, hi = bisect_left(hp, a), bisect_left(hp, b)
+        return ((a & 1) | (b & 1) << 1, sb[(a + 1) // 2:b // 2 + 1],
+                tuple([parts[k] for k in hp[lo:hi]]) if hi > lo else ())
 
     def _vec_lookup(self, text: str):
         got = self._vec_split(text)
         if type(got) is str:
             self._why = got
             return None
-        parts, bounds, B, kp = got
-        items = self.items
+        parts, bounds, B, sb, hp = got
+        simple = self.simple
         turns: list = []
-        a = 0
+        a = lo = 0
         for b in bounds:
             if b <= a:
                 continue
-            it = items.get(tuple(kp[a:b]))
-            if it is None or it.unstable:
-                self._why = "new item shape" if it is None else "item whose reads vary"
-                return None
-            if it.plan:
-                rkey = tuple(_text_read(text, B, a + s, a + e, lim) for s, e, lim in it.plan)
-            else:
-                rkey = ()
-            tpls = it.progs.get(rkey)
+            # (the item key of _vec_key, inline: header runs are found in order)
+            hi = bisect_left(hp, b, lo)
+            k = ((a & 1) | (b & 1) << 1, sb[(a + 1) // 2:b // 2 + 1],
+                 tuple(map(parts.__getitem__, hp[lo:hi])) if hi > lo else ())
+            tpls = simple.get(k)
             if tpls is None:
-                self._why = "new text read by the parse"
-                return None
-            turns.extend([(tp, a) for tp in tpls])
-            a = b
+                tpls = self._vec_item(text, B, k, a)
+                if tpls is None:
+                    return None
+            turns.extend(zip(tpls, repeat(a, len(tpls))))
+            a, lo = b, hi
         n = len(text)
         gp = False
         if turns:
+            drv = self.drv
             tp, a = turns[-1]
-            last = _FakeTurn(B[a + tp.start[0]] + tp.start[1])
-            self.drv._mark_generation_prompt([last], Source("text", n, text=text), None)
-            gp = last.generation_prompt
+            start = B[a + tp.start[0]] + tp.start[1]
+            if drv.gen_prompts and n - start <= drv.max_gen:  # (the driver's own test next)
+                last = _FakeTurn(start)
+                drv._mark_generation_prompt([last], Source("text", n, text=text), None)
+                gp = last.generation_prompt
         self.stats["fast"] += 1
         turn_cls, block_cls = self.turn_cls, self.block_cls
 
@@ -421,26 +425,54 @@ class TextMemo:
         fmt = self.fmt
         return Conversation.deferred(format=fmt.name, mode="text", length=n,
                                      default_policy=fmt.default_policy, text=text,
-                                     build=build, plan=_Plan(B, turns, gp))
+                                     build=build, plan=_Plan(B, turns, gp, self))
+
+    def policy_key(self, policy) -> int | None:
+        """A small number per distinct policy (span plans are kept per number; hashing a
+        policy costs more than a lookup by identity), or None past ``_MAX_POLICIES`` of them
+        (then spans are computed from the built turns)."""
+        last = self._last_policy
+        if last[0] is policy:
+            return last[1]
+        pk = self._policies.get(policy)
+        if pk is None:
+            if len(self._policies) >= _MAX_POLICIES:
+                return None
+            pk = self._policies.setdefault(policy, len(self._policies))
+        self._last_policy = (policy, pk)
+        return pk
+
+    def _vec_item(self, text: str, B: list, key: tuple, a: int):
+        """The templates of an item that reads text, or None (with the reason)."""
+        it = self.items.get(key)
+        if it is None or it.unstable:
+            self._why = "new item shape" if it is None else "item whose reads vary"
+            return None
+        rkey = tuple(_text_read(text, B, a + s, a + e, lim) for s, e, lim in it.plan)
+        tpls = it.progs.get(rkey)
+        if tpls is None:
+            self._why = "new text read by the parse"
+        return tpls
 
     def _vec_learn(self, text, turns, reads) -> None:
         got = self._vec_split(text)
         if type(got) is str:
             raise _NoCache
-        parts, bounds, B, kp = got
+        parts, bounds, B, sb, hp = got
         self.stats["harvest"] += 1
         segs, per_seg, reads_seg = _segments(bounds, B, turns, reads)
-        hdr = self.hdr_after
         for (a, b), sturns, sreads in zip(segs, per_seg, reads_seg):
-            key = tuple(kp[a:b])
+            key = self._vec_key(parts, sb, hp, a, b)
             plan, slot_of = _read_plan(B, a, b, sreads)
             it = self.items.get(key)
             if it is None:
                 if len(self.items) > _MAX_ITEMS:
                     self.items.clear()
+                    self.simple.clear()
                 it = self.items[key] = _Item(plan)
             elif it.plan != plan:
                 it.unstable = True
+                self.simple.pop(key, None)
                 continue
             rkey = tuple(_text_read(text, B, a + s, a + e, lim) for s, e, lim in plan)
             if rkey not in it.progs and len(it.progs) >= _MAX_PROGS:
@@ -449,14 +481,15 @@ class TextMemo:
             elif rkey not in it.progs:
                 # keyed runs (headers: their whole text is in the key) and the text the
                 # parse read
-                runs = [(B[k], k - a, len(parts[k])) for k in range(a + a % 2, b, 2)
-                        if parts[k] and (parts[k - 1] in hdr if k else self.hdr0)]
+                runs = [(B[k], k - a, len(parts[k])) for k in hp if a <= k < b]
                 for ks, ke, lim in plan:
                     cap = -lim if lim < 0 else lim * HEADER_CHARS_PER_TOKEN
                     runs.append((B[a + ks], ks, max(0, min(B[a + ke] - B[a + ks], cap))))
                 place = _placer(slot_of, tuple(runs))
                 hB = B[a:b + 1]
                 it.progs[rkey] = [_TurnTpl(t, place, hB) for t in sturns]
+                if not plan:  # an item that reads nothing: one lookup serves it
+                    self.simple[key] = it.progs[rkey]
 
     @staticmethod
     def _key(toks: list, a: int, b: int) -> tuple:
