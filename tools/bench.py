@@ -606,6 +606,44 @@ def bench_classes(version: str, n_samples: int, rounds: int, *, check: bool = Tr
     return out
 
 
+def bench_text(version: str, n_samples: int, rounds: int, *, check: bool = True) -> dict:
+    """Text mode alone, measured as :func:`bench_classes` measures its ``text`` row:
+    ``fmt.parse(text).spans()`` (a typed, strict parse) against one whole-turn regex that only
+    extracts the assistant bodies, FIRST PASS over fresh texts (a warm-up draw first, then
+    each round on texts never seen), interleaved in chunks; the median ratio over rounds.
+    ``python tools/bench.py --only text`` runs it (and the compile section) without the id
+    classes."""
+    import chatgrammar as cg
+
+    fmt = cg.load_format(version)
+    warm, _ = workload(version, n_samples, seed="text-warm")
+    for t in warm:
+        fmt.parse(t).spans()
+    ratios, ns = [], []
+    ours_t = regex_t = 0.0
+    chars = 0
+    for r in range(rounds):
+        texts, _ = workload(version, n_samples, seed=f"text-fresh{r}")
+        t_ours, t_re = _race_once(lambda t: fmt.parse(t).spans(),
+                                  (lambda t: regex_spans(version, t), lambda part: part), texts)
+        ratios.append(t_re / t_ours)
+        n = sum(map(len, texts))
+        ns.append(1e9 * t_ours / n)
+        ours_t += t_ours
+        regex_t += t_re
+        chars += n
+        if check:  # after timing: the answers equal the full pipeline's
+            from chatgrammar.runtime.format import _NO_MEMO
+
+            for t in texts:
+                if fmt.parse(t).spans() != fmt._parse_full(t, True, _NO_MEMO).spans():
+                    raise SystemExit(f"{version} text: ours differs from the reference")
+    stats = fmt.stats().get("text", {})
+    return {"ratio": statistics.median(ratios), "ratios": ratios, "rate": chars / ours_t / 1e6,
+            "regex_rate": chars / regex_t / 1e6, "ns": statistics.median(ns),
+            "fast": stats.get("fast"), "slow": stats.get("slow")}
+
+
 def bench_chatml(n_samples: int, rounds: int) -> dict | None:
     import chatgrammar as cg
 
@@ -899,9 +937,23 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip the compile section")
     ap.add_argument("--no-write", action="store_true", help="do not write docs/performance.md")
     ap.add_argument("--out", default=str(ROOT / "docs" / "performance.md"))
+    ap.add_argument("--only", default=None,
+                    help="comma-separated sections to run alone and print as JSON, writing "
+                         "nothing: text (bench_text, both Kimi versions), compile")
     args = ap.parse_args(argv)
     if args.quick:
         args.samples, args.rounds = 60, 2
+    if args.only:
+        only = set(args.only.split(","))
+        out: dict = {}
+        if "text" in only:
+            for v in ("kimi-k2", "kimi-k3"):
+                out[f"text {v}"] = bench_text(v, args.samples, args.rounds)
+                print(v, "text", json.dumps(out[f"text {v}"]), flush=True)
+        if "compile" in only:
+            out["compile"] = bench_compile()
+            print("compile", json.dumps(out["compile"]), flush=True)
+        return 0
     info = machine()
     results: dict = {}
     for v in ("kimi-k2", "kimi-k3"):
