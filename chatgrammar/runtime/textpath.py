@@ -275,7 +275,6 @@ class TextMemo:
         self.terms = sorted(set(cfg.by_text.values()))
         code4 = {t: (k + 1) << 2 for k, t in enumerate(self.terms)}
         self.sym_of = {txt: code4[term] for txt, term in cfg.by_text.items()}
-        self.known = frozenset(cfg.by_text)
         # runs the parse reads (headers): keyed by their text; None: the run at input start
         self.hdr0 = None in cfg.decode_after
         nsym = (len(self.terms) + 1) * 4
@@ -352,16 +351,18 @@ class TextMemo:
         return got
 
     def _vec_split(self, text: str):
-        """``(parts, bounds, B, sb, hp)`` of ``text`` (parts, item bounds, part boundaries,
-        symbols, part indices of the non-empty header runs), or a reason string."""
+        """``(parts, bounds, B, sb, hp, hv)`` of ``text`` (parts, item bounds, part
+        boundaries, symbols, part indices of the non-empty header runs and their text), or a
+        reason string."""
         parts = self.splitter.split(text)
         mk = parts[1::2]
-        if not self.known.issuperset(mk):
-            return "a marker-shaped string the format does not know"
         n = len(mk) + 1
         # symbol j: the code of marker j (none for j = 0) | whether the run after it is empty
+        try:
+            codes = bytes(map(self.sym_of.__getitem__, mk))
+        except KeyError:  # the split's other alternative: a marker-shaped unknown string
+            return "a marker-shaped string the format does not know"
         ne = bytes(map(bool, parts[0::2]))
-        codes = bytes(map(self.sym_of.__getitem__, mk))
         sb = (int.from_bytes(ne, "little") | int.from_bytes(codes, "little") << 8
               ).to_bytes(n, "little")
         bounds = self._vec_walk(sb)
@@ -370,22 +371,21 @@ class TextMemo:
         B = [0]
         B.extend(accumulate(map(len, parts)))
         hp = list(compress(range(0, 2 * n, 2), sb.translate(self.hdr_table)))
-        return parts, bounds, B, sb, hp
+        return parts, bounds, B, sb, hp, list(map(parts.__getitem__, hp))
 
     @staticmethod
-    def _vec_key(parts, sb: bytes, hp: list, a: int, b: int) -> tuple:
+    def _vec_key(hv: list, sb: bytes, hp: list, a: int, b: int) -> tuple:
         # an item's key: its symbols (markers, which runs are empty), whether it starts at a
-        # marker and ends after a run, and its header runs' text
+        # marker and ends after a run, and its header runs' text (hv: the text of each hp)
         lo, hi = bisect_left(hp, a), bisect_left(hp, b)
-        return ((a & 1) | (b & 1) << 1, sb[(a + 1) // 2:b // 2 + 1],
-                tuple([parts[k] for k in hp[lo:hi]]) if hi > lo else ())
+        return ((a & 1) | (b & 1) << 1, sb[(a + 1) // 2:b // 2 + 1], tuple(hv[lo:hi]))
 
     def _vec_lookup(self, text: str):
         got = self._vec_split(text)
         if type(got) is str:
             self._why = got
             return None
-        parts, bounds, B, sb, hp = got
+        parts, bounds, B, sb, hp, hv = got
         simple = self.simple
         turns: list = []
         a = lo = 0
@@ -394,8 +394,7 @@ class TextMemo:
                 continue
             # (the item key of _vec_key, inline: header runs are found in order)
             hi = bisect_left(hp, b, lo)
-            k = ((a & 1) | (b & 1) << 1, sb[(a + 1) // 2:b // 2 + 1],
-                 tuple(map(parts.__getitem__, hp[lo:hi])) if hi > lo else ())
+            k = ((a & 1) | (b & 1) << 1, sb[(a + 1) // 2:b // 2 + 1], tuple(hv[lo:hi]))
             tpls = simple.get(k)
             if tpls is None:
                 tpls = self._vec_item(text, B, k, a)
@@ -458,11 +457,11 @@ class TextMemo:
         got = self._vec_split(text)
         if type(got) is str:
             raise _NoCache
-        parts, bounds, B, sb, hp = got
+        parts, bounds, B, sb, hp, hv = got
         self.stats["harvest"] += 1
         segs, per_seg, reads_seg = _segments(bounds, B, turns, reads)
         for (a, b), sturns, sreads in zip(segs, per_seg, reads_seg):
-            key = self._vec_key(parts, sb, hp, a, b)
+            key = self._vec_key(hv, sb, hp, a, b)
             plan, slot_of = _read_plan(B, a, b, sreads)
             it = self.items.get(key)
             if it is None:
