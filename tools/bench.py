@@ -924,6 +924,29 @@ METHOD = """\
 """
 
 
+# Text mode and compile (PT's sections), appended to the notes above.
+NOTES += """
+- **Text mode** (`chatgrammar/runtime/textpath.py`): for a format whose lexing is markers and
+  the runs between them (38 of the bundled formats, the Kimis among them), one `re.split` by
+  `markers | unknown-marker shape` finds every marker and every unknown marker-shaped string
+  in one scan (the reference scans twice); symbols, part boundaries and header runs come from
+  C-level `map` / `accumulate` / `compress`, the automaton is walked 16 symbols per
+  dictionary lookup, and each item is one lookup of its key (symbol bytes + header texts).
+  The Conversation it returns is *deferred*: its turns are built on first access, and until
+  then `spans()` / `trained_turns()` come from per-template span plans computed once per
+  policy by the same code from a built turn. About a third of what is left is the split
+  itself (the text is UCS-2 here: ~1.5 ns per character); the rest is ~1 µs per item and
+  ~0.3 µs per span of Python. Formats with literal-ended headers (ChatML's line) or `lstrip`
+  markers take the per-marker lexer and the same memo.
+- **Compile.** A cold load parses each spec's YAML once with libyaml (PyYAML's C parser, when
+  built; errors and anything the pure-Python reader would reject go through it), then runs
+  Lark's LALR analysis. A cached load reads one JSON entry per spec (keyed by its bytes; a
+  spec with `extends` also records its bases' paths and hashes, checked on load), validates
+  the spec with pydantic again (about half of what a cached load costs) and keeps the parse
+  tables as a JSON string that is decoded, and the driver built, when the format first
+  parses."""
+
+
 def main(argv=None) -> int:
     import argparse
 
