@@ -14,8 +14,8 @@ from bisect import bisect_left
 from itertools import accumulate, compress, repeat
 
 from ..core.compile import HEADER, HEADER_CHARS_PER_TOKEN, TEXT
-from .fastpath import (_MAX_DEPTH, _MAX_ITEMS, _MAX_PROGS, _MAX_STACKS, RUN, _Automaton,
-                       _FakeTurn, _Item, _NoCache,
+from . import fastpath as _fp  # (its memo bounds are read there, where tests may change them)
+from .fastpath import (RUN, _Automaton, _FakeTurn, _Item, _NoCache,
                        _read_plan, _RecordingSource, _segments)
 from .lexers import lex_text
 from .parse import Source
@@ -216,11 +216,11 @@ class TextMemo:
         auto = self.auto
         stack = list(auto.stacks[sid])
         hit = auto._step(stack, term)
-        if hit is None or len(stack) > _MAX_DEPTH:
+        if hit is None or len(stack) > _fp._MAX_DEPTH:
             v = -1
         else:
             st = tuple(stack)
-            if st not in auto.ids and len(auto.stacks) >= _MAX_STACKS:
+            if st not in auto.ids and len(auto.stacks) >= _fp._MAX_STACKS:
                 return -1
             nsid = auto._intern(st)
             while len(self.trans) <= nsid:
@@ -465,7 +465,7 @@ class TextMemo:
             plan, slot_of = _read_plan(B, a, b, sreads)
             it = self.items.get(key)
             if it is None:
-                if len(self.items) > _MAX_ITEMS:
+                if len(self.items) > _fp._MAX_ITEMS:
                     self.items.clear()
                     self.simple.clear()
                 it = self.items[key] = _Item(plan)
@@ -474,7 +474,7 @@ class TextMemo:
                 self.simple.pop(key, None)
                 continue
             rkey = tuple(_text_read(text, B, a + s, a + e, lim) for s, e, lim in plan)
-            if rkey not in it.progs and len(it.progs) >= _MAX_PROGS:
+            if rkey not in it.progs and len(it.progs) >= _fp._MAX_PROGS:
                 it.unstable = True  # what the parse reads varies without end: stay slow
                 it.progs.clear()
             elif rkey not in it.progs:
@@ -584,14 +584,14 @@ class TextMemo:
             plan, slot_of = _read_plan(pos, a, b, sreads)
             it = self.items.get(key)
             if it is None:
-                if len(self.items) > _MAX_ITEMS:
+                if len(self.items) > _fp._MAX_ITEMS:
                     self.items.clear()
                 it = self.items[key] = _Item(plan)
             elif it.plan != plan:
                 it.unstable = True
                 continue
             rkey = tuple(_text_read(text, pos, a + s, a + e, lim) for s, e, lim in plan)
-            if rkey not in it.progs and len(it.progs) >= _MAX_PROGS:
+            if rkey not in it.progs and len(it.progs) >= _fp._MAX_PROGS:
                 it.unstable = True  # what the parse reads varies without end: stay slow
                 it.progs.clear()
             elif rkey not in it.progs:
