@@ -157,6 +157,14 @@ class Conversation:
         self.turns  # (a deferred conversation pickles built: its builder is a closure)
         return self.__dict__
 
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        if "turns" in state:  # (pickled before turns became a property)
+            state["_turns"] = state.pop("turns")
+        state.setdefault("_build", None)
+        state.setdefault("_plan", None)
+        self.__dict__.update(state)
+
     @property
     def turns(self) -> list[Turn]:
         """The turns, in order."""
