@@ -368,3 +368,23 @@ def test_a_derived_spec_is_cached_with_its_chain_and_locates_like_a_fresh_load(t
     reads.clear()
     again = cg.load_format(kid)
     assert reads and again.spec == fresh.spec
+
+
+def test_a_cached_load_decodes_tables_and_builds_the_driver_on_first_use(tmp_path, monkeypatch):
+    from chatgrammar.core import compile as c, registry
+
+    monkeypatch.setenv("CHATGRAMMAR_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "k3.yaml"
+    path.write_bytes(Path(cg.load_format("kimi-k3").path).read_bytes())
+    fresh = cg.load_format(path)
+    registry._load_path.cache_clear()
+    c._lalr.cache_clear()
+    fmt = cg.load_format(path)
+    assert isinstance(fmt.tables, cache.LazyTables) and fmt.tables.__dict__["_states"] is None
+    assert "_driver" not in fmt.__dict__
+    text = ("<|open|>message role=\"user\"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>"
+            "<|open|>message role=\"assistant\"<|sep|>yo<|close|>message<|sep|><|end_of_msg|>")
+    assert fmt.parse(text).spans() == fresh.parse(text).spans()
+    assert fmt.tables.__dict__["_states"] is not None  # decoded once it parsed
+    assert (fmt.tables.start_state, fmt.tables.end_state, fmt.tables.shift) == (
+        fresh.tables.start_state, fresh.tables.end_state, True)
