@@ -1,10 +1,26 @@
 """Exact memo for :meth:`Format.parse` (text mode).
 
-Same idea as :class:`chatgrammar.runtime.fastpath.FastMasker` for token ids: the lexer's tokens
-are walked through the memoised LALR automaton to find the top-level items; an item seen before
-is rebuilt from a template — fresh Turn and Block objects carrying this text's positions — so
-the Conversation is identical to a full parse (tests/test_fastpath.py compares them field by
-field; ``CHATGRAMMAR_VERIFY=1`` checks every memo answer against the full parse).
+Same idea as :class:`chatgrammar.runtime.fastpath.FastMasker` for token ids: the text's
+markers are walked through the memoised LALR automaton to find the top-level items; an item
+seen before is rebuilt from a template — fresh Turn and Block objects carrying this text's
+positions — so the Conversation is identical to a full parse.
+
+Two executors of that memo:
+
+- **vectorised** (:meth:`TextMemo._vec_lookup`), for formats whose lexing is markers and the
+  runs between them (no literal-ended header, no ``lstrip`` marker): one ``re.split`` by
+  ``markers | unknown-marker shape`` (exact where :func:`_unknown_shape_is_safe` proves it),
+  symbols / part boundaries / header runs from C-level ``map``, ``accumulate`` and
+  ``compress``, the automaton walked ``_WALK`` symbols per lookup, one dictionary lookup per
+  item. Its Conversation is *deferred* (:meth:`Conversation.deferred`): turns are built on
+  first access; until then ``spans()`` and ``trained_turns()`` come from :class:`_Plan`, the
+  templates' span plans (:meth:`_TurnTpl.span_plan`), computed once per policy by
+  :func:`chatgrammar.runtime.spans.turn_spans` itself;
+- **per token** (:meth:`TextMemo.lookup` otherwise): the lexer's tokens, walked one by one.
+
+tests/test_textpath.py and tests/test_fastpath.py compare both with the full parse field by
+field; ``CHATGRAMMAR_VERIFY=1`` checks every memo answer (spans first, then the built turns)
+against the full parse.
 """
 from __future__ import annotations
 
