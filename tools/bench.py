@@ -927,7 +927,7 @@ METHOD = """\
 # Text mode and compile (PT's sections), appended to the notes above.
 NOTES += """
 - **Text mode** (`chatgrammar/runtime/textpath.py`): for a format whose lexing is markers and
-  the runs between them (38 of the bundled formats, the Kimis among them), one `re.split` by
+  the runs between them (34 of the 53 bundled formats, the Kimis among them), one `re.split` by
   `markers | unknown-marker shape` finds every marker and every unknown marker-shaped string
   in one scan (the reference scans twice); symbols, part boundaries and header runs come from
   C-level `map` / `accumulate` / `compress`, the automaton is walked 16 symbols per
