@@ -1489,6 +1489,14 @@ def _variants(spec: dict) -> list[dict]:
         alt["between"] = "\\s*"
     out.append(alt)
     out.append(_lstrip_variant(spec))
+    out += _closed_by_next(spec, out[2])
+    if closing:   # InternLM2's '<|im_end|>\n</s>': the '</s>' takes the newline before it
+        for base in (spec, out[2]):
+            alt = _closing_after(base, closing)
+            alt["between"] = "\\s*"
+            for m in closing:
+                alt["markers"][m]["lstrip"] = True
+            out.append(alt)
     out += _joined_terminators(spec, out[2], ws_after, bool(closing))
     out += _eos_variants(spec, out[2], eos)
     if nolead:
@@ -1532,6 +1540,75 @@ def _lstrip_variant(spec: dict) -> dict:
         if m in alt["markers"] and m not in used:   # (OLMo's EOS is also its BOS)
             alt["markers"][m]["lstrip"] = True
     return alt
+
+
+#: The role whose turn follows a turn of this role in every conversation the matrix holds.
+_NEXT_ROLE = {"system": "user", "user": "assistant"}
+
+
+def _turn_names(spec: dict) -> list[str]:
+    """The top-level elements and the ``follow`` elements they lead to (the turns)."""
+    out = list(spec["top"]) + [e for e in _REPLIES if e in spec["elements"]]
+    for name in out:
+        nxt = spec["elements"].get(name, {}).get("follow")
+        if nxt and nxt not in out:
+            out.append(nxt)
+    return out
+
+
+def _closed_by_next(spec: dict, lstripped: dict) -> list:
+    """Turns without a terminator (Tulu's and Alpaca's questions: ``<|user|>\nQ\n`` up to
+    the next ``<|assistant|>``) closed by the opener of the turn that always follows them,
+    which then ``follow``s without its opener (the bundled tulu spec's shape). Every turn then
+    has a terminator, so the whitespace after one is between-turn text (``between``) instead of
+    a part of the terminator: the end span is the terminator alone, as in the bundled specs.
+    The turn keeps its opener in ``top`` too (an answer right after an answer, where the
+    template drops tool messages)."""
+    out = []
+    for base in (lstripped, spec):
+        alt = _copy(base)
+        els = alt["elements"]
+        by_role = {els[n].get("role"): n for n in alt["top"]
+                   if els[n].get("open") and els[n].get("role")}
+        done: dict = {}
+
+        def close_by_next(name: str) -> bool:
+            el = els[name]
+            nxt = by_role.get(_NEXT_ROLE.get(el.get("role"), ""))
+            if nxt is None or nxt == name or "follow" in el:
+                return False
+            opener = els[nxt]["open"]
+            markers = [opener] if isinstance(opener, str) else list(opener)
+            if nxt not in done:
+                copy = {k: v for k, v in _copy(els[nxt]).items() if k != "open"}
+                cname = done[nxt] = f"{els[nxt]['role']}_after_opener"
+                els[cname] = copy
+                if "close" not in copy and not close_by_next(cname):
+                    return False
+            el["close"] = {"markers": markers, "follow_after": list(markers)}
+            el["follow"] = done[nxt]
+            return True
+
+        # a bare system text after the BOS (Alpaca's, Vicuna's): a system turn opened by the
+        # BOS, as the bundled alpaca spec says (empty when there is no system message)
+        pre = alt.get("preamble", [])
+        bare = [n for n in pre if n in els and "open" not in els[n] and "close" not in els[n]]
+        if bare:
+            at = pre.index(bare[0])
+            if bare != pre[at:at + 1] or at == 0 or pre[at - 1] not in alt["markers"] \
+                    or els[bare[0]].get("role") != "system":
+                continue
+            els[bare[0]]["open"] = pre[at - 1]
+            alt["preamble"] = pre[:at - 1] + pre[at + 1:]
+            if not alt["preamble"]:
+                del alt["preamble"]
+            alt["top"].insert(0, bare[0])
+        closeless = [n for n in alt["top"] if "close" not in els[n] and els[n].get("open")]
+        if not closeless or not all(close_by_next(n) for n in closeless):
+            continue
+        alt["between"] = "\\s*"
+        out.append(alt)
+    return out
 
 
 def _joined_terminators(spec: dict, lstripped: dict, ws_after: dict, closing: bool) -> list:
@@ -1601,7 +1678,7 @@ def _closing_after(cand: dict, closing: list) -> dict:
         del alt["between_markers"]
     for ename, el in alt["elements"].items():
         close = el.get("close")
-        if ename not in alt["top"] and ename not in _REPLIES:
+        if ename not in _turn_names(alt):
             continue
         if close and not close.get("header") and not close.get("opens_follow") \
                 and not close.get("follow_after"):
@@ -1625,7 +1702,7 @@ def _without_blocks(cand: dict, blocks: list) -> dict:
             el["children"] = [c for c in el["children"] if c not in blocks]
             if not el["children"]:
                 del el["children"]
-        if ename in alt["top"] or ename in _REPLIES:
+        if ename in _turn_names(alt):
             el["inner_markers"] = list(dict.fromkeys(el.get("inner_markers", []) + loose))
     return alt
 
@@ -1897,26 +1974,34 @@ class CrossCheck:
         differ: ``(case, why)`` for each case where they do not (a different mask, or one of
             them does not parse the rendering).
         rejected: matrix cases the template rejects (not compared).
+        refused: ``(case, why)`` for each case where they differ because the bundled format
+            refuses that shape on purpose (``refused:`` of its test facts, with the reason
+            given there: a located ParseError, or a documented whitespace deviation), so
+            neither side is wrong by accident.
     """
 
     equal: tuple = ()
     differ: tuple = ()
     rejected: tuple = ()
+    refused: tuple = ()
 
     @property
     def agree(self) -> bool:
-        """True when the masks are equal on every case the template renders."""
+        """True when the masks are equal on every case the template renders and that the
+        bundled format does not refuse on purpose."""
         return bool(self.equal) and not self.differ
 
 
 def cross_check(inferred: Format, bundled: Format, chat_template: str, *,
                 cases: Any = None, timeout: float | None = 10.0,
-                **template_kwargs: Any) -> CrossCheck:
+                refused: dict | None = None, **template_kwargs: Any) -> CrossCheck:
     """Compare two formats' masks over the conversation matrix rendered with a template.
 
     Every matrix case the template renders is parsed (text mode) with both formats; their
     masks must be equal under the output policy, with and without the terminator trained.
-    Where they differ, one of the two is wrong for that template (docs/inference.md).
+    Where they differ, one of the two is wrong for that template (docs/inference.md), unless
+    the bundled format refuses that case on purpose (``refused``): such a case is reported in
+    ``CrossCheck.refused`` with the bundled format's reason, not as a difference.
 
     Args:
         inferred: usually :func:`infer_format`'s result for the template.
@@ -1924,10 +2009,13 @@ def cross_check(inferred: Format, bundled: Format, chat_template: str, *,
         chat_template: the Jinja source of the chat template.
         cases: matrix cases (default: :func:`chatgrammar.conformance.matrix.default_matrix`).
         timeout: per-render time limit in seconds.
+        refused: matrix case -> why the bundled format refuses it on purpose (default: the
+            ``refused:`` of the bundled format's test facts, ``formats/<name>.tests.yaml``).
         **template_kwargs: template variables (``bos_token="<s>"`` …).
 
     Returns:
-        A :class:`CrossCheck`; ``.agree`` is True when no rendered case differs.
+        A :class:`CrossCheck`; ``.agree`` is True when no rendered case differs (cases the
+        bundled format refuses on purpose are in ``.refused``).
 
     Example:
         >>> tpl = open("Qwen-Qwen3.jinja").read()                        # doctest: +SKIP
@@ -1938,8 +2026,11 @@ def cross_check(inferred: Format, bundled: Format, chat_template: str, *,
     from ..errors import ParseError
     from .matrix import default_matrix, render_case
 
+    if refused is None:
+        from .format_tests import tests_for
+        refused = dict(tests_for(bundled).get("refused") or {})
     policies = (OUTPUT_POLICY, OUTPUT_POLICY.replace(end_marker=True))
-    equal, differ, rejected = [], [], []
+    equal, differ, rejected, on_purpose = [], [], [], []
     for case in (default_matrix() if cases is None else cases):
         try:
             text = render_case(chat_template, case, timeout=timeout, **template_kwargs).text
@@ -1956,6 +2047,9 @@ def cross_check(inferred: Format, bundled: Format, chat_template: str, *,
         a, b = masks
         if a == b:
             equal.append(case.name)
+        elif case.name in refused:
+            on_purpose.append((case.name, f"{bundled.name} refuses it on purpose: "
+                                          f"{refused[case.name]}"))
         elif isinstance(a, str) or isinstance(b, str):
             differ.append((case.name, a if isinstance(a, str) else b))
         else:
@@ -1965,4 +2059,4 @@ def cross_check(inferred: Format, bundled: Format, chat_template: str, *,
                 if len(a[k]) == len(b[k]) else min(len(a[k]), len(b[k]))
             differ.append((case.name, f"masks differ ({which}) from char {pos}: "
                                       f"{text[max(0, pos - 20):pos + 40]!r}"))
-    return CrossCheck(tuple(equal), tuple(differ), tuple(rejected))
+    return CrossCheck(tuple(equal), tuple(differ), tuple(rejected), tuple(on_purpose))
