@@ -14,7 +14,9 @@ variables a template is rendered with — ``bos_token``, ``eos_token`` — in it
 Each template is then one of:
 
 - ``detected`` / ``inferred``: every case the template renders gets exactly the assistant
-  output trained.
+  output trained, except the shapes the format refuses on purpose with a located ParseError
+  (a bundled format's ``refused:``; an inferred format's ``verification.refused``: tool
+  results a template renders with the assistant's header).
 - ``safe``: a clear error (DetectionError + InferenceError, or a located ParseError on the
   shapes that do not fit) and no wrong mask.
 - ``warned``: some case trains something other than the assistant output, and the format was
@@ -175,7 +177,12 @@ def _check(fmt, text: str, path: Path, variables: dict | None, vars_: dict, res:
     res.format = fmt.name
     if variables is None and res.how == "detected":
         vars_ = family_vars(fmt, text)
-    chk = check_template(fmt, text, name=path.name, variables=vars_, timeout=timeout)
+    # the shapes an inferred format refuses on purpose (tool results a template renders with
+    # the assistant's header: a located ParseError) count as a bundled format's `refused:`
+    refused = dict(getattr(getattr(fmt, "verification", None), "refused", ()) or ()) \
+        if res.how == "inferred" else None
+    chk = check_template(fmt, text, name=path.name, variables=vars_, timeout=timeout,
+                         refused=refused)
     if chk.error:
         res.reason = chk.error[:200]
         res.seconds = time.perf_counter() - t0

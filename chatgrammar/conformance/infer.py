@@ -1242,6 +1242,8 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
     if gens:
         spec["generation_prompt"] = gens
     spec["policy"] = {"roles": ["assistant"]}
+    if "tool results are rendered with the assistant's header" in sh.notes:
+        spec["_alternate"] = True
     spec["_ws_after"] = {plan.m(t): next(iter(w)) for t, w in plan.ws_after.items()
                          if len(w) == 1}
     spec["markers"] = {n: {"text": t, "special": lex.special(t, tokenizer)}
@@ -1262,6 +1264,9 @@ class Verification:
             previous turn, reasoning dropped from history …).
         deviations: the documented deviations the checker accepted (:data:`ACCEPTED`: the
             whitespace after a reply the template never closes trains with it), one per kind.
+        refused: ``(matrix case, why)`` for the shapes the format refuses on purpose with a
+            located ParseError (a template that renders tool results with the assistant's
+            header: its tool messages; :data:`TOOL_AS_ASSISTANT`).
     """
 
     checked: tuple = ()
@@ -1269,12 +1274,17 @@ class Verification:
     probes_rejected: tuple = ()
     notes: tuple = ()
     deviations: tuple = ()
+    refused: tuple = ()
 
     def summary(self) -> str:
         """One line: ``verified on 18 matrix cases; the template rejects 2: tool-call, …``."""
         s = f"verified on {len(self.checked)} matrix case{'s' if len(self.checked) != 1 else ''}"
         if self.deviations:
             s += "; the whitespace after an unclosed reply trains (unclosed-whitespace)"
+        if self.refused:
+            s += (f"; refuses {len(self.refused)} on purpose (tool results: a located "
+                  "ParseError): "
+                  + ", ".join(name for name, _ in self.refused))
         if self.rejected:
             s += (f"; the template rejects {len(self.rejected)}: "
                   + ", ".join(name for name, _ in self.rejected))
@@ -1481,6 +1491,7 @@ def _variants(spec: dict) -> list[dict]:
     eos = spec.pop("_eos", None)
     closing = spec.pop("_closing", [])
     nolead = spec.pop("_nolead", False)
+    alternate = spec.pop("_alternate", False)
     out = [spec]
     alt = _copy(spec)
     if "between" in alt:
@@ -1489,16 +1500,19 @@ def _variants(spec: dict) -> list[dict]:
         alt["between"] = "\\s*"
     out.append(alt)
     out.append(_lstrip_variant(spec))
-    out += _closed_by_next(spec, out[2])
+    if alternate:   # tool results with the assistant's header: answers only after questions
+        out[:0] = _closed_by_next(spec, _lstrip_variant(spec), alternate=True)
+    lstripped = _lstrip_variant(spec)
+    out += _closed_by_next(spec, lstripped)
     if closing:   # InternLM2's '<|im_end|>\n</s>': the '</s>' takes the newline before it
-        for base in (spec, out[2]):
+        for base in (spec, lstripped):
             alt = _closing_after(base, closing)
             alt["between"] = "\\s*"
             for m in closing:
                 alt["markers"][m]["lstrip"] = True
             out.append(alt)
-    out += _joined_terminators(spec, out[2], ws_after, bool(closing))
-    out += _eos_variants(spec, out[2], eos)
+    out += _joined_terminators(spec, lstripped, ws_after, bool(closing))
+    out += _eos_variants(spec, lstripped, eos)
     if nolead:
         out += _each(out, _without_lead)
     if closing:
@@ -1556,14 +1570,17 @@ def _turn_names(spec: dict) -> list[str]:
     return out
 
 
-def _closed_by_next(spec: dict, lstripped: dict) -> list:
+def _closed_by_next(spec: dict, lstripped: dict, alternate: bool = False) -> list:
     """Turns without a terminator (Tulu's and Alpaca's questions: ``<|user|>\nQ\n`` up to
     the next ``<|assistant|>``) closed by the opener of the turn that always follows them,
     which then ``follow``s without its opener (the bundled tulu spec's shape). Every turn then
     has a terminator, so the whitespace after one is between-turn text (``between``) instead of
     a part of the terminator: the end span is the terminator alone, as in the bundled specs.
     The turn keeps its opener in ``top`` too (an answer right after an answer, where the
-    template drops tool messages)."""
+    template drops tool messages) — except with ``alternate``: a template that renders tool
+    results with the assistant's header (Vicuna-era ``else`` branches) then gets a spec in
+    which an answer can only follow a question, so a tool result (a second assistant-headed
+    turn in a row) is a located ParseError, never trained."""
     out = []
     for base in (lstripped, spec):
         alt = _copy(base)
@@ -1595,9 +1612,9 @@ def _closed_by_next(spec: dict, lstripped: dict) -> list:
         bare = [n for n in pre if n in els and "open" not in els[n] and "close" not in els[n]]
         if bare:
             at = pre.index(bare[0])
-            if bare != pre[at:at + 1] or at == 0 or pre[at - 1] not in alt["markers"] \
-                    or els[bare[0]].get("role") != "system":
+            if bare != pre[at:at + 1] or els[bare[0]].get("role") != "system":
                 continue
+        if bare and at > 0 and pre[at - 1] in alt["markers"]:
             els[bare[0]]["open"] = pre[at - 1]
             alt["preamble"] = pre[:at - 1] + pre[at + 1:]
             if not alt["preamble"]:
@@ -1607,6 +1624,17 @@ def _closed_by_next(spec: dict, lstripped: dict) -> list:
         if not closeless or not all(close_by_next(n) for n in closeless):
             continue
         alt["between"] = "\\s*"
+        if alternate:
+            answers = [n for n in alt["top"] if els[n].get("role") == "assistant"
+                       and n in done]
+            if not answers or not done.get(answers[0]):
+                continue
+            alt["top"] = [n for n in alt["top"] if n not in answers]
+            used = {v for el in els.values() for k in ("follow", "children")
+                    for v in ([el[k]] if isinstance(el.get(k), str) else el.get(k) or [])}
+            for n in answers:
+                if n not in used:
+                    del els[n]
         out.append(alt)
     return out
 
@@ -1738,14 +1766,23 @@ def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> Inferre
     # Markers only some matrix shapes render (Kimi-K2's tool-call section markers): the parse
     # names them as unknown; they become loose markers of every turn's body (text of it that
     # is never structure) and the spec is tried again — a few rounds at most.
+    # A format that refuses the tool shapes is kept only while no retry parses them too.
+    best: InferredFormat | None = None
     for _ in range(8):
         try:
-            return _try_variants(template, variables, tokenizer, name, probe, sh, spec)
+            fmt = _try_variants(template, variables, tokenizer, name, probe, sh, spec)
         except InferenceError as exc:
             found = sorted(set(_UNKNOWN.findall(str(exc) + exc.details)))
             if not found or not _add_loose(spec, found, lex, tokenizer):
+                if best is not None:
+                    return best
                 raise
-    return _try_variants(template, variables, tokenizer, name, probe, sh, spec)
+            continue
+        found = sorted(set(_UNKNOWN.findall(" ".join(w for _, w in fmt.verification.refused))))
+        if not found or not _add_loose(spec, found, lex, tokenizer):
+            return fmt
+        best = best or fmt
+    return best or _try_variants(template, variables, tokenizer, name, probe, sh, spec)
 
 
 def _add_loose(spec: dict, texts: list, lex: _Lexicon, tokenizer: Any) -> bool:
@@ -1777,6 +1814,7 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
               f"(sha256 {name[9:]}…).\n# Review it, then rename it and add detect: / examples: "
               "to bundle it (docs/inference.md).\n")
     first_problem: InferenceError | None = None
+    fallback = None   # a candidate that refuses only the tool shapes (a located ParseError)
     for cand in _variants(spec):
         text = _emit(cand, header)
         try:
@@ -1787,8 +1825,13 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
                 where="compile", details=text)
             continue
         res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT, quick=True)
-        if not fails:
+        if not fails or _tool_parse_errors(fails):
             res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT)
+        if fallback is None:
+            refused = _refused_tool_shapes(fmt, probe, sh, fails)
+            if refused:   # kept unless a later candidate parses the tool shapes too
+                fallback = (fmt, res, refused)
+                continue
         tool_as_assistant = "tool results are rendered with the assistant's header" in sh.notes \
             or all(f.reason.startswith("trains text outside the assistant messages")
                    and f.text is not None and any(
@@ -1818,15 +1861,73 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
                 + (f" [{len(fails) - 1} more case(s) fail]" if len(fails) > 1 else ""),
                 where=f"case {c.case}", details=c.details + "\n\n" + text)
             continue
-        fmt.verification = Verification(
-            checked=tuple(c.case for c in res.cases if c.status == "pass"),
-            rejected=tuple((c.case, c.reason) for c in res.cases if c.status == "skip"),
-            probes_rejected=tuple(probe.rejected.items()), notes=tuple(sh.notes),
-            deviations=tuple(dict.fromkeys(
-                re.sub(r"at char \d+: ", "", d) for c in res.cases for d in c.deviations))[:4])
-        return fmt
+        return _verified(fmt, res, probe, sh, ())
+    if fallback is not None:
+        return _verified(*fallback[:2], probe, sh, fallback[2])
     assert first_problem is not None
     raise first_problem
+
+
+def _verified(fmt: InferredFormat, res: Any, probe: "_Probe", sh: "_Shape",
+              refused: tuple) -> InferredFormat:
+    fmt.verification = Verification(
+        checked=tuple(c.case for c in res.cases if c.status == "pass"),
+        rejected=tuple((c.case, c.reason) for c in res.cases if c.status == "skip"),
+        probes_rejected=tuple(probe.rejected.items()), notes=tuple(sh.notes),
+        deviations=tuple(dict.fromkeys(
+            re.sub(r"at char \d+: ", "", d) for c in res.cases for d in c.deviations))[:4],
+        refused=refused)
+    return fmt
+
+
+def _tool_parse_errors(fails: list) -> bool:
+    """Every failure is a text-mode ParseError on a matrix case with tool results."""
+    return bool(fails) and all("tool-results" in _tags(f.case) and f.reason.startswith(
+        "does not parse (text mode)") for f in fails)
+
+
+#: Why an inferred format refuses the tool shapes of a template that renders tool results
+#: with the assistant's header.
+TOOL_AS_ASSISTANT = ("the template renders tool results with the assistant's header: the "
+                     "format refuses tool messages (a located ParseError: an answer right "
+                     "after an answer), never trains them")
+#: Why an inferred format refuses the tool shapes of a template whose tool results it does not
+#: parse (rendered as bare text with no header, or in a way the spec cannot say).
+TOOL_UNPARSED = ("the format does not parse the template's tool results (a located "
+                 "ParseError), never trains them")
+
+
+def _refused_tool_shapes(fmt: Format, probe: "_Probe", sh: "_Shape", fails: list) -> tuple:
+    """``(case, why)`` of the matrix cases a candidate refuses on purpose, or ``()``.
+
+    Only a candidate whose every failure is a text-mode ParseError on a case with tool
+    results: a template that renders tool results with the assistant's header gets a spec in
+    which an answer follows only a question, so a tool result (an assistant-headed turn right
+    after an answer) cannot parse; one that renders them as bare text (WiNGPT2) or otherwise
+    beyond the spec does not parse there either. Conversations that end with the tool result,
+    with and without a generation prompt, must not train it either; else ``()``.
+    """
+    from ..errors import ParseError
+    from .templates import OUTPUT_POLICY
+
+    if not _tool_parse_errors(fails):
+        return ()
+    tool = {"role": "tool", "tool_call_id": "call00001", "content": TR1}
+    for msgs in ([_u(U1), _a("", tool_calls=[_call()]), tool],
+                 [_u(U1), _a(A1), tool], [_s(SYS), _u(U1), _a(A1), tool, _a(A2)]):
+        for agp in (False, True):
+            text = probe.render(msgs, agp=agp, shape="tool result at the end")
+            if text is None:
+                continue
+            try:
+                conv = fmt.parse(text)
+            except ParseError:
+                continue
+            if any(TR1 in text[s.start:s.end] for s in conv.spans(OUTPUT_POLICY)):
+                return ()
+    why = TOOL_AS_ASSISTANT if "tool results are rendered with the assistant's header" \
+        in sh.notes else TOOL_UNPARSED
+    return tuple((f.case, f"{why}: {f.reason}") for f in fails)
 
 
 def infer_format(chat_template: str, *, tokenizer: Any = None, **template_kwargs: Any
