@@ -427,6 +427,40 @@ def test_vicuna_tool_results_as_answers_refused_by_inference():
     assert cg.detect_format(None, chat_template=_read("infer/vicuna-1.1.jinja")).name == "vicuna"
 
 
+def test_tool_results_as_assistant_turns_are_refused_by_the_inferred_format():
+    """Orca-Vicuna prints every non-user, non-system message with `ASSISTANT:`: the inferred
+    spec lets an answer follow only a question (the bundled vicuna shape), so a tool result (an
+    answer right after an answer) is a located ParseError, listed in `verification.refused`;
+    conversations without tool messages train exactly the answers."""
+    name = "infer/orca-vicuna.jinja"
+    tpl, kw = _read(name), {"bos_token": "<s>", "eos_token": "</s>"}
+    fmt = cg.infer_format(tpl, **kw)
+    refused = dict(fmt.verification.refused)
+    assert set(refused) == {c.name for c in default_matrix() if "tool-results" in c.tags}
+    assert all(why.startswith(inf.TOOL_AS_ASSISTANT) for why in refused.values())
+    assert "refuses 5 on purpose" in fmt.verification.summary()
+    tool = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "Let me check."},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    for msgs, agp in ((tool, False), (tool, True),
+                      (tool + [{"role": "assistant", "content": "Sunny."}], False)):
+        with pytest.raises(cg.ParseError):
+            fmt.parse(render_chat(tpl, msgs, add_generation_prompt=agp, **kw))
+    conv = fmt.parse(render_chat(tpl, TWO_EXCHANGES, **kw))
+    assert [t.strip() for t in conv.trained_text(OUTPUT_POLICY)] == ["Hello there", "Later"]
+    # the bundled vicuna format refuses the same shapes: the cross-check agrees
+    cc = inf.cross_check(fmt, cg.load_format("vicuna"), tpl, **kw)
+    assert cc.agree, cc.differ
+
+
+def test_a_format_that_parses_the_tool_shapes_is_preferred_to_one_that_refuses_them():
+    # Falcon-RW chat: a candidate that refuses the tool shapes comes first, a later one parses
+    # them; the later one is returned
+    fmt = cg.infer_format(_read("wild/ericzzz-falcon-rw-1b-chat.jinja"),
+                          bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    assert not fmt.verification.refused
+
+
 @pytest.mark.parametrize("name", sorted(REFUSED_UNBUNDLED))
 def test_unbundled_template_refused_with_a_reason(name):
     kw, why = REFUSED_UNBUNDLED[name]
