@@ -419,12 +419,29 @@ REFUSED_UNBUNDLED = {
 }
 
 
-def test_vicuna_tool_results_as_answers_refused_by_inference():
-    """Vicuna prints tool results with the assistant's header: inference refuses the layout
-    (the bundled vicuna format detects it and refuses those shapes as located ParseErrors)."""
-    with pytest.raises(cg.InferenceError, match=re.escape("tool results as assistant turns")):
-        cg.infer_format(_read("infer/vicuna-1.1.jinja"))
-    assert cg.detect_format(None, chat_template=_read("infer/vicuna-1.1.jinja")).name == "vicuna"
+def test_vicuna_tool_results_as_answers_refused_by_the_inferred_format():
+    """Vicuna 1.1 prints tool results with the assistant's header after a bare system text:
+    the inferred spec reads the system text as the header of an opener-less question (the
+    bundled vicuna shape) and lets an answer follow only a question, so tool results are
+    located ParseErrors; the bundled vicuna format is detected first all the same."""
+    tpl = _read("infer/vicuna-1.1.jinja")
+    fmt = cg.infer_format(tpl)
+    assert {c for c, _ in fmt.verification.refused} == {
+        c.name for c in default_matrix() if "tool-results" in c.tags}
+    assert cg.detect_format(None, chat_template=tpl).name == "vicuna"
+    # the same layout with other role words (no bundled format has them)
+    other = ("{% for m in messages %}{% if m.role == 'system' %}{{ m.content + '\n\n' }}"
+             "{% elif m.role == 'user' %}{{ '### Human: ' + m.content + '\n' }}{% else %}"
+             "{{ '### Assistant: ' + m.content + eos_token + '\n' }}{% endif %}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '### Assistant:' }}{% endif %}")
+    fmt = cg.infer_format(other, eos_token="</s>")
+    assert len(fmt.verification.refused) == 5
+    msgs = [{"role": "system", "content": "Be brief."}] + TWO_EXCHANGES
+    conv = fmt.parse(render_chat(other, msgs, eos_token="</s>"))
+    assert [t.strip() for t in conv.trained_text(OUTPUT_POLICY)] == ["Hello there", "Later"]
+    with pytest.raises(cg.ParseError):
+        fmt.parse(render_chat(other, msgs[:3] + [{"role": "tool", "content": "sunny"}],
+                              eos_token="</s>"))
 
 
 def test_tool_results_as_assistant_turns_are_refused_by_the_inferred_format():

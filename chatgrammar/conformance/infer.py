@@ -1614,16 +1614,36 @@ def _closed_by_next(spec: dict, lstripped: dict, alternate: bool = False) -> lis
             at = pre.index(bare[0])
             if bare != pre[at:at + 1] or els[bare[0]].get("role") != "system":
                 continue
+        headed = False
         if bare and at > 0 and pre[at - 1] in alt["markers"]:
             els[bare[0]]["open"] = pre[at - 1]
             alt["preamble"] = pre[:at - 1] + pre[at + 1:]
-            if not alt["preamble"]:
-                del alt["preamble"]
             alt["top"].insert(0, bare[0])
+        elif bare:
+            # no marker before it (Vicuna 1.1's 'SYSTEM TEXT\n\nUSER: …'): the system text is
+            # the header of an opener-less question that runs up to the user's opener, as the
+            # bundled vicuna spec says; the same element takes the whitespace before every
+            # later question, so there is no between-turn text
+            user = by_role.get("user")
+            if user is None or not isinstance(els[user].get("open"), str):
+                continue
+            del els[bare[0]]
+            els["question_after_text"] = {"role": "user", "header": {
+                "until": els[user]["open"], "max_tokens": 4096}}
+            alt["preamble"] = pre[:at] + pre[at + 1:]
+            alt["top"].insert(0, "question_after_text")
+            if not close_by_next("question_after_text"):
+                continue
+            headed = True
+        if "preamble" in alt and not alt["preamble"]:
+            del alt["preamble"]
         closeless = [n for n in alt["top"] if "close" not in els[n] and els[n].get("open")]
-        if not closeless or not all(close_by_next(n) for n in closeless):
+        if not (closeless or headed) or not all(close_by_next(n) for n in closeless):
             continue
-        alt["between"] = "\\s*"
+        if headed:
+            alt.pop("between", None)
+        else:
+            alt["between"] = "\\s*"
         if alternate:
             answers = [n for n in alt["top"] if els[n].get("role") == "assistant"
                        and n in done]
