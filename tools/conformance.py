@@ -109,7 +109,9 @@ def inference_of(name: str, tname: str, template: str, variables: dict) -> tuple
         cc = inf.cross_check(inferred, load_format(name), template, **variables)
         # cases the bundled format refuses on purpose (its tests.yaml `refused:`) are said
         # as such: neither side is wrong by accident there
-        why = (f"; {len(cc.refused)} refused by {name} on purpose: "
+        by = sorted({w.split(" refuses it on purpose")[0] for _, w in cc.refused})
+        by = [("inferred" if b.startswith("inferred-") else b) for b in by]
+        why = (f"; {len(cc.refused)} refused on purpose by {' and '.join(by)}: "
                + ", ".join(f"`{c}`" for c, _ in cc.refused[:2])
                + (" …" if len(cc.refused) > 2 else "")) if cc.refused else ""
         if cc.agree:

@@ -1890,10 +1890,18 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
 
 def _verified(fmt: InferredFormat, res: Any, probe: "_Probe", sh: "_Shape",
               refused: tuple) -> InferredFormat:
+    notes = list(sh.notes)
+    for m in fmt.spec.markers.values():
+        base = m.text.rstrip()
+        if base != m.text and any(o.text == base for o in fmt.spec.markers.values()):
+            # a terminator joined with its whitespace (a headerless reply may follow it):
+            # the output masks are exact, the end span holds the whitespace too
+            notes.append(f"the terminator {base!r} is joined with the whitespace after it "
+                         f"({m.text!r}): with end_marker=True that whitespace trains with it")
     fmt.verification = Verification(
         checked=tuple(c.case for c in res.cases if c.status == "pass"),
         rejected=tuple((c.case, c.reason) for c in res.cases if c.status == "skip"),
-        probes_rejected=tuple(probe.rejected.items()), notes=tuple(sh.notes),
+        probes_rejected=tuple(probe.rejected.items()), notes=tuple(notes),
         deviations=tuple(dict.fromkeys(
             re.sub(r"at char \d+: ", "", d) for c in res.cases for d in c.deviations))[:4],
         refused=refused)
@@ -2097,7 +2105,8 @@ class CrossCheck:
         rejected: matrix cases the template rejects (not compared).
         refused: ``(case, why)`` for each case where they differ because the bundled format
             refuses that shape on purpose (``refused:`` of its test facts, with the reason
-            given there: a located ParseError, or a documented whitespace deviation), so
+            given there: a located ParseError, or a documented whitespace deviation), or the
+            inferred format does (its ``verification.refused``: a located ParseError), so
             neither side is wrong by accident.
     """
 
@@ -2150,6 +2159,8 @@ def cross_check(inferred: Format, bundled: Format, chat_template: str, *,
     if refused is None:
         from .format_tests import tests_for
         refused = dict(tests_for(bundled).get("refused") or {})
+    # the shapes the inferred format refuses on purpose (its Verification.refused)
+    own = dict(getattr(getattr(inferred, "verification", None), "refused", ()) or ())
     policies = (OUTPUT_POLICY, OUTPUT_POLICY.replace(end_marker=True))
     equal, differ, rejected, on_purpose = [], [], [], []
     for case in (default_matrix() if cases is None else cases):
@@ -2171,6 +2182,9 @@ def cross_check(inferred: Format, bundled: Format, chat_template: str, *,
         elif case.name in refused:
             on_purpose.append((case.name, f"{bundled.name} refuses it on purpose: "
                                           f"{refused[case.name]}"))
+        elif case.name in own and isinstance(a, str):
+            on_purpose.append((case.name, f"{inferred.name} refuses it on purpose: "
+                                          f"{own[case.name]}"))
         elif isinstance(a, str) or isinstance(b, str):
             differ.append((case.name, a if isinstance(a, str) else b))
         else:
