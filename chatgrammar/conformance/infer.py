@@ -1503,6 +1503,10 @@ def _variants(spec: dict) -> list[dict]:
     if alternate:   # tool results with the assistant's header: answers only after questions
         out[:0] = _closed_by_next(spec, _lstrip_variant(spec), alternate=True)
     lstripped = _lstrip_variant(spec)
+    if "reply_after_reply" in spec["elements"]:
+        # no answer right after an answer (the template drops tool messages): the dropped
+        # tool shapes are then refused, and the terminator needs no whitespace of its own
+        out += [_without_reply_after_reply(c) for c in (spec, alt, lstripped)]
     out += _closed_by_next(spec, lstripped)
     if closing:   # InternLM2's '<|im_end|>\n</s>': the '</s>' takes the newline before it
         for base in (spec, lstripped):
@@ -1534,6 +1538,23 @@ def _variants(spec: dict) -> list[dict]:
             seen.add(key)
             uniq.append(cand)
     return uniq[:_MAX_CANDIDATES]
+
+
+def _without_reply_after_reply(cand: dict) -> dict:
+    alt = _copy(cand)
+    del alt["elements"]["reply_after_reply"]
+    for el in alt["elements"].values():
+        if el.get("follow") == "reply_after_reply":
+            del el["follow"]
+    return alt
+
+
+def _joined_follow(cand: dict) -> bool:
+    """A terminator joined with its whitespace so that an answer right after an answer (a
+    dropped tool message) can follow it: exact output masks, but ``end_marker`` trains the
+    whitespace. A candidate without that answer (the tool shapes refused) is preferred."""
+    return "reply_after_reply" in cand["elements"] and any(
+        n.endswith("_ws") for n in cand["markers"])
 
 
 def _each(out: list, make: Any) -> list:
@@ -1847,11 +1868,15 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
         res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT, quick=True)
         if not fails or _tool_parse_errors(fails):
             res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT)
-        if fallback is None:
-            refused = _refused_tool_shapes(fmt, probe, sh, fails)
-            if refused:   # kept unless a later candidate parses the tool shapes too
-                fallback = (fmt, res, refused)
-                continue
+        refused = _refused_tool_shapes(fmt, probe, sh, fails)
+        if refused or (not fails and _joined_follow(cand)):
+            # kept unless a better candidate comes: one that parses every case with exact
+            # end spans > one that refuses only the tool shapes > one whose terminator holds
+            # the whitespace after it (end_marker) > one that does both
+            rank = (1 if refused else 2) + (2 if _joined_follow(cand) else 0)
+            if fallback is None or rank < fallback[0]:
+                fallback = (rank, fmt, res, refused)
+            continue
         tool_as_assistant = "tool results are rendered with the assistant's header" in sh.notes \
             or all(f.reason.startswith("trains text outside the assistant messages")
                    and f.text is not None and any(
@@ -1883,7 +1908,7 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
             continue
         return _verified(fmt, res, probe, sh, ())
     if fallback is not None:
-        return _verified(*fallback[:2], probe, sh, fallback[2])
+        return _verified(*fallback[1:3], probe, sh, fallback[3])
     assert first_problem is not None
     raise first_problem
 
