@@ -513,6 +513,24 @@ def test_unbundled_template_refused_with_a_reason(name):
         inf.resolve_format(chat_template=tpl, **kw)
 
 
+def test_partial_detection_gives_way_to_an_exact_inferred_format():
+    # Yi-1.5-Chat: ChatML with a bare system text before the first turn; the bundled chatml is
+    # detected but only partly parses it (located ParseErrors); the inferred format verifies
+    # on every case without a deviation, so resolve_format (mask -f auto, hf.map_fn) takes it
+    tpl = _read("wild/01-ai-Yi-1.5-34B-Chat.jinja")
+    kw = {"bos_token": "<|startoftext|>", "eos_token": "<|im_end|>"}
+    assert cg.detect_format(None, chat_template=tpl).name == "chatml"
+    fmt, how = inf.resolve_format(chat_template=tpl, **kw)
+    assert how == "inferred" and not fmt.verification.deviations
+    msgs = [{"role": "system", "content": "Be brief."}] + TWO_EXCHANGES
+    conv = fmt.parse(render_chat(tpl, msgs, **kw))
+    assert conv.trained_text(OUTPUT_POLICY) == ["Hello there", "Later"]
+    # a bundled format that verifies on the template stays
+    name = "Qwen-Qwen2.5-7B-Instruct.jinja"
+    fmt, how = inf.resolve_format(chat_template=_read(name), **_variables("chatml", name))
+    assert (fmt.name, how) == ("chatml", "detected")
+
+
 def test_cross_check_agrees_and_says_where_formats_differ():
     name = "Qwen-Qwen2.5-7B-Instruct.jinja"
     tpl = _read(name)

@@ -149,6 +149,14 @@ def classify(path: Path, variables: dict | None = None, *, timeout: float = 10.0
 
 def _resolve(text: str, vars_: dict, res: WildResult, t0: float):
     """Detect, else infer (what a user does); None (and ``res`` says why) when neither works."""
+    from chatgrammar.conformance.infer import resolve_format
+    try:
+        # what `chatgrammar mask -f auto` / hf.map_fn("auto") use: the detected format, or an
+        # inferred one where nothing is detected or the detected one only partly parses
+        fmt, res.how = resolve_format(chat_template=text, **vars_)
+        return fmt
+    except cg.InferenceError:
+        pass
     try:
         fmt = cg.detect_format(chat_template=text)
         res.how = "detected"

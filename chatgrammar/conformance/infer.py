@@ -2082,7 +2082,9 @@ def resolve_format(tokenizer: Any = None, *, chat_template: str | None = None,
     Returns:
         ``(format, how)``: ``how`` is ``"detected"`` (a bundled or plugin format) or
         ``"inferred"`` (:func:`infer_format`; the format's ``verification`` says how it was
-        checked).
+        checked): nothing is detected, or the detected format only partly parses the
+        template (its verdict is ``partial``: some renderings are located ParseErrors) and
+        the inferred one verifies on more matrix cases with no accepted deviation.
 
     Raises:
         DetectionError: nothing is detected and there is no template to infer from.
@@ -2094,18 +2096,20 @@ def resolve_format(tokenizer: Any = None, *, chat_template: str | None = None,
         >>> how                                                                   # doctest: +SKIP
         'inferred'
     """
-    from ..core.detect import detect_format
+    from ..core.detect import detect_format, explain_detection
     from ..errors import DetectionError
 
     template = chat_template or template_of(tokenizer)
     try:
         # the tokenizer's own template counts: Qwen's vocabulary with a non-ChatML template
         # is not ChatML
-        return detect_format(tokenizer, chat_template=template), "detected"
+        det = explain_detection(tokenizer, chat_template=template)
     except DetectionError as exc:
         if template is None:
             raise
         why = str(exc).splitlines()[0]
+    else:
+        return _better_of(det, template, tokenizer, template_kwargs)
     try:
         return infer_format(template, tokenizer=tokenizer, **template_kwargs), "inferred"
     except InferenceError as exc:
@@ -2116,6 +2120,31 @@ def resolve_format(tokenizer: Any = None, *, chat_template: str | None = None,
                 pass
         raise InferenceError(f"no bundled format ({why}); and inference fails: {exc.message}",
                              where=exc.where, details=exc.details) from None
+
+
+def _better_of(det: Any, template: str | None, tokenizer: Any, kwargs: dict
+               ) -> tuple[Format, str]:
+    """The detected format, unless it is only ``partial`` on the template (some renderings
+    are located ParseErrors) and the format inferred from the template verifies on more
+    matrix cases, with no accepted deviation: then the inferred one (a variant of a bundled
+    family that its spec does not accept yet still gets exact masks)."""
+    from ..core.detect import verify_candidate
+
+    v = (det.verification or {}).get(det.format) or {}
+    if template is None or v.get("status") != "partial":
+        return det.fmt, "detected"
+    if kwargs:   # the variables the caller renders with (detection may have guessed others)
+        v = verify_candidate(det.fmt, [template], {k: x for k, x in kwargs.items()
+                                                   if isinstance(x, str)})
+        if v.get("status") != "partial":
+            return det.fmt, "detected"
+    try:
+        fmt = infer_format(template, tokenizer=tokenizer, **(kwargs or dict(v.get("vars") or {})))
+    except InferenceError:
+        return det.fmt, "detected"
+    if not fmt.verification.deviations and len(fmt.verification.checked) > v.get("passed", 0):
+        return fmt, "inferred"
+    return det.fmt, "detected"
 
 
 @dataclass(frozen=True)
