@@ -140,20 +140,22 @@ def classify(path: Path, variables: dict | None = None, *, timeout: float = 10.0
     res = WildResult(path.name, "safe")
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        fmt = _resolve(text, vars_, res, t0)
+        fmt = _resolve(text, vars_, res, t0, variables or {})
     if fmt is None:
         return res
     warned = any(issubclass(w.category, cg.DeviationWarning) for w in said)
     return _check(fmt, text, path, variables, vars_, res, t0, warned, timeout)
 
 
-def _resolve(text: str, vars_: dict, res: WildResult, t0: float):
-    """Detect, else infer (what a user does); None (and ``res`` says why) when neither works."""
+def _resolve(text: str, vars_: dict, res: WildResult, t0: float, given: dict):
+    """Detect, else infer (what a user does); None (and ``res`` says why) when neither works.
+    ``given``: the variables expected.yaml names (what the model's tokenizer passes); ``vars_``
+    adds guessed ones for inference."""
     from chatgrammar.conformance.infer import resolve_format
     try:
         # what `chatgrammar mask -f auto` / hf.map_fn("auto") use: the detected format, or an
         # inferred one where nothing is detected or the detected one only partly parses
-        fmt, res.how = resolve_format(chat_template=text, **vars_)
+        fmt, res.how = resolve_format(chat_template=text, **given)
         return fmt
     except cg.InferenceError:
         pass

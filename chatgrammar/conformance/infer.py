@@ -2125,19 +2125,20 @@ def resolve_format(tokenizer: Any = None, *, chat_template: str | None = None,
 def _better_of(det: Any, template: str | None, tokenizer: Any, kwargs: dict
                ) -> tuple[Format, str]:
     """The detected format, unless it is only ``partial`` on the template (some renderings
-    are located ParseErrors) and the format inferred from the template verifies on more
-    matrix cases, with no accepted deviation: then the inferred one (a variant of a bundled
-    family that its spec does not accept yet still gets exact masks)."""
+    are located ParseErrors; or, with the caller's variables, none parses or a mask is wrong)
+    and the format inferred from the template verifies on more matrix cases, with no
+    accepted deviation: then the inferred one (a variant of a bundled family that its spec
+    does not accept yet still gets exact masks)."""
     from ..core.detect import verify_candidate
 
     v = (det.verification or {}).get(det.format) or {}
-    if template is None or v.get("status") != "partial":
+    if template is None:
         return det.fmt, "detected"
     if kwargs:   # the variables the caller renders with (detection may have guessed others)
         v = verify_candidate(det.fmt, [template], {k: x for k, x in kwargs.items()
                                                    if isinstance(x, str)})
-        if v.get("status") != "partial":
-            return det.fmt, "detected"
+    if v.get("status") not in ("partial", "unparsable", "wrong"):
+        return det.fmt, "detected"
     try:
         fmt = infer_format(template, tokenizer=tokenizer, **(kwargs or dict(v.get("vars") or {})))
     except InferenceError:
