@@ -590,6 +590,21 @@ def test_cli_prints_spec_and_summary(tmp_path, capsys):
     out, _ = capsys.readouterr()
     assert "written to" in out and "verified on" in out
     assert cg.load_format(spec).name.startswith("inferred-")
+    assert not (tmp_path / "s.tests.yaml").exists()   # nothing refused, nothing accepted
+
+
+def test_cli_writes_the_refused_shapes_beside_the_spec(tmp_path, capsys):
+    # the tool shapes an inferred format refuses on purpose go to <spec>.tests.yaml, so that
+    # `chatgrammar validate SPEC --template T` passes the saved spec as inference verified it
+    tpl = str(TEMPLATES / "infer" / "orca-vicuna.jinja")
+    spec = tmp_path / "ov.yaml"
+    assert main(["infer", tpl, "--var", "bos_token=<s>", "--var", "eos_token=</s>",
+                 "-o", str(spec)]) == 0
+    assert "ov.tests.yaml" in capsys.readouterr()[0]
+    facts = _facts_of(cg.load_format(spec))
+    assert set(facts["refused"]) == {c.name for c in default_matrix() if "tool-results" in c.tags}
+    assert main(["validate", str(spec), "--template", tpl, "--var", "bos_token=<s>",
+                 "--var", "eos_token=</s>"]) == 0
 
 
 @pytest.mark.parametrize("template,code", [(NO_ASSISTANT, 1), ("{% if %}", 1), (None, 2)])
