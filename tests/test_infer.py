@@ -626,6 +626,11 @@ def test_cli_detect_says_inferred(tmp_path, capsys):
     assert main(["detect", "--template", str(p)]) == 0
     out, _ = capsys.readouterr()
     assert "no bundled format; inferred inferred-" in out
+    # a detected format that only partly parses the template: detect says what auto uses
+    assert main(["detect", "--template",
+                 str(TEMPLATES / "wild" / "01-ai-Yi-1.5-34B-Chat.jinja")]) == 0
+    out, _ = capsys.readouterr()
+    assert out.startswith("format:   chatml") and "auto:     inferred-" in out
 
 
 def test_real_tokenizer_markers_and_id_mode():
