@@ -283,11 +283,20 @@ def test_tool_markers_written_as_text_in_the_system_prompt():
 
 
 def test_forced_generation_prompt_and_tool_results_as_responses():
-    # StarCoder2-Instruct prints '### Response\n' after every conversation; the turns are
-    # read past it, but the template writes tool results as '### Response' turns too:
-    # refused by name rather than training tool results
-    with pytest.raises(cg.InferenceError, match="tool results as assistant turns"):
-        _infer("bigcode-starcoder2-15b-instruct-v0.1.jinja", "starcoder2-instruct")
+    # StarCoder2-Instruct prints '### Response\n' after every conversation and writes tool
+    # results as '### Response' turns too: the inferred spec lets an answer follow only an
+    # instruction, so tool results are located ParseErrors; the prompt after the last answer
+    # is close.after of that answer (with end_marker it trains with the terminator: noted)
+    name = "bigcode-starcoder2-15b-instruct-v0.1.jinja"
+    fmt = _infer(name, "starcoder2-instruct")
+    assert fmt.verification.refused
+    assert all("tool-results" in next(c for c in default_matrix() if c.name == case).tags
+               for case, _ in fmt.verification.refused)
+    assert any("with end_marker=True it trains" in n for n in fmt.verification.notes)
+    tpl, kw = _read(name), _variables("starcoder2-instruct", name)
+    cc = inf.cross_check(fmt, cg.load_format("starcoder2-instruct"), tpl, **kw)
+    # the output masks equal the bundled ones; the end span differs by the forced prompt
+    assert cc.differ and all("(with the terminator)" in why for _, why in cc.differ)
 
 
 def test_llama2_without_system_support_records_the_rejected_shapes():

@@ -1501,7 +1501,7 @@ def _variants(spec: dict) -> list[dict]:
     out.append(alt)
     out.append(_lstrip_variant(spec))
     if alternate:   # tool results with the assistant's header: answers only after questions
-        out[:0] = _closed_by_next(spec, _lstrip_variant(spec), alternate=True)
+        out[:0] = _closed_by_next(spec, _lstrip_variant(spec), alternate=alternate)
     lstripped = _lstrip_variant(spec)
     if "reply_after_reply" in spec["elements"]:
         # no answer right after an answer (the template drops tool messages): the dropped
@@ -1671,6 +1671,24 @@ def _closed_by_next(spec: dict, lstripped: dict, alternate: bool = False) -> lis
             if not answers or not done.get(answers[0]):
                 continue
             alt["top"] = [n for n in alt["top"] if n not in answers]
+            opener = els[answers[0]].get("open")
+            copy = els.get(done.get(answers[0], ""), {})
+            if isinstance(alternate, str) and isinstance(opener, str) and copy.get("close") \
+                    and alternate.strip() == alt["markers"][opener]["text"].strip():
+                # a generation prompt printed after every conversation (StarCoder2-Instruct's
+                # '### Response\n'): after an answer its opener may follow the terminator
+                # (close.after, never a turn; the checker counts it to the answer's end);
+                # text after it is a ParseError
+                copy["close"]["after"] = list(dict.fromkeys(
+                    copy["close"].get("after", []) + [opener]))
+                alt["markers"][opener]["lstrip"] = True
+            lead = copy.get("lead")
+            if lead and any(g == alt["markers"][opener]["text"] + lead
+                            for g in alt.get("generation_prompt", []) if isinstance(opener, str)):
+                # the answer that follows a question's close starts after the opener: a
+                # generation prompt is, for it, the lead alone
+                alt["generation_prompt"] = list(dict.fromkeys(
+                    alt["generation_prompt"] + [lead]))
             used = {v for el in els.values() for k in ("follow", "children")
                     for v in ([el[k]] if isinstance(el.get(k), str) else el.get(k) or [])}
             for n in answers:
@@ -1801,6 +1819,8 @@ def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> Inferre
     spec = _design(lex, sh, h_a, tokenizer, name)
     if not [g for g in sh.gens if g.strip()]:
         spec["_nolead"] = True   # no generation prompt: the oracle starts output after the word
+    if probe.forced and spec.get("_alternate"):
+        spec["_alternate"] = probe.forced   # the prompt printed after every conversation
     eos = variables.get("eos_token")
     if isinstance(eos, str) and eos.strip() and "eos" not in spec["markers"]:
         spec["_eos"] = {"text": eos, "special": lex.special(eos, tokenizer)}
@@ -1923,6 +1943,14 @@ def _verified(fmt: InferredFormat, res: Any, probe: "_Probe", sh: "_Shape",
             # the output masks are exact, the end span holds the whitespace too
             notes.append(f"the terminator {base!r} is joined with the whitespace after it "
                          f"({m.text!r}): with end_marker=True that whitespace trains with it")
+    for name, el in fmt.spec.elements.items():
+        if el.close is not None and el.role == "assistant" and any(
+                fmt.spec.markers[a].text.strip() in (probe.forced or "\0").strip()
+                for a in el.close.after):
+            # the prompt printed after every conversation, after the last answer's terminator
+            notes.append(f"the generation prompt printed after every conversation "
+                         f"({probe.forced!r}) ends the last answer (close.after of {name!r}): "
+                         "with end_marker=True it trains with that answer's terminator")
     fmt.verification = Verification(
         checked=tuple(c.case for c in res.cases if c.status == "pass"),
         rejected=tuple((c.case, c.reason) for c in res.cases if c.status == "skip"),
