@@ -1665,37 +1665,44 @@ def _closed_by_next(spec: dict, lstripped: dict, alternate: bool = False) -> lis
             alt.pop("between", None)
         else:
             alt["between"] = "\\s*"
-        if alternate:
-            answers = [n for n in alt["top"] if els[n].get("role") == "assistant"
-                       and n in done]
-            if not answers or not done.get(answers[0]):
-                continue
-            alt["top"] = [n for n in alt["top"] if n not in answers]
-            opener = els[answers[0]].get("open")
-            copy = els.get(done.get(answers[0], ""), {})
-            if isinstance(alternate, str) and isinstance(opener, str) and copy.get("close") \
-                    and alternate.strip() == alt["markers"][opener]["text"].strip():
-                # a generation prompt printed after every conversation (StarCoder2-Instruct's
-                # '### Response\n'): after an answer its opener may follow the terminator
-                # (close.after, never a turn; the checker counts it to the answer's end);
-                # text after it is a ParseError
-                copy["close"]["after"] = list(dict.fromkeys(
-                    copy["close"].get("after", []) + [opener]))
-                alt["markers"][opener]["lstrip"] = True
-            lead = copy.get("lead")
-            if lead and any(g == alt["markers"][opener]["text"] + lead
-                            for g in alt.get("generation_prompt", []) if isinstance(opener, str)):
-                # the answer that follows a question's close starts after the opener: a
-                # generation prompt is, for it, the lead alone
-                alt["generation_prompt"] = list(dict.fromkeys(
-                    alt["generation_prompt"] + [lead]))
-            used = {v for el in els.values() for k in ("follow", "children")
-                    for v in ([el[k]] if isinstance(el.get(k), str) else el.get(k) or [])}
-            for n in answers:
-                if n not in used:
-                    del els[n]
+        if alternate and not _answers_only_after_questions(alt, done, alternate):
+            continue
         out.append(alt)
     return out
+
+
+def _answers_only_after_questions(alt: dict, done: dict, alternate: Any) -> bool:
+    """Make ``alt`` (from :func:`_closed_by_next`, ``done``: top element -> its opener-less
+    copy) a spec in which an answer only follows a question: the assistant element leaves
+    ``top``. ``alternate`` is the generation prompt the template prints after every
+    conversation, if any. False when there is no such answer element."""
+    els = alt["elements"]
+    answers = [n for n in alt["top"] if els[n].get("role") == "assistant" and n in done]
+    if not answers or not done.get(answers[0]):
+        return False
+    alt["top"] = [n for n in alt["top"] if n not in answers]
+    opener = els[answers[0]].get("open")
+    copy = els.get(done.get(answers[0], ""), {})
+    if isinstance(alternate, str) and isinstance(opener, str) and copy.get("close") \
+            and alternate.strip() == alt["markers"][opener]["text"].strip():
+        # a generation prompt printed after every conversation (StarCoder2-Instruct's
+        # '### Response\n'): after an answer its opener may follow the terminator
+        # (close.after, never a turn; the checker counts it to the answer's end);
+        # text after it is a ParseError
+        copy["close"]["after"] = list(dict.fromkeys(copy["close"].get("after", []) + [opener]))
+        alt["markers"][opener]["lstrip"] = True
+    lead = copy.get("lead")
+    if lead and isinstance(opener, str) and any(
+            g == alt["markers"][opener]["text"] + lead for g in alt.get("generation_prompt", [])):
+        # the answer that follows a question's close starts after the opener: a
+        # generation prompt is, for it, the lead alone
+        alt["generation_prompt"] = list(dict.fromkeys(alt["generation_prompt"] + [lead]))
+    used = {v for el in els.values() for k in ("follow", "children")
+            for v in ([el[k]] if isinstance(el.get(k), str) else el.get(k) or [])}
+    for n in answers:
+        if n not in used:
+            del els[n]
+    return True
 
 
 def _joined_terminators(spec: dict, lstripped: dict, ws_after: dict, closing: bool) -> list:
