@@ -107,14 +107,21 @@ def inference_of(name: str, tname: str, template: str, variables: dict) -> tuple
         agreement = f"refused: {_short(exc.message)}"
     else:
         cc = inf.cross_check(inferred, load_format(name), template, **variables)
+        # cases the bundled format refuses on purpose (its tests.yaml `refused:`) are said
+        # as such: neither side is wrong by accident there
+        by = sorted({w.split(" refuses it on purpose")[0] for _, w in cc.refused})
+        by = [("inferred" if b.startswith("inferred-") else b) for b in by]
+        why = (f"; {len(cc.refused)} refused on purpose by {' and '.join(by)}: "
+               + ", ".join(f"`{c}`" for c, _ in cc.refused[:2])
+               + (" …" if len(cc.refused) > 2 else "")) if cc.refused else ""
         if cc.agree:
-            agreement = f"agree ({len(cc.equal)})"
+            agreement = f"agree ({len(cc.equal)}{why})"
         elif not cc.equal and not cc.differ:
             agreement = "– (no case rendered)"
         else:
             agreement = (f"differ on {len(cc.differ)}: "
                          + ", ".join(f"`{c}`" for c, _ in cc.differ[:4])
-                         + (" …" if len(cc.differ) > 4 else ""))
+                         + (" …" if len(cc.differ) > 4 else "") + why)
     _RESOLVED[key] = (used, agreement)
     return used, agreement
 

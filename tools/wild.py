@@ -14,7 +14,9 @@ variables a template is rendered with — ``bos_token``, ``eos_token`` — in it
 Each template is then one of:
 
 - ``detected`` / ``inferred``: every case the template renders gets exactly the assistant
-  output trained.
+  output trained, except the shapes the format refuses on purpose with a located ParseError
+  (a bundled format's ``refused:``; an inferred format's ``verification.refused``: tool
+  results a template renders with the assistant's header).
 - ``safe``: a clear error (DetectionError + InferenceError, or a located ParseError on the
   shapes that do not fit) and no wrong mask.
 - ``warned``: some case trains something other than the assistant output, and the format was
@@ -138,15 +140,25 @@ def classify(path: Path, variables: dict | None = None, *, timeout: float = 10.0
     res = WildResult(path.name, "safe")
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        fmt = _resolve(text, vars_, res, t0)
+        fmt = _resolve(text, vars_, res, t0, variables or {})
     if fmt is None:
         return res
     warned = any(issubclass(w.category, cg.DeviationWarning) for w in said)
     return _check(fmt, text, path, variables, vars_, res, t0, warned, timeout)
 
 
-def _resolve(text: str, vars_: dict, res: WildResult, t0: float):
-    """Detect, else infer (what a user does); None (and ``res`` says why) when neither works."""
+def _resolve(text: str, vars_: dict, res: WildResult, t0: float, given: dict):
+    """Detect, else infer (what a user does); None (and ``res`` says why) when neither works.
+    ``given``: the variables expected.yaml names (what the model's tokenizer passes); ``vars_``
+    adds guessed ones for inference."""
+    from chatgrammar.conformance.infer import resolve_format
+    try:
+        # what `chatgrammar mask -f auto` / hf.map_fn("auto") use: the detected format, or an
+        # inferred one where nothing is detected or the detected one only partly parses
+        fmt, res.how = resolve_format(chat_template=text, **given)
+        return fmt
+    except cg.InferenceError:
+        pass
     try:
         fmt = cg.detect_format(chat_template=text)
         res.how = "detected"
@@ -175,7 +187,12 @@ def _check(fmt, text: str, path: Path, variables: dict | None, vars_: dict, res:
     res.format = fmt.name
     if variables is None and res.how == "detected":
         vars_ = family_vars(fmt, text)
-    chk = check_template(fmt, text, name=path.name, variables=vars_, timeout=timeout)
+    # the shapes an inferred format refuses on purpose (tool results a template renders with
+    # the assistant's header: a located ParseError) count as a bundled format's `refused:`
+    refused = dict(getattr(getattr(fmt, "verification", None), "refused", ()) or ()) \
+        if res.how == "inferred" else None
+    chk = check_template(fmt, text, name=path.name, variables=vars_, timeout=timeout,
+                         refused=refused)
     if chk.error:
         res.reason = chk.error[:200]
         res.seconds = time.perf_counter() - t0

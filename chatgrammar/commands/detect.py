@@ -135,6 +135,21 @@ def _inferred(tokenizer: Any, template: str | None, exc: DetectionError,
     return 0
 
 
+def _auto_choice(det: Any, tokenizer: Any, template: str | None) -> str:
+    """What ``mask -f auto`` / ``hf.map_fn("auto")`` use instead of the detected format, when
+    that one only partly parses the chat template and an inferred one does better
+    (:func:`chatgrammar.conformance.infer.resolve_format`); "" when they use the detected one."""
+    from ..conformance.infer import _better_of, template_of
+
+    fmt, how = _better_of(det, template or template_of(tokenizer), tokenizer, {})
+    if how != "inferred":
+        return ""
+    v = det.verification.get(det.format) or {}
+    return (f"{fmt.name}, inferred from the chat template ({fmt.verification.summary()}): "
+            f"{det.format} only partly parses it ({v.get('status')}: {v.get('reason', '')})"
+            [:400])
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``chatgrammar detect``; returns the exit code."""
     from ..core.detect import explain_detection
@@ -178,6 +193,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"decided:  {det.decided_by}")
     for note in det.notes:
         print(f"note:     {note}")
+    auto = _auto_choice(det, tokenizer, template)
+    if auto:
+        print(f"auto:     {auto}")
     print("evidence:")
     _print_evidence(det.evidence, det.format, "  ")
     return 0

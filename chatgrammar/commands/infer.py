@@ -82,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UsageError(f"cannot write {args.output}: {exc}") from None
         print(f"{fmt.name}: written to {args.output}")
+        facts = _test_facts(fmt, Path(args.output))
+        if facts:
+            print(f"{fmt.name}: its refused shapes / accepted deviations written to {facts} "
+                  "(chatgrammar validate reads them)")
     else:
         sys.stdout.write(fmt.spec_yaml)
     out = sys.stdout if args.output else sys.stderr
@@ -91,3 +95,32 @@ def run(args: argparse.Namespace) -> int:
     for note in v.notes:
         print(f"  note: {note}", file=out)
     return 0
+
+
+def _test_facts(fmt, spec_path: Path) -> Path | None:
+    """Beside a written spec, the ``.tests.yaml`` that tells ``chatgrammar validate`` the tool
+    shapes the inferred format refuses on purpose (``refused:``) and the deviation it accepts
+    (``accepted:``), so the saved spec validates as it was verified; None when there is
+    nothing to say or such a file exists already (never overwritten)."""
+    import yaml
+
+    from ..conformance.format_tests import tests_path
+    from ..conformance.infer import ACCEPTED
+
+    v = fmt.verification
+    data: dict = {}
+    if v.refused:
+        data["refused"] = {case: why for case, why in v.refused}
+    if v.deviations:
+        data["accepted"] = dict(ACCEPTED)
+    path = tests_path(spec_path)
+    if not data or path.exists():
+        return None
+    head = (f"# {path.name}: test facts of {fmt.name} written by chatgrammar infer "
+            "(docs/inference.md)\n")
+    try:
+        path.write_text(head + yaml.safe_dump(data, sort_keys=False, allow_unicode=True,
+                                              width=100), encoding="utf-8")
+    except OSError:
+        return None
+    return path

@@ -1242,6 +1242,8 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
     if gens:
         spec["generation_prompt"] = gens
     spec["policy"] = {"roles": ["assistant"]}
+    if "tool results are rendered with the assistant's header" in sh.notes:
+        spec["_alternate"] = True
     spec["_ws_after"] = {plan.m(t): next(iter(w)) for t, w in plan.ws_after.items()
                          if len(w) == 1}
     spec["markers"] = {n: {"text": t, "special": lex.special(t, tokenizer)}
@@ -1262,6 +1264,9 @@ class Verification:
             previous turn, reasoning dropped from history …).
         deviations: the documented deviations the checker accepted (:data:`ACCEPTED`: the
             whitespace after a reply the template never closes trains with it), one per kind.
+        refused: ``(matrix case, why)`` for the shapes the format refuses on purpose with a
+            located ParseError (a template that renders tool results with the assistant's
+            header: its tool messages; :data:`TOOL_AS_ASSISTANT`).
     """
 
     checked: tuple = ()
@@ -1269,12 +1274,17 @@ class Verification:
     probes_rejected: tuple = ()
     notes: tuple = ()
     deviations: tuple = ()
+    refused: tuple = ()
 
     def summary(self) -> str:
         """One line: ``verified on 18 matrix cases; the template rejects 2: tool-call, …``."""
         s = f"verified on {len(self.checked)} matrix case{'s' if len(self.checked) != 1 else ''}"
         if self.deviations:
             s += "; the whitespace after an unclosed reply trains (unclosed-whitespace)"
+        if self.refused:
+            s += (f"; refuses {len(self.refused)} on purpose (tool results: a located "
+                  "ParseError): "
+                  + ", ".join(name for name, _ in self.refused))
         if self.rejected:
             s += (f"; the template rejects {len(self.rejected)}: "
                   + ", ".join(name for name, _ in self.rejected))
@@ -1481,6 +1491,7 @@ def _variants(spec: dict) -> list[dict]:
     eos = spec.pop("_eos", None)
     closing = spec.pop("_closing", [])
     nolead = spec.pop("_nolead", False)
+    alternate = spec.pop("_alternate", False)
     out = [spec]
     alt = _copy(spec)
     if "between" in alt:
@@ -1489,8 +1500,23 @@ def _variants(spec: dict) -> list[dict]:
         alt["between"] = "\\s*"
     out.append(alt)
     out.append(_lstrip_variant(spec))
-    out += _joined_terminators(spec, out[2], ws_after, bool(closing))
-    out += _eos_variants(spec, out[2], eos)
+    if alternate:   # tool results with the assistant's header: answers only after questions
+        out[:0] = _closed_by_next(spec, _lstrip_variant(spec), alternate=alternate)
+    lstripped = _lstrip_variant(spec)
+    if "reply_after_reply" in spec["elements"]:
+        # no answer right after an answer (the template drops tool messages): the dropped
+        # tool shapes are then refused, and the terminator needs no whitespace of its own
+        out += [_without_reply_after_reply(c) for c in (spec, alt, lstripped)]
+    out += _closed_by_next(spec, lstripped)
+    if closing:   # InternLM2's '<|im_end|>\n</s>': the '</s>' takes the newline before it
+        for base in (spec, lstripped):
+            alt = _closing_after(base, closing)
+            alt["between"] = "\\s*"
+            for m in closing:
+                alt["markers"][m]["lstrip"] = True
+            out.append(alt)
+    out += _joined_terminators(spec, lstripped, ws_after, bool(closing))
+    out += _eos_variants(spec, lstripped, eos)
     if nolead:
         out += _each(out, _without_lead)
     if closing:
@@ -1514,6 +1540,23 @@ def _variants(spec: dict) -> list[dict]:
     return uniq[:_MAX_CANDIDATES]
 
 
+def _without_reply_after_reply(cand: dict) -> dict:
+    alt = _copy(cand)
+    del alt["elements"]["reply_after_reply"]
+    for el in alt["elements"].values():
+        if el.get("follow") == "reply_after_reply":
+            del el["follow"]
+    return alt
+
+
+def _joined_follow(cand: dict) -> bool:
+    """A terminator joined with its whitespace so that an answer right after an answer (a
+    dropped tool message) can follow it: exact output masks, but ``end_marker`` trains the
+    whitespace. A candidate without that answer (the tool shapes refused) is preferred."""
+    return "reply_after_reply" in cand["elements"] and any(
+        n.endswith("_ws") for n in cand["markers"])
+
+
 def _each(out: list, make: Any) -> list:
     """``make(candidate)`` for each candidate so far, where it changes something."""
     return [alt for alt in (make(cand) for cand in list(out)) if alt is not None]
@@ -1532,6 +1575,134 @@ def _lstrip_variant(spec: dict) -> dict:
         if m in alt["markers"] and m not in used:   # (OLMo's EOS is also its BOS)
             alt["markers"][m]["lstrip"] = True
     return alt
+
+
+#: The role whose turn follows a turn of this role in every conversation the matrix holds.
+_NEXT_ROLE = {"system": "user", "user": "assistant"}
+
+
+def _turn_names(spec: dict) -> list[str]:
+    """The top-level elements and the ``follow`` elements they lead to (the turns)."""
+    out = list(spec["top"]) + [e for e in _REPLIES if e in spec["elements"]]
+    for name in out:
+        nxt = spec["elements"].get(name, {}).get("follow")
+        if nxt and nxt not in out:
+            out.append(nxt)
+    return out
+
+
+def _closed_by_next(spec: dict, lstripped: dict, alternate: bool = False) -> list:
+    """Turns without a terminator (Tulu's and Alpaca's questions: ``<|user|>\nQ\n`` up to
+    the next ``<|assistant|>``) closed by the opener of the turn that always follows them,
+    which then ``follow``s without its opener (the bundled tulu spec's shape). Every turn then
+    has a terminator, so the whitespace after one is between-turn text (``between``) instead of
+    a part of the terminator: the end span is the terminator alone, as in the bundled specs.
+    The turn keeps its opener in ``top`` too (an answer right after an answer, where the
+    template drops tool messages) — except with ``alternate``: a template that renders tool
+    results with the assistant's header (Vicuna-era ``else`` branches) then gets a spec in
+    which an answer can only follow a question, so a tool result (a second assistant-headed
+    turn in a row) is a located ParseError, never trained."""
+    out = []
+    for base in (lstripped, spec):
+        alt = _copy(base)
+        els = alt["elements"]
+        by_role = {els[n].get("role"): n for n in alt["top"]
+                   if els[n].get("open") and els[n].get("role")}
+        done: dict = {}
+
+        def close_by_next(name: str) -> bool:
+            el = els[name]
+            nxt = by_role.get(_NEXT_ROLE.get(el.get("role"), ""))
+            if nxt is None or nxt == name or "follow" in el:
+                return False
+            opener = els[nxt]["open"]
+            markers = [opener] if isinstance(opener, str) else list(opener)
+            if nxt not in done:
+                copy = {k: v for k, v in _copy(els[nxt]).items() if k != "open"}
+                cname = done[nxt] = f"{els[nxt]['role']}_after_opener"
+                els[cname] = copy
+                if "close" not in copy and not close_by_next(cname):
+                    return False
+            el["close"] = {"markers": markers, "follow_after": list(markers)}
+            el["follow"] = done[nxt]
+            return True
+
+        # a bare system text after the BOS (Alpaca's, Vicuna's): a system turn opened by the
+        # BOS, as the bundled alpaca spec says (empty when there is no system message)
+        pre = alt.get("preamble", [])
+        bare = [n for n in pre if n in els and "open" not in els[n] and "close" not in els[n]]
+        if bare:
+            at = pre.index(bare[0])
+            if bare != pre[at:at + 1] or els[bare[0]].get("role") != "system":
+                continue
+        headed = False
+        if bare and at > 0 and pre[at - 1] in alt["markers"]:
+            els[bare[0]]["open"] = pre[at - 1]
+            alt["preamble"] = pre[:at - 1] + pre[at + 1:]
+            alt["top"].insert(0, bare[0])
+        elif bare:
+            # no marker before it (Vicuna 1.1's 'SYSTEM TEXT\n\nUSER: …'): the system text is
+            # the header of an opener-less question that runs up to the user's opener, as the
+            # bundled vicuna spec says; the same element takes the whitespace before every
+            # later question, so there is no between-turn text
+            user = by_role.get("user")
+            if user is None or not isinstance(els[user].get("open"), str):
+                continue
+            del els[bare[0]]
+            els["question_after_text"] = {"role": "user", "header": {
+                "until": els[user]["open"], "max_tokens": 4096}}
+            alt["preamble"] = pre[:at] + pre[at + 1:]
+            alt["top"].insert(0, "question_after_text")
+            if not close_by_next("question_after_text"):
+                continue
+            headed = True
+        if "preamble" in alt and not alt["preamble"]:
+            del alt["preamble"]
+        closeless = [n for n in alt["top"] if "close" not in els[n] and els[n].get("open")]
+        if not (closeless or headed) or not all(close_by_next(n) for n in closeless):
+            continue
+        if headed:
+            alt.pop("between", None)
+        else:
+            alt["between"] = "\\s*"
+        if alternate and not _answers_only_after_questions(alt, done, alternate):
+            continue
+        out.append(alt)
+    return out
+
+
+def _answers_only_after_questions(alt: dict, done: dict, alternate: Any) -> bool:
+    """Make ``alt`` (from :func:`_closed_by_next`, ``done``: top element -> its opener-less
+    copy) a spec in which an answer only follows a question: the assistant element leaves
+    ``top``. ``alternate`` is the generation prompt the template prints after every
+    conversation, if any. False when there is no such answer element."""
+    els = alt["elements"]
+    answers = [n for n in alt["top"] if els[n].get("role") == "assistant" and n in done]
+    if not answers or not done.get(answers[0]):
+        return False
+    alt["top"] = [n for n in alt["top"] if n not in answers]
+    opener = els[answers[0]].get("open")
+    copy = els.get(done.get(answers[0], ""), {})
+    if isinstance(alternate, str) and isinstance(opener, str) and copy.get("close") \
+            and alternate.strip() == alt["markers"][opener]["text"].strip():
+        # a generation prompt printed after every conversation (StarCoder2-Instruct's
+        # '### Response\n'): after an answer its opener may follow the terminator
+        # (close.after, never a turn; the checker counts it to the answer's end);
+        # text after it is a ParseError
+        copy["close"]["after"] = list(dict.fromkeys(copy["close"].get("after", []) + [opener]))
+        alt["markers"][opener]["lstrip"] = True
+    lead = copy.get("lead")
+    if lead and isinstance(opener, str) and any(
+            g == alt["markers"][opener]["text"] + lead for g in alt.get("generation_prompt", [])):
+        # the answer that follows a question's close starts after the opener: a
+        # generation prompt is, for it, the lead alone
+        alt["generation_prompt"] = list(dict.fromkeys(alt["generation_prompt"] + [lead]))
+    used = {v for el in els.values() for k in ("follow", "children")
+            for v in ([el[k]] if isinstance(el.get(k), str) else el.get(k) or [])}
+    for n in answers:
+        if n not in used:
+            del els[n]
+    return True
 
 
 def _joined_terminators(spec: dict, lstripped: dict, ws_after: dict, closing: bool) -> list:
@@ -1601,7 +1772,7 @@ def _closing_after(cand: dict, closing: list) -> dict:
         del alt["between_markers"]
     for ename, el in alt["elements"].items():
         close = el.get("close")
-        if ename not in alt["top"] and ename not in _REPLIES:
+        if ename not in _turn_names(alt):
             continue
         if close and not close.get("header") and not close.get("opens_follow") \
                 and not close.get("follow_after"):
@@ -1625,7 +1796,7 @@ def _without_blocks(cand: dict, blocks: list) -> dict:
             el["children"] = [c for c in el["children"] if c not in blocks]
             if not el["children"]:
                 del el["children"]
-        if ename in alt["top"] or ename in _REPLIES:
+        if ename in _turn_names(alt):
             el["inner_markers"] = list(dict.fromkeys(el.get("inner_markers", []) + loose))
     return alt
 
@@ -1655,20 +1826,31 @@ def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> Inferre
     spec = _design(lex, sh, h_a, tokenizer, name)
     if not [g for g in sh.gens if g.strip()]:
         spec["_nolead"] = True   # no generation prompt: the oracle starts output after the word
+    if probe.forced and spec.get("_alternate"):
+        spec["_alternate"] = probe.forced   # the prompt printed after every conversation
     eos = variables.get("eos_token")
     if isinstance(eos, str) and eos.strip() and "eos" not in spec["markers"]:
         spec["_eos"] = {"text": eos, "special": lex.special(eos, tokenizer)}
     # Markers only some matrix shapes render (Kimi-K2's tool-call section markers): the parse
     # names them as unknown; they become loose markers of every turn's body (text of it that
     # is never structure) and the spec is tried again — a few rounds at most.
+    # A format that refuses the tool shapes is kept only while no retry parses them too.
+    best: InferredFormat | None = None
     for _ in range(8):
         try:
-            return _try_variants(template, variables, tokenizer, name, probe, sh, spec)
+            fmt = _try_variants(template, variables, tokenizer, name, probe, sh, spec)
         except InferenceError as exc:
             found = sorted(set(_UNKNOWN.findall(str(exc) + exc.details)))
             if not found or not _add_loose(spec, found, lex, tokenizer):
+                if best is not None:
+                    return best
                 raise
-    return _try_variants(template, variables, tokenizer, name, probe, sh, spec)
+            continue
+        found = sorted(set(_UNKNOWN.findall(" ".join(w for _, w in fmt.verification.refused))))
+        if not found or not _add_loose(spec, found, lex, tokenizer):
+            return fmt
+        best = best or fmt
+    return best or _try_variants(template, variables, tokenizer, name, probe, sh, spec)
 
 
 def _add_loose(spec: dict, texts: list, lex: _Lexicon, tokenizer: Any) -> bool:
@@ -1700,6 +1882,7 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
               f"(sha256 {name[9:]}…).\n# Review it, then rename it and add detect: / examples: "
               "to bundle it (docs/inference.md).\n")
     first_problem: InferenceError | None = None
+    fallback = None   # a candidate that refuses only the tool shapes (a located ParseError)
     for cand in _variants(spec):
         text = _emit(cand, header)
         try:
@@ -1710,8 +1893,17 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
                 where="compile", details=text)
             continue
         res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT, quick=True)
-        if not fails:
+        if not fails or _tool_parse_errors(fails):
             res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT)
+        refused = _refused_tool_shapes(fmt, probe, sh, fails)
+        if refused or (not fails and _joined_follow(cand)):
+            # kept unless a better candidate comes: one that parses every case with exact
+            # end spans > one that refuses only the tool shapes > one whose terminator holds
+            # the whitespace after it (end_marker) > one that does both
+            rank = (1 if refused else 2) + (2 if _joined_follow(cand) else 0)
+            if fallback is None or rank < fallback[0]:
+                fallback = (rank, fmt, res, refused)
+            continue
         tool_as_assistant = "tool results are rendered with the assistant's header" in sh.notes \
             or all(f.reason.startswith("trains text outside the assistant messages")
                    and f.text is not None and any(
@@ -1741,15 +1933,89 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
                 + (f" [{len(fails) - 1} more case(s) fail]" if len(fails) > 1 else ""),
                 where=f"case {c.case}", details=c.details + "\n\n" + text)
             continue
-        fmt.verification = Verification(
-            checked=tuple(c.case for c in res.cases if c.status == "pass"),
-            rejected=tuple((c.case, c.reason) for c in res.cases if c.status == "skip"),
-            probes_rejected=tuple(probe.rejected.items()), notes=tuple(sh.notes),
-            deviations=tuple(dict.fromkeys(
-                re.sub(r"at char \d+: ", "", d) for c in res.cases for d in c.deviations))[:4])
-        return fmt
+        return _verified(fmt, res, probe, sh, ())
+    if fallback is not None:
+        return _verified(*fallback[1:3], probe, sh, fallback[3])
     assert first_problem is not None
     raise first_problem
+
+
+def _verified(fmt: InferredFormat, res: Any, probe: "_Probe", sh: "_Shape",
+              refused: tuple) -> InferredFormat:
+    notes = list(sh.notes)
+    for m in fmt.spec.markers.values():
+        base = m.text.rstrip()
+        if base != m.text and any(o.text == base for o in fmt.spec.markers.values()):
+            # a terminator joined with its whitespace (a headerless reply may follow it):
+            # the output masks are exact, the end span holds the whitespace too
+            notes.append(f"the terminator {base!r} is joined with the whitespace after it "
+                         f"({m.text!r}): with end_marker=True that whitespace trains with it")
+    for name, el in fmt.spec.elements.items():
+        if el.close is not None and el.role == "assistant" and any(
+                fmt.spec.markers[a].text.strip() in (probe.forced or "\0").strip()
+                for a in el.close.after):
+            # the prompt printed after every conversation, after the last answer's terminator
+            notes.append(f"the generation prompt printed after every conversation "
+                         f"({probe.forced!r}) ends the last answer (close.after of {name!r}): "
+                         "with end_marker=True it trains with that answer's terminator")
+    fmt.verification = Verification(
+        checked=tuple(c.case for c in res.cases if c.status == "pass"),
+        rejected=tuple((c.case, c.reason) for c in res.cases if c.status == "skip"),
+        probes_rejected=tuple(probe.rejected.items()), notes=tuple(notes),
+        deviations=tuple(dict.fromkeys(
+            re.sub(r"at char \d+: ", "", d) for c in res.cases for d in c.deviations))[:4],
+        refused=refused)
+    return fmt
+
+
+def _tool_parse_errors(fails: list) -> bool:
+    """Every failure is a text-mode ParseError on a matrix case with tool results."""
+    return bool(fails) and all("tool-results" in _tags(f.case) and f.reason.startswith(
+        "does not parse (text mode)") for f in fails)
+
+
+#: Why an inferred format refuses the tool shapes of a template that renders tool results
+#: with the assistant's header.
+TOOL_AS_ASSISTANT = ("the template renders tool results with the assistant's header: the "
+                     "format refuses tool messages (a located ParseError: an answer right "
+                     "after an answer), never trains them")
+#: Why an inferred format refuses the tool shapes of a template whose tool results it does not
+#: parse (rendered as bare text with no header, or in a way the spec cannot say).
+TOOL_UNPARSED = ("the format does not parse the template's tool results (a located "
+                 "ParseError), never trains them")
+
+
+def _refused_tool_shapes(fmt: Format, probe: "_Probe", sh: "_Shape", fails: list) -> tuple:
+    """``(case, why)`` of the matrix cases a candidate refuses on purpose, or ``()``.
+
+    Only a candidate whose every failure is a text-mode ParseError on a case with tool
+    results: a template that renders tool results with the assistant's header gets a spec in
+    which an answer follows only a question, so a tool result (an assistant-headed turn right
+    after an answer) cannot parse; one that renders them as bare text (WiNGPT2) or otherwise
+    beyond the spec does not parse there either. Conversations that end with the tool result,
+    with and without a generation prompt, must not train it either; else ``()``.
+    """
+    from ..errors import ParseError
+    from .templates import OUTPUT_POLICY
+
+    if not _tool_parse_errors(fails):
+        return ()
+    tool = {"role": "tool", "tool_call_id": "call00001", "content": TR1}
+    for msgs in ([_u(U1), _a("", tool_calls=[_call()]), tool],
+                 [_u(U1), _a(A1), tool], [_s(SYS), _u(U1), _a(A1), tool, _a(A2)]):
+        for agp in (False, True):
+            text = probe.render(msgs, agp=agp, shape="tool result at the end")
+            if text is None:
+                continue
+            try:
+                conv = fmt.parse(text)
+            except ParseError:
+                continue
+            if any(TR1 in text[s.start:s.end] for s in conv.spans(OUTPUT_POLICY)):
+                return ()
+    why = TOOL_AS_ASSISTANT if "tool results are rendered with the assistant's header" \
+        in sh.notes else TOOL_UNPARSED
+    return tuple((f.case, f"{why}: {f.reason}") for f in fails)
 
 
 def infer_format(chat_template: str, *, tokenizer: Any = None, **template_kwargs: Any
@@ -1851,7 +2117,9 @@ def resolve_format(tokenizer: Any = None, *, chat_template: str | None = None,
     Returns:
         ``(format, how)``: ``how`` is ``"detected"`` (a bundled or plugin format) or
         ``"inferred"`` (:func:`infer_format`; the format's ``verification`` says how it was
-        checked).
+        checked): nothing is detected, or the detected format only partly parses the
+        template (its verdict is ``partial``: some renderings are located ParseErrors) and
+        the inferred one verifies on more matrix cases with no accepted deviation.
 
     Raises:
         DetectionError: nothing is detected and there is no template to infer from.
@@ -1863,18 +2131,20 @@ def resolve_format(tokenizer: Any = None, *, chat_template: str | None = None,
         >>> how                                                                   # doctest: +SKIP
         'inferred'
     """
-    from ..core.detect import detect_format
+    from ..core.detect import detect_format, explain_detection
     from ..errors import DetectionError
 
     template = chat_template or template_of(tokenizer)
     try:
         # the tokenizer's own template counts: Qwen's vocabulary with a non-ChatML template
         # is not ChatML
-        return detect_format(tokenizer, chat_template=template), "detected"
+        det = explain_detection(tokenizer, chat_template=template)
     except DetectionError as exc:
         if template is None:
             raise
         why = str(exc).splitlines()[0]
+    else:
+        return _better_of(det, template, tokenizer, template_kwargs)
     try:
         return infer_format(template, tokenizer=tokenizer, **template_kwargs), "inferred"
     except InferenceError as exc:
@@ -1887,6 +2157,32 @@ def resolve_format(tokenizer: Any = None, *, chat_template: str | None = None,
                              where=exc.where, details=exc.details) from None
 
 
+def _better_of(det: Any, template: str | None, tokenizer: Any, kwargs: dict
+               ) -> tuple[Format, str]:
+    """The detected format, unless it is only ``partial`` on the template (some renderings
+    are located ParseErrors; or, with the caller's variables, none parses or a mask is wrong)
+    and the format inferred from the template verifies on more matrix cases, with no
+    accepted deviation: then the inferred one (a variant of a bundled family that its spec
+    does not accept yet still gets exact masks)."""
+    from ..core.detect import verify_candidate
+
+    v = (det.verification or {}).get(det.format) or {}
+    if template is None:
+        return det.fmt, "detected"
+    if kwargs:   # the variables the caller renders with (detection may have guessed others)
+        v = verify_candidate(det.fmt, [template], {k: x for k, x in kwargs.items()
+                                                   if isinstance(x, str)})
+    if v.get("status") not in ("partial", "unparsable", "wrong"):
+        return det.fmt, "detected"
+    try:
+        fmt = infer_format(template, tokenizer=tokenizer, **(kwargs or dict(v.get("vars") or {})))
+    except InferenceError:
+        return det.fmt, "detected"
+    if not fmt.verification.deviations and len(fmt.verification.checked) > v.get("passed", 0):
+        return fmt, "inferred"
+    return det.fmt, "detected"
+
+
 @dataclass(frozen=True)
 class CrossCheck:
     """How an inferred format's masks compare with a bundled format's over the matrix.
@@ -1897,26 +2193,35 @@ class CrossCheck:
         differ: ``(case, why)`` for each case where they do not (a different mask, or one of
             them does not parse the rendering).
         rejected: matrix cases the template rejects (not compared).
+        refused: ``(case, why)`` for each case where they differ because the bundled format
+            refuses that shape on purpose (``refused:`` of its test facts, with the reason
+            given there: a located ParseError, or a documented whitespace deviation), or the
+            inferred format does (its ``verification.refused``: a located ParseError), so
+            neither side is wrong by accident.
     """
 
     equal: tuple = ()
     differ: tuple = ()
     rejected: tuple = ()
+    refused: tuple = ()
 
     @property
     def agree(self) -> bool:
-        """True when the masks are equal on every case the template renders."""
+        """True when the masks are equal on every case the template renders and that the
+        bundled format does not refuse on purpose."""
         return bool(self.equal) and not self.differ
 
 
 def cross_check(inferred: Format, bundled: Format, chat_template: str, *,
                 cases: Any = None, timeout: float | None = 10.0,
-                **template_kwargs: Any) -> CrossCheck:
+                refused: dict | None = None, **template_kwargs: Any) -> CrossCheck:
     """Compare two formats' masks over the conversation matrix rendered with a template.
 
     Every matrix case the template renders is parsed (text mode) with both formats; their
     masks must be equal under the output policy, with and without the terminator trained.
-    Where they differ, one of the two is wrong for that template (docs/inference.md).
+    Where they differ, one of the two is wrong for that template (docs/inference.md), unless
+    the bundled format refuses that case on purpose (``refused``): such a case is reported in
+    ``CrossCheck.refused`` with the bundled format's reason, not as a difference.
 
     Args:
         inferred: usually :func:`infer_format`'s result for the template.
@@ -1924,10 +2229,13 @@ def cross_check(inferred: Format, bundled: Format, chat_template: str, *,
         chat_template: the Jinja source of the chat template.
         cases: matrix cases (default: :func:`chatgrammar.conformance.matrix.default_matrix`).
         timeout: per-render time limit in seconds.
+        refused: matrix case -> why the bundled format refuses it on purpose (default: the
+            ``refused:`` of the bundled format's test facts, ``formats/<name>.tests.yaml``).
         **template_kwargs: template variables (``bos_token="<s>"`` …).
 
     Returns:
-        A :class:`CrossCheck`; ``.agree`` is True when no rendered case differs.
+        A :class:`CrossCheck`; ``.agree`` is True when no rendered case differs (cases the
+        bundled format refuses on purpose are in ``.refused``).
 
     Example:
         >>> tpl = open("Qwen-Qwen3.jinja").read()                        # doctest: +SKIP
@@ -1938,8 +2246,13 @@ def cross_check(inferred: Format, bundled: Format, chat_template: str, *,
     from ..errors import ParseError
     from .matrix import default_matrix, render_case
 
+    if refused is None:
+        from .format_tests import tests_for
+        refused = dict(tests_for(bundled).get("refused") or {})
+    # the shapes the inferred format refuses on purpose (its Verification.refused)
+    own = dict(getattr(getattr(inferred, "verification", None), "refused", ()) or ())
     policies = (OUTPUT_POLICY, OUTPUT_POLICY.replace(end_marker=True))
-    equal, differ, rejected = [], [], []
+    equal, differ, rejected, on_purpose = [], [], [], []
     for case in (default_matrix() if cases is None else cases):
         try:
             text = render_case(chat_template, case, timeout=timeout, **template_kwargs).text
@@ -1956,6 +2269,12 @@ def cross_check(inferred: Format, bundled: Format, chat_template: str, *,
         a, b = masks
         if a == b:
             equal.append(case.name)
+        elif case.name in refused:
+            on_purpose.append((case.name, f"{bundled.name} refuses it on purpose: "
+                                          f"{refused[case.name]}"))
+        elif case.name in own and isinstance(a, str):
+            on_purpose.append((case.name, f"{inferred.name} refuses it on purpose: "
+                                          f"{own[case.name]}"))
         elif isinstance(a, str) or isinstance(b, str):
             differ.append((case.name, a if isinstance(a, str) else b))
         else:
@@ -1965,4 +2284,4 @@ def cross_check(inferred: Format, bundled: Format, chat_template: str, *,
                 if len(a[k]) == len(b[k]) else min(len(a[k]), len(b[k]))
             differ.append((case.name, f"masks differ ({which}) from char {pos}: "
                                       f"{text[max(0, pos - 20):pos + 40]!r}"))
-    return CrossCheck(tuple(equal), tuple(differ), tuple(rejected))
+    return CrossCheck(tuple(equal), tuple(differ), tuple(rejected), tuple(on_purpose))
