@@ -95,6 +95,7 @@ class _SpecChecks:
         for i, n in enumerate(spec.between_markers):
             self.need_marker(n, ("between_markers", i))
         self.pattern(spec.between, ("between",), BETWEEN_MAX_CHARS)
+        self.pattern(spec.trailing, ("trailing",), BETWEEN_MAX_CHARS)
 
     def prompts_and_policy(self) -> None:
         for i, g in enumerate(self.spec.generation_prompt):

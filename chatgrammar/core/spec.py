@@ -271,6 +271,12 @@ class FormatSpec(_Model):
         "after each turn). Without it, text between turns is an error."))
     between_markers: list[str] = Field(default_factory=list, description=(
         "Markers that may stand alone between turns (an EOS after each turn)."))
+    trailing: Optional[str] = Field(None, description=(
+        "A regex that text at the very end of the input may match whole where the grammar "
+        "takes no more text, after complete turns (`'\\s*'`: Mistral-7B-v0.1 writes "
+        "`eos_token + ' '` after every answer; a lone SentencePiece `▁` decodes to nothing). "
+        "It is no turn and never trains. A turn cut by the end of input keeps its text: this "
+        "only accepts what would otherwise be an error."))
     role_aliases: dict[str, str] = Field(default_factory=dict, description=(
         "Role name as written → canonical role (`model: assistant`). Glob keys "
         "(`\"functions.*\"`) map roles that match no exact key and are not canonical."))

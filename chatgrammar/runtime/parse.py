@@ -207,6 +207,7 @@ class Driver:
             term_name(m) for el in spec.elements.values()
             for m in el.inner_markers + el.open + (el.close.follow_after if el.close else []))
         self.between = re.compile(spec.between, re.S) if spec.between is not None else None
+        self.trailing = re.compile(spec.trailing, re.S) if spec.trailing is not None else None
         # An element without an opener whose header ends at a marker (GigaChat's role text)
         # can start in the text at the end of the input; only then is that text read at the
         # end (a read the memoised fast path would have to key every sample on).
@@ -322,6 +323,13 @@ class Driver:
                     ctx.implicit_next = ttype  # what came instead of the close
                     self._feed(ctx, state_stack, value_stack, (c, tok[1], tok[1], IMPLICIT))
                     continue
+            if (ttype == TEXT and i == n - 1 and self.trailing is not None
+                    and tok[2] == src.n and self._can_feed(state_stack, "$END")
+                    and self.trailing_ok(src, tok)):
+                # text at the very end, after complete turns, that `trailing` accepts
+                # (Mistral-7B-v0.1's `eos_token + ' '`): no turn, never trained
+                i += 1
+                continue
             # ---- structure error
             err = ParseError("unexpected " + self.describe(ttype), offset=tok[1],
                              expected=self.expected(state_stack[-1], state_stack), mode=src.mode,
@@ -405,6 +413,12 @@ class Driver:
         txt = src.read(tok[1], tok[2], limit=BETWEEN_MAX_TOKENS if src.mode == "ids" else
                        BETWEEN_MAX_CHARS // HEADER_CHARS_PER_TOKEN)
         return txt is not None and self.between.fullmatch(txt) is not None
+
+    def trailing_ok(self, src: Source, tok: tuple) -> bool:
+        """Does the final text run ``tok`` match ``trailing``? Read as ``between`` text is."""
+        txt = src.read(tok[1], tok[2], limit=BETWEEN_MAX_TOKENS if src.mode == "ids" else
+                       BETWEEN_MAX_CHARS // HEADER_CHARS_PER_TOKEN)
+        return txt is not None and self.trailing.fullmatch(txt) is not None
 
     def _can_feed(self, state_stack: list[int], term: str) -> bool:
         """Would ``term`` be shifted (after any reductions) from this configuration?
