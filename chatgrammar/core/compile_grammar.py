@@ -76,6 +76,12 @@ def _element_rule(name: str, el: Element, elements: dict[str, Element]) -> list[
     return [f"{rule_name(name)}: " + "\n    | ".join(a.strip() for a in alts)]
 
 
+def bare_preamble(spec: FormatSpec) -> list[str]:
+    """The preamble elements that start with text (no opener): bare text before the first
+    turn (DeepSeek's and Yi-1.5's system prompt)."""
+    return [p for p in spec.preamble if p in spec.elements and not spec.elements[p].open]
+
+
 def build_grammar(spec: FormatSpec) -> str:
     """The compiled Lark grammar source for a spec (self-contained; terminals declared)."""
     terms = [term_name(m) for m in spec.markers] + [TEXT, HEADER]
@@ -83,11 +89,19 @@ def build_grammar(spec: FormatSpec) -> str:
              f"%declare {' '.join(terms)}", ""]
     pre = " ".join(
         f"{term_name(p) if p in spec.markers else rule_name(p)}?" for p in spec.preamble)
-    lines.append(f"start: {pre} _item*".replace("  ", " "))
     items = [rule_name(t) for t in spec.top]
     items += [term_name(m) for m in spec.between_markers]
-    if spec.between is not None:
-        items.append(TEXT)
+    if spec.between is not None and bare_preamble(spec):
+        # A bare text element of the preamble (Yi-1.5's system prompt before the first turn)
+        # and `between` text would both read leading text: the leading text is always the
+        # preamble element (the driver drops it when `between` accepts it whole), and
+        # between-turn text belongs to the item before it, so no item starts with text.
+        lines.append(f"start: {pre} _item*".replace("  ", " "))
+        items = [f"{i} {TEXT}?" for i in items]
+    else:
+        lines.append(f"start: {pre} _item*".replace("  ", " "))
+        if spec.between is not None:
+            items.append(TEXT)
     lines.append("_item: " + " | ".join(items))
     # only elements reachable from the top / preamble go into the grammar
     seen: list[str] = []

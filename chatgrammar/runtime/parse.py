@@ -24,6 +24,7 @@ from ..core.compile import (BETWEEN_MAX_CHARS, BETWEEN_MAX_TOKENS, HEADER, HEADE
 from ..errors import ParseError
 from .spans import Block, Issue, Turn
 from ..core.spec import ROLE_NAMES, Element, FormatSpec
+from ..core.compile_grammar import bare_preamble
 
 SYNTH = object()  # value of zero-width synthetic terminators added at end of input
 # value of a zero-width close the driver adds where a top-level element whose close may be
@@ -208,6 +209,10 @@ class Driver:
             for m in el.inner_markers + el.open + (el.close.follow_after if el.close else []))
         self.between = re.compile(spec.between, re.S) if spec.between is not None else None
         self.trailing = re.compile(spec.trailing, re.S) if spec.trailing is not None else None
+        # bare text preamble elements read by the grammar where `between` text could also be
+        # (compile_grammar.bare_preamble): whitespace `between` accepts whole is no turn
+        self.bare_between = frozenset(rule_name(p) for p in bare_preamble(spec)) \
+            if spec.between is not None else frozenset()
         # An element without an opener whose header ends at a marker (GigaChat's role text)
         # can start in the text at the end of the input; only then is that text read at the
         # end (a read the memoised fast path would have to key every sample on).
@@ -505,7 +510,15 @@ class _Ctx:
         if name in drv.elements:
             value = self.element(name, _flatten(vals))
             if name in drv.preamble_rules and self._at_top(value_stack):
-                self.emit(value)
+                if not (name in drv.bare_between and not value.children
+                        and drv.between_ok(self.src, (TEXT, value.start, value.body_end
+                                                      if value.body_end is not None
+                                                      else value.end))):
+                    self.emit(value)
+                elif value.follow is not None:
+                    # leading whitespace `between` accepts is not a bare system prompt; what
+                    # follows its close is still a turn
+                    self.emit(value.follow)
         elif name == "_item":
             self.item(_flatten(vals))
             value = None
