@@ -177,6 +177,14 @@ class Element(_Model):
         "trained). A body that does not start with it keeps all its text. In id mode, when "
         "the lead ends inside a merged token, that token is the body's (trained) and the "
         "boundary is reported."))
+    trim_end: bool = Field(False, description=(
+        "A body that ends without a close marker (the element has none, or it is missing, or "
+        "the input ends) does not keep the whitespace it ends with: the blank line a template "
+        "writes after an answer that has no terminator (Falcon's `\\n`, Granite-code's "
+        "`\\n\\n`) is not trained. In id mode, a token that holds both text and that "
+        "whitespace stays in the body (trained, as the text-mode mask maps). The fast id "
+        "path does not take such formats (`fmt.stats()` says why): every sample is parsed "
+        "in full."))
     ends_with_parent: bool = Field(False, description=(
         "No terminator of its own: runs to the parent's close and can only be the last child, "
         "so the grammar stays unambiguous (Llama 3's `<|python_tag|>` call runs to "

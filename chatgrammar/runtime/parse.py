@@ -644,10 +644,16 @@ class _Ctx:
         i, pos, has_body, complete, header_whole, hparts = self._header(b, el, ch, i, pos,
                                                                           until, closes)
         lead_run = None
+        last_run = None
         if has_body:
             i, lead_run = self._body(b, el, ch, i, pos, closes)
+            if el.trim_end and i > 0 and not isinstance(ch[i - 1], Block) \
+                    and ch[i - 1][0] == TEXT and ch[i - 1][2] == b.body_end:
+                last_run = ch[i - 1][1]
         end = b.body_end if b.body_end is not None else pos
         i, end, closed_ok, implicit = self._close(b, el, ch, i, end, closes, cuntil, after)
+        if last_run is not None and b.close is None:
+            self._trim_end(b, max(last_run, b.body_start))
         complete = complete and closed_ok
         if i < len(ch) and isinstance(ch[i], Block):
             b.follow = ch[i]
@@ -887,6 +893,30 @@ class _Ctx:
                 return at
             acc += len(txt)
         return parts[-1][2] if parts else b.header_end
+
+    def _trim_end(self, b: Block, run_start: int) -> None:
+        """Move the end of an unterminated body before the whitespace it ends with
+        (``trim_end``). Only the tail is read: a window of chars in text mode, one token at a
+        time (at most BETWEEN_MAX_TOKENS) in id mode."""
+        src, e = self.src, b.body_end
+        if src.mode == "text":
+            s = max(run_start, e - BETWEEN_MAX_CHARS)
+            t = src.read(s, e, limit=BETWEEN_MAX_CHARS // HEADER_CHARS_PER_TOKEN)
+            if t is not None:
+                b.body_end = max(b.body_start, s + len(t.rstrip()))
+            return
+        for _ in range(BETWEEN_MAX_TOKENS):
+            if e <= run_start:
+                break
+            t = src.read(e - 1, e, limit=1)
+            if t is None:
+                break
+            if t.strip():
+                # a token holding text and whitespace stays (text mode trains its text part:
+                # the token-mapped masks agree, no boundary to report)
+                break
+            e -= 1
+        b.body_end = max(b.body_start, e)
 
     def _skip_lead(self, b: Block, lead: str, run_end: int) -> None:
         """Move the body start past the element's ``lead`` (it belongs to the header)."""
