@@ -27,7 +27,7 @@ def rule_name(element: str) -> str:
 
 
 def _element_rule(name: str, el: Element, elements: dict[str, Element],
-                  preamble: bool = False) -> list[str]:
+                  preamble: bool = False, between: tuple = ()) -> list[str]:
     alts: list[str] = []
     opens = " | ".join(term_name(o) for o in el.open)
     open_part = f"({opens})" if len(el.open) > 1 else opens
@@ -37,7 +37,11 @@ def _element_rule(name: str, el: Element, elements: dict[str, Element],
                   + [term_name(m) for m in el.inner_markers])
     # leading text of the preamble (no opener; or no opener and no close): never empty, or
     # `start` is ambiguous (an empty one would read nothing before its close or the first turn)
-    nonempty = not el.open and (not el.close or preamble)
+    # An element without close or header whose opener may also stand alone between turns
+    # (`between_markers`: Mistral's `<s>` opening a bare system prompt) has a body: a lone
+    # marker is the between-turn marker.
+    nonempty = (not el.open and (not el.close or preamble)) or (
+        el.open and not el.close and el.header is None and set(el.open) & set(between))
     body = ("(" + " | ".join(body_items) + (")+" if nonempty else ")*")
             if body_items else "")
     if tails:  # children that run to this element's close can only come last
@@ -131,5 +135,6 @@ def build_grammar(spec: FormatSpec) -> str:
         if el.follow:
             todo.append(el.follow)
     for n in seen:
-        lines.extend(_element_rule(n, spec.elements[n], spec.elements, n in spec.preamble))
+        lines.extend(_element_rule(n, spec.elements[n], spec.elements, n in spec.preamble,
+                                   tuple(spec.between_markers)))
     return "\n".join(lines) + "\n"
