@@ -273,12 +273,18 @@ class FormatSpec(_Model):
         "The elements that may appear at top level (the turns)."))
     preamble: list[str] = Field(default_factory=list, description=(
         "Markers / elements that may open the conversation once each, in order, before the "
-        "first turn (a BOS marker, a tool-declaration block, DeepSeek's bare system text)."))
+        "first turn (a BOS marker, a tool-declaration block, DeepSeek's bare system text). "
+        "An element without opener here has a non-empty body; with `between`, the text before "
+        "the first turn is that element (no turn when `between` accepts it whole: leading "
+        "whitespace), and between-turn text belongs to the turn before it."))
     between: Optional[str] = Field(None, description=(
         "A regex that text between top-level turns must match whole (`'\\s*'` for a newline "
         "after each turn). Without it, text between turns is an error."))
     between_markers: list[str] = Field(default_factory=list, description=(
-        "Markers that may stand alone between turns (an EOS after each turn)."))
+        "Markers that may stand alone between turns (an EOS after each turn). An element "
+        "opened by one of them, with no header and no close, then has a non-empty body (a "
+        "lone marker is the between-turn marker: Mistral's `<s>` before a bare system "
+        "prompt)."))
     trailing: Optional[str] = Field(None, description=(
         "A regex that text at the very end of the input may match whole where the grammar "
         "takes no more text, after complete turns (`'\\s*'`: Mistral-7B-v0.1 writes "
