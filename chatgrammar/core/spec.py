@@ -171,12 +171,13 @@ class Element(_Model):
     follow: Optional[str] = Field(None, description=(
         "An element without opener that may directly follow this one's close and is read as "
         "the next turn (Mistral's reply after `[/INST]`)."))
-    lead: Optional[str] = Field(None, description=(
+    lead: _OneOrMany = Field(default_factory=list, description=(
         "A literal that still belongs to the header when the body starts with it (Llama 3's "
         "`\"\\n\\n\"` after `<|end_header_id|>`, part of the generation prompt, so never "
-        "trained). A body that does not start with it keeps all its text. In id mode, when "
-        "the lead ends inside a merged token, that token is the body's (trained) and the "
-        "boundary is reported."))
+        "trained), or a list of alternatives tried in order, the first the body starts with "
+        "taken (`[\"\\n\\n\", \"\\n\"]`: RLHFlow's Llama 3 fine-tunes write one newline). A "
+        "body that starts with none keeps all its text. In id mode, when the lead ends inside "
+        "a merged token, that token is the body's (trained) and the boundary is reported."))
     trim_end: bool = Field(False, description=(
         "A body that ends without a close marker (the element has none, or it is missing, or "
         "the input ends) does not keep the whitespace it ends with: the blank line a template "

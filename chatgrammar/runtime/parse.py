@@ -918,15 +918,25 @@ class _Ctx:
             e -= 1
         b.body_end = max(b.body_start, e)
 
-    def _skip_lead(self, b: Block, lead: str, run_end: int) -> None:
-        """Move the body start past the element's ``lead`` (it belongs to the header)."""
-        units, status = self.src.match_lead(b.body_start, min(run_end, b.body_end), lead)
-        if status == "absent":
+    def _skip_lead(self, b: Block, leads: list[str], run_end: int) -> None:
+        """Move the body start past the element's ``lead`` (it belongs to the header): the
+        first alternative the body starts with; else the first the run is a proper prefix of
+        (a run cut inside the lead trains nothing of it)."""
+        partial = None
+        for lead in leads:
+            units, status = self.src.match_lead(b.body_start, min(run_end, b.body_end), lead)
+            if status == "partial":
+                partial = units if partial is None else partial
+                continue
+            if status == "absent":
+                continue
+            b.body_start += units
+            if status == "straddle":
+                self.src.boundaries.append(
+                    (b.body_start, f"lead {lead!r} ends inside a merged token (trained)"))
             return
-        b.body_start += units  # "partial": a run cut inside the lead trains nothing of it
-        if status == "straddle":
-            self.src.boundaries.append(
-                (b.body_start, f"lead {lead!r} ends inside a merged token (trained)"))
+        if partial is not None:
+            b.body_start += partial
 
     def _check_close_tag(self, b: Block, ctext: str, offset: int) -> None:
         tag = ctext.strip()
