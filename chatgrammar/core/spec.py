@@ -183,7 +183,7 @@ class Element(_Model):
         "the input ends) does not keep the whitespace it ends with: the blank line a template "
         "writes after an answer that has no terminator (Falcon's `\\n`, Granite-code's "
         "`\\n\\n`) is not trained. In id mode, a token that holds both text and that "
-        "whitespace stays in the body (trained, as the text-mode mask maps). The fast id "
+        "whitespace stays in the body (trained) and the boundary is reported. The fast id "
         "path does not take such formats (`fmt.stats()` says why): every sample is parsed "
         "in full."))
     ends_with_parent: bool = Field(False, description=(

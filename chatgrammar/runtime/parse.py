@@ -912,8 +912,17 @@ class _Ctx:
             if t is None:
                 break
             if t.strip():
-                # a token holding text and whitespace stays (text mode trains its text part:
-                # the token-mapped masks agree, no boundary to report)
+                if e - 1 == run_start and any(
+                        m.endswith(t[:k]) for k in range(len(t.rstrip()), len(t) + 1)
+                        for m in self.drv.known_texts):
+                    # the run's first token also ends a soft marker (`Falcon:\n` + `\n` as
+                    # one `:\n\n` piece): its text is the marker's, the rest is whitespace
+                    e -= 1
+                elif t != t.rstrip():
+                    # a token holding text and whitespace stays trained (text mode trains its
+                    # text part only): a boundary inside a merged token
+                    src.boundaries.append(
+                        (e - 1, "trailing whitespace inside a merged token (trained)"))
                 break
             e -= 1
         b.body_end = max(b.body_start, e)
