@@ -116,8 +116,9 @@ NEW = {
     # ChatML whose '<|im_end|>' is printed only once another message follows (none after the
     # last one): the terminator moves back to the turn it ends
     "finguai-chat-v1.jinja": ({}, ["Hello there", "Later"]),
-    # no generation prompt, no terminator: the space after '### Assistant:' is the reply's
-    "aanaphi2.jinja": ({"eos_token": "</s>"}, [" Hello there\n", " Later\n"]),
+    # no generation prompt, no terminator: the space after '### Assistant:' is the reply's,
+    # the newline before the next turn is not (trim_end)
+    "aanaphi2.jinja": ({"eos_token": "</s>"}, [" Hello there", " Later"]),
 }
 TWO_EXCHANGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
                  {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Later"}]
@@ -255,17 +256,19 @@ def test_dropped_tool_messages_refused_rather_than_whitespace_in_the_terminator(
 
 def test_closeless_layout_reports_its_whitespace_deviation():
     # DeciLM: '### User:\n…\n### Assistant:\n…\n', no terminator: the '\n' before the next
-    # header trains with the reply (the checker's documented unclosed-whitespace shape)
+    # header is not trained (the inferred turns are `trim_end`, as the bundled solar-instruct):
+    # no unclosed-whitespace deviation is left to report
     fmt = _infer("Deci-DeciLM-7B.jinja", "solar-instruct")
-    assert fmt.verification.deviations and "unclosed-whitespace" in fmt.verification.summary()
+    assert not fmt.verification.deviations
+    assert "unclosed-whitespace" not in fmt.verification.summary()
     text = render_chat(_read("Deci-DeciLM-7B.jinja"), TWO_EXCHANGES, bos_token="<s>",
                        eos_token="</s>")
-    assert fmt.parse(text).trained_text() == ["Hello there\n", "Later\n"]
+    assert fmt.parse(text).trained_text() == ["Hello there", "Later"]
     # without an EOS to end a reply at, no such spec is tried: refused as before
     with pytest.raises(cg.InferenceError, match="trains text outside"):
         cg.infer_format(_read("derived/llama-cpp-rwkv-world.jinja"))
     fmt = cg.infer_format(_read("derived/llama-cpp-rwkv-world.jinja"), eos_token="<|endoftext|>")
-    assert fmt.verification.deviations
+    assert not fmt.verification.deviations
 
 
 def test_tool_markers_written_as_text_in_the_system_prompt():
@@ -694,8 +697,9 @@ def test_cache_keeps_nothing_alive():
 
 
 def test_an_accepted_deviation_is_never_silent():
-    """A closeless layout's inferred format trains the whitespace after a reply (the accepted
-    unclosed-whitespace deviation): infer_format warns, on the first call and from the cache."""
+    """A closeless layout's inferred format used to train the whitespace after a reply (the
+    accepted unclosed-whitespace deviation, warned with a DeviationWarning); its turns are now
+    `trim_end`: nothing deviates, nothing is warned, on the first call and from the cache."""
     import warnings
 
     import chatgrammar as cg
@@ -708,5 +712,8 @@ def test_an_accepted_deviation_is_never_silent():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             fmt = cg.infer_format(template, bos_token="<s>", eos_token="</s>")
-        assert fmt.verification.deviations
-        assert any(issubclass(w.category, cg.DeviationWarning) for w in caught)
+        assert not fmt.verification.deviations
+        assert not any(issubclass(w.category, cg.DeviationWarning) for w in caught)
+        text = "USER: Hi ASSISTANT: Hello there USER: Bye ASSISTANT: Later "
+        assert [t.strip() for t in fmt.parse(text).trained_text()] == ["Hello there", "Later"]
+        assert not any(t.endswith(" ") for t in fmt.parse(text).trained_text())

@@ -1747,6 +1747,9 @@ def _eos_variants(spec: dict, lstripped: dict, eos: dict | None) -> list:
         alt["markers"]["eos"] = dict(eos)
         for n in closeless:
             alt["elements"][n]["close"] = {"markers": ["eos"], "required": False}
+            # the whitespace the template writes before the next turn is not trained (the
+            # spec key `trim_end`, as the bundled falcon / sea-lion specs): no deviation
+            alt["elements"][n]["trim_end"] = True
         out.append(alt)
     return out
 

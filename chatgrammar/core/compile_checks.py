@@ -95,6 +95,7 @@ class _SpecChecks:
         for i, n in enumerate(spec.between_markers):
             self.need_marker(n, ("between_markers", i))
         self.pattern(spec.between, ("between",), BETWEEN_MAX_CHARS)
+        self.pattern(spec.trailing, ("trailing",), BETWEEN_MAX_CHARS)
 
     def prompts_and_policy(self) -> None:
         for i, g in enumerate(self.spec.generation_prompt):
@@ -139,13 +140,14 @@ class _SpecChecks:
                                 "preamble element may have neither: leading text)", base)
         if el.ends_with_parent:
             self.ends_with_parent(ename, el)
-        if el.lead is not None:
-            if not el.lead:
+        if el.lead:
+            if not all(el.lead):
                 raise self.fail("empty `lead`", base + ("lead",))
-            inside = [mn for mn, m in self.markers.items() if m.text in el.lead]
-            if inside:
-                raise self.fail(f"`lead` {el.lead!r} contains marker {inside[0]!r}; a lead is "
-                                "plain text", base + ("lead",))
+            for lead in el.lead:
+                inside = [mn for mn, m in self.markers.items() if m.text in lead]
+                if inside:
+                    raise self.fail(f"`lead` {lead!r} contains marker {inside[0]!r}; a lead "
+                                    "is plain text", base + ("lead",))
 
     def ends_with_parent(self, ename: str, el: Element) -> None:
         spec, base = self.spec, ("elements", ename)

@@ -26,7 +26,8 @@ def rule_name(element: str) -> str:
     return "e_" + _NON_WORD.sub("_", element).lower()
 
 
-def _element_rule(name: str, el: Element, elements: dict[str, Element]) -> list[str]:
+def _element_rule(name: str, el: Element, elements: dict[str, Element],
+                  preamble: bool = False, between: tuple = ()) -> list[str]:
     alts: list[str] = []
     opens = " | ".join(term_name(o) for o in el.open)
     open_part = f"({opens})" if len(el.open) > 1 else opens
@@ -34,8 +35,14 @@ def _element_rule(name: str, el: Element, elements: dict[str, Element]) -> list[
     body_items = (([TEXT] if el.text else [])
                   + [rule_name(c) for c in el.children if c not in tails]
                   + [term_name(m) for m in el.inner_markers])
-    # leading text of the preamble (no opener, no close): never empty, or `start` is ambiguous
-    body = ("(" + " | ".join(body_items) + (")+" if not el.open and not el.close else ")*")
+    # leading text of the preamble (no opener; or no opener and no close): never empty, or
+    # `start` is ambiguous (an empty one would read nothing before its close or the first turn)
+    # An element without close or header whose opener may also stand alone between turns
+    # (`between_markers`: Mistral's `<s>` opening a bare system prompt) has a body: a lone
+    # marker is the between-turn marker.
+    nonempty = (not el.open and (not el.close or preamble)) or (
+        el.open and not el.close and el.header is None and set(el.open) & set(between))
+    body = ("(" + " | ".join(body_items) + (")+" if nonempty else ")*")
             if body_items else "")
     if tails:  # children that run to this element's close can only come last
         body += " (" + " | ".join(rule_name(c) for c in tails) + ")?"
@@ -76,6 +83,12 @@ def _element_rule(name: str, el: Element, elements: dict[str, Element]) -> list[
     return [f"{rule_name(name)}: " + "\n    | ".join(a.strip() for a in alts)]
 
 
+def bare_preamble(spec: FormatSpec) -> list[str]:
+    """The preamble elements that start with text (no opener): bare text before the first
+    turn (DeepSeek's and Yi-1.5's system prompt)."""
+    return [p for p in spec.preamble if p in spec.elements and not spec.elements[p].open]
+
+
 def build_grammar(spec: FormatSpec) -> str:
     """The compiled Lark grammar source for a spec (self-contained; terminals declared)."""
     terms = [term_name(m) for m in spec.markers] + [TEXT, HEADER]
@@ -83,11 +96,31 @@ def build_grammar(spec: FormatSpec) -> str:
              f"%declare {' '.join(terms)}", ""]
     pre = " ".join(
         f"{term_name(p) if p in spec.markers else rule_name(p)}?" for p in spec.preamble)
-    lines.append(f"start: {pre} _item*".replace("  ", " "))
     items = [rule_name(t) for t in spec.top]
     items += [term_name(m) for m in spec.between_markers]
-    if spec.between is not None:
-        items.append(TEXT)
+    bare = bare_preamble(spec)
+    if spec.between is not None and bare:
+        # A bare text element of the preamble (Yi-1.5's system prompt before the first turn)
+        # and `between` text would both read leading text: the leading text is always the
+        # preamble element (the driver drops it when `between` accepts it whole), and
+        # between-turn text belongs to the item before it, so no item starts with text. A
+        # preamble entry takes the text after it too, unless a bare element may follow it
+        # (or it is one without a close, whose body already runs to the first turn).
+        last_bare = max(spec.preamble.index(b) for b in bare)
+        parts = []
+        for k, p in enumerate(spec.preamble):
+            sym = term_name(p) if p in spec.markers else rule_name(p)
+            el = spec.elements.get(p)
+            if k >= last_bare and not (el is not None and not el.open and el.close is None):
+                parts.append(f"({sym} {TEXT}?)?")
+            else:
+                parts.append(f"{sym}?")
+        lines.append(f"start: {' '.join(parts)} _item*")
+        items = [f"{i} {TEXT}?" for i in items]
+    else:
+        lines.append(f"start: {pre} _item*".replace("  ", " "))
+        if spec.between is not None:
+            items.append(TEXT)
     lines.append("_item: " + " | ".join(items))
     # only elements reachable from the top / preamble go into the grammar
     seen: list[str] = []
@@ -102,5 +135,6 @@ def build_grammar(spec: FormatSpec) -> str:
         if el.follow:
             todo.append(el.follow)
     for n in seen:
-        lines.extend(_element_rule(n, spec.elements[n], spec.elements))
+        lines.extend(_element_rule(n, spec.elements[n], spec.elements, n in spec.preamble,
+                                   tuple(spec.between_markers)))
     return "\n".join(lines) + "\n"

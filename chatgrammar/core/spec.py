@@ -171,12 +171,21 @@ class Element(_Model):
     follow: Optional[str] = Field(None, description=(
         "An element without opener that may directly follow this one's close and is read as "
         "the next turn (Mistral's reply after `[/INST]`)."))
-    lead: Optional[str] = Field(None, description=(
+    lead: _OneOrMany = Field(default_factory=list, description=(
         "A literal that still belongs to the header when the body starts with it (Llama 3's "
         "`\"\\n\\n\"` after `<|end_header_id|>`, part of the generation prompt, so never "
-        "trained). A body that does not start with it keeps all its text. In id mode, when "
-        "the lead ends inside a merged token, that token is the body's (trained) and the "
-        "boundary is reported."))
+        "trained), or a list of alternatives tried in order, the first the body starts with "
+        "taken (`[\"\\n\\n\", \"\\n\"]`: RLHFlow's Llama 3 fine-tunes write one newline). A "
+        "body that starts with none keeps all its text. In id mode, when the lead ends inside "
+        "a merged token, that token is the body's (trained) and the boundary is reported."))
+    trim_end: bool = Field(False, description=(
+        "A body that ends without a close marker (the element has none, or it is missing, or "
+        "the input ends) does not keep the whitespace it ends with: the blank line a template "
+        "writes after an answer that has no terminator (Falcon's `\\n`, Granite-code's "
+        "`\\n\\n`) is not trained. In id mode, a token that holds both text and that "
+        "whitespace stays in the body (trained) and the boundary is reported. The fast id "
+        "path does not take such formats (`fmt.stats()` says why): every sample is parsed "
+        "in full."))
     ends_with_parent: bool = Field(False, description=(
         "No terminator of its own: runs to the parent's close and can only be the last child, "
         "so the grammar stays unambiguous (Llama 3's `<|python_tag|>` call runs to "
@@ -265,12 +274,24 @@ class FormatSpec(_Model):
         "The elements that may appear at top level (the turns)."))
     preamble: list[str] = Field(default_factory=list, description=(
         "Markers / elements that may open the conversation once each, in order, before the "
-        "first turn (a BOS marker, a tool-declaration block, DeepSeek's bare system text)."))
+        "first turn (a BOS marker, a tool-declaration block, DeepSeek's bare system text). "
+        "An element without opener here has a non-empty body; with `between`, the text before "
+        "the first turn is that element (no turn when `between` accepts it whole: leading "
+        "whitespace), and between-turn text belongs to the turn before it."))
     between: Optional[str] = Field(None, description=(
         "A regex that text between top-level turns must match whole (`'\\s*'` for a newline "
         "after each turn). Without it, text between turns is an error."))
     between_markers: list[str] = Field(default_factory=list, description=(
-        "Markers that may stand alone between turns (an EOS after each turn)."))
+        "Markers that may stand alone between turns (an EOS after each turn). An element "
+        "opened by one of them, with no header and no close, then has a non-empty body (a "
+        "lone marker is the between-turn marker: Mistral's `<s>` before a bare system "
+        "prompt)."))
+    trailing: Optional[str] = Field(None, description=(
+        "A regex that text at the very end of the input may match whole where the grammar "
+        "takes no more text, after complete turns (`'\\s*'`: Mistral-7B-v0.1 writes "
+        "`eos_token + ' '` after every answer; a lone SentencePiece `▁` decodes to nothing). "
+        "It is no turn and never trains. A turn cut by the end of input keeps its text: this "
+        "only accepts what would otherwise be an error."))
     role_aliases: dict[str, str] = Field(default_factory=dict, description=(
         "Role name as written → canonical role (`model: assistant`). Glob keys "
         "(`\"functions.*\"`) map roles that match no exact key and are not canonical."))

@@ -304,6 +304,11 @@ class FastMasker:
         if max(budget, default=0) >= 60_000:
             self.enabled = False
             self.disabled = "a header budget of 60k tokens or more"
+        if any(el.trim_end for el in fmt.spec.elements.values()):
+            # where an unterminated body ends depends on its last tokens' text, which the
+            # item memo does not key on (helper W1's `trim_end`)
+            self.enabled = False
+            self.disabled = "an element with trim_end (its body's end depends on its text)"
         self.gclass = np.asarray(gclass, dtype=np.int64)
         self.budget = np.asarray(budget, dtype=np.int64)
         self.split_budget = list(budget)

@@ -24,6 +24,7 @@ from ..core.compile import (BETWEEN_MAX_CHARS, BETWEEN_MAX_TOKENS, HEADER, HEADE
 from ..errors import ParseError
 from .spans import Block, Issue, Turn
 from ..core.spec import ROLE_NAMES, Element, FormatSpec
+from ..core.compile_grammar import bare_preamble
 
 SYNTH = object()  # value of zero-width synthetic terminators added at end of input
 # value of a zero-width close the driver adds where a top-level element whose close may be
@@ -207,6 +208,11 @@ class Driver:
             term_name(m) for el in spec.elements.values()
             for m in el.inner_markers + el.open + (el.close.follow_after if el.close else []))
         self.between = re.compile(spec.between, re.S) if spec.between is not None else None
+        self.trailing = re.compile(spec.trailing, re.S) if spec.trailing is not None else None
+        # bare text preamble elements read by the grammar where `between` text could also be
+        # (compile_grammar.bare_preamble): whitespace `between` accepts whole is no turn
+        self.bare_between = frozenset(rule_name(p) for p in bare_preamble(spec)) \
+            if spec.between is not None else frozenset()
         # An element without an opener whose header ends at a marker (GigaChat's role text)
         # can start in the text at the end of the input; only then is that text read at the
         # end (a read the memoised fast path would have to key every sample on).
@@ -322,6 +328,13 @@ class Driver:
                     ctx.implicit_next = ttype  # what came instead of the close
                     self._feed(ctx, state_stack, value_stack, (c, tok[1], tok[1], IMPLICIT))
                     continue
+            if (ttype == TEXT and i == n - 1 and self.trailing is not None
+                    and tok[2] == src.n and self._can_feed(state_stack, "$END")
+                    and self.trailing_ok(src, tok)):
+                # text at the very end, after complete turns, that `trailing` accepts
+                # (Mistral-7B-v0.1's `eos_token + ' '`): no turn, never trained
+                i += 1
+                continue
             # ---- structure error
             err = ParseError("unexpected " + self.describe(ttype), offset=tok[1],
                              expected=self.expected(state_stack[-1], state_stack), mode=src.mode,
@@ -405,6 +418,12 @@ class Driver:
         txt = src.read(tok[1], tok[2], limit=BETWEEN_MAX_TOKENS if src.mode == "ids" else
                        BETWEEN_MAX_CHARS // HEADER_CHARS_PER_TOKEN)
         return txt is not None and self.between.fullmatch(txt) is not None
+
+    def trailing_ok(self, src: Source, tok: tuple) -> bool:
+        """Does the final text run ``tok`` match ``trailing``? Read as ``between`` text is."""
+        txt = src.read(tok[1], tok[2], limit=BETWEEN_MAX_TOKENS if src.mode == "ids" else
+                       BETWEEN_MAX_CHARS // HEADER_CHARS_PER_TOKEN)
+        return txt is not None and self.trailing.fullmatch(txt) is not None
 
     def _can_feed(self, state_stack: list[int], term: str) -> bool:
         """Would ``term`` be shifted (after any reductions) from this configuration?
@@ -491,7 +510,15 @@ class _Ctx:
         if name in drv.elements:
             value = self.element(name, _flatten(vals))
             if name in drv.preamble_rules and self._at_top(value_stack):
-                self.emit(value)
+                if not (name in drv.bare_between and not value.children
+                        and drv.between_ok(self.src, (TEXT, value.start, value.body_end
+                                                      if value.body_end is not None
+                                                      else value.end))):
+                    self.emit(value)
+                elif value.follow is not None:
+                    # leading whitespace `between` accepts is not a bare system prompt; what
+                    # follows its close is still a turn
+                    self.emit(value.follow)
         elif name == "_item":
             self.item(_flatten(vals))
             value = None
@@ -617,10 +644,16 @@ class _Ctx:
         i, pos, has_body, complete, header_whole, hparts = self._header(b, el, ch, i, pos,
                                                                           until, closes)
         lead_run = None
+        last_run = None
         if has_body:
             i, lead_run = self._body(b, el, ch, i, pos, closes)
+            if el.trim_end and i > 0 and not isinstance(ch[i - 1], Block) \
+                    and ch[i - 1][0] == TEXT and ch[i - 1][2] == b.body_end:
+                last_run = ch[i - 1][1]
         end = b.body_end if b.body_end is not None else pos
         i, end, closed_ok, implicit = self._close(b, el, ch, i, end, closes, cuntil, after)
+        if last_run is not None and b.close is None:
+            self._trim_end(b, max(last_run, b.body_start))
         complete = complete and closed_ok
         if i < len(ch) and isinstance(ch[i], Block):
             b.follow = ch[i]
@@ -861,15 +894,58 @@ class _Ctx:
             acc += len(txt)
         return parts[-1][2] if parts else b.header_end
 
-    def _skip_lead(self, b: Block, lead: str, run_end: int) -> None:
-        """Move the body start past the element's ``lead`` (it belongs to the header)."""
-        units, status = self.src.match_lead(b.body_start, min(run_end, b.body_end), lead)
-        if status == "absent":
+    def _trim_end(self, b: Block, run_start: int) -> None:
+        """Move the end of an unterminated body before the whitespace it ends with
+        (``trim_end``). Only the tail is read: a window of chars in text mode, one token at a
+        time (at most BETWEEN_MAX_TOKENS) in id mode."""
+        src, e = self.src, b.body_end
+        if src.mode == "text":
+            s = max(run_start, e - BETWEEN_MAX_CHARS)
+            t = src.read(s, e, limit=BETWEEN_MAX_CHARS // HEADER_CHARS_PER_TOKEN)
+            if t is not None:
+                b.body_end = max(b.body_start, s + len(t.rstrip()))
             return
-        b.body_start += units  # "partial": a run cut inside the lead trains nothing of it
-        if status == "straddle":
-            self.src.boundaries.append(
-                (b.body_start, f"lead {lead!r} ends inside a merged token (trained)"))
+        for _ in range(BETWEEN_MAX_TOKENS):
+            if e <= run_start:
+                break
+            t = src.read(e - 1, e, limit=1)
+            if t is None:
+                break
+            if t.strip():
+                if e - 1 == run_start and any(
+                        m.endswith(t[:k]) for k in range(len(t.rstrip()), len(t) + 1)
+                        for m in self.drv.known_texts):
+                    # the run's first token also ends a soft marker (`Falcon:\n` + `\n` as
+                    # one `:\n\n` piece): its text is the marker's, the rest is whitespace
+                    e -= 1
+                elif t != t.rstrip():
+                    # a token holding text and whitespace stays trained (text mode trains its
+                    # text part only): a boundary inside a merged token
+                    src.boundaries.append(
+                        (e - 1, "trailing whitespace inside a merged token (trained)"))
+                break
+            e -= 1
+        b.body_end = max(b.body_start, e)
+
+    def _skip_lead(self, b: Block, leads: list[str], run_end: int) -> None:
+        """Move the body start past the element's ``lead`` (it belongs to the header): the
+        first alternative the body starts with; else the first the run is a proper prefix of
+        (a run cut inside the lead trains nothing of it)."""
+        partial = None
+        for lead in leads:
+            units, status = self.src.match_lead(b.body_start, min(run_end, b.body_end), lead)
+            if status == "partial":
+                partial = units if partial is None else partial
+                continue
+            if status == "absent":
+                continue
+            b.body_start += units
+            if status == "straddle":
+                self.src.boundaries.append(
+                    (b.body_start, f"lead {lead!r} ends inside a merged token (trained)"))
+            return
+        if partial is not None:
+            b.body_start += partial
 
     def _check_close_tag(self, b: Block, ctext: str, offset: int) -> None:
         tag = ctext.strip()
