@@ -391,6 +391,11 @@ def _generation_prompt(r: _Renderer, i: int, cut: int | None = None) -> str | No
         # whitespace the template prints at the very end whether or not a prompt follows
         # (Unsloth's one-line templates): the prompt is what follows the shared part
         return g[k:]
+    if n and g.count(b[:n]) == 1 and g.index(b[:n]) > 0:
+        # a turn the template writes in front only when a prompt follows (MuseGlimmer's
+        # default system message, printed with a generation prompt or tools): the messages'
+        # own rendering is intact inside, and the prompt is what follows it
+        return g[g.index(b[:n]) + n:]
     return None
 
 
