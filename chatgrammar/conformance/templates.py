@@ -79,7 +79,8 @@ _WITH_END = OUTPUT_POLICY.replace(end_marker=True)
 #:
 #: ``repeated-prompt``: one message the template renders as several turns of the assistant,
 #: each later turn opening with exactly the template's generation prompt (e.g. an analysis
-#: message, then the assistant header again and the final answer or a tool call). The
+#: message, then the assistant header again and the final answer or a tool call), after
+#: nothing but the whitespace the template writes between turns (HyperCLOVA X's "\n"). The
 #: model writes that repeated opener itself, but the format trains every turn from after its
 #: role, as it does after the generation prompt: which turn follows which is not part of one
 #: turn's parse, and a turn's spans never depend on its neighbours.
@@ -390,6 +391,11 @@ def _generation_prompt(r: _Renderer, i: int, cut: int | None = None) -> str | No
         # whitespace the template prints at the very end whether or not a prompt follows
         # (Unsloth's one-line templates): the prompt is what follows the shared part
         return g[k:]
+    if n and g.count(b[:n]) == 1 and g.index(b[:n]) > 0:
+        # a turn the template writes in front only when a prompt follows (MuseGlimmer's
+        # default system message, printed with a generation prompt or tools): the messages'
+        # own rendering is intact inside, and the prompt is what follows it
+        return g[g.index(b[:n]) + n:]
     return None
 
 
@@ -802,8 +808,12 @@ def _message_problems(R: str, found, found_end, end_spans, regions, outputs, g_o
             continue
         a, z = with_end[0][0], with_end[-1][1]
         for (_, gs), (ge, _) in zip(with_end, with_end[1:]):
-            if (R[gs:ge] == g_of[i] and gs in turn_starts
-                    and "repeated-prompt" in accepted):
+            # the repeated opener may follow the whitespace the template writes between turns
+            # (HyperCLOVA X's "<|im_end|>\n<|im_start|>assistant"): that separator is no
+            # assistant word either, and it is left untrained like the opener
+            ps = ge - len(g_of[i])
+            if (g_of[i] and ps >= gs and R[ps:ge] == g_of[i] and not R[gs:ps].strip()
+                    and ps in turn_starts and "repeated-prompt" in accepted):
                 _deviate(res, f"message [{i}] (assistant) is rendered as several turns; each "
                          f"later one opens with the generation prompt {_show(g_of[i])}, "
                          f"untrained ({accepted['repeated-prompt']})")

@@ -119,6 +119,11 @@ class _SpecChecks:
             self.need_element(c, base + ("children", i))
         for i, m in enumerate(el.inner_markers):
             self.need_marker(m, base + ("inner_markers", i))
+            if el.close is not None and m in el.close.markers and el.close.header is not None:
+                # the close is then the last such marker (runtime/parse.py, _is_last_close),
+                # which a close header's text after it would hide
+                raise self.fail(f"inner marker {m!r} is also a close marker: the close cannot "
+                                "have a header", base + ("inner_markers", i))
         if el.follow:
             self.need_element(el.follow, base + ("follow",))
             if self.spec.elements[el.follow].open:

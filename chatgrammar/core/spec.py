@@ -48,7 +48,8 @@ class Marker(_Model):
     lstrip: bool = Field(False, description=(
         "A whitespace-only run right before the marker belongs to it, like a tokenizer's "
         "`AddedToken(lstrip=True)` (the `\"\\n\"` R1-Distill writes between two tool "
-        "outputs): it is neither content nor the start of an element."))
+        "outputs; on an opener, the newline a message ends with before Granite Code's blank "
+        "line and next role word): it is neither content nor the start of an element."))
     description: Optional[str] = Field(None, description="For humans.")
 
 
@@ -151,7 +152,11 @@ class Element(_Model):
     children: list[str] = Field(default_factory=list, description=(
         "Elements that may nest in the body, to any depth (no recursion limit)."))
     inner_markers: list[str] = Field(default_factory=list, description=(
-        "Markers allowed in the body as content (Kimi-K2's `<|media_pad|>`)."))
+        "Markers allowed in the body as content (Kimi-K2's `<|media_pad|>`). A close marker "
+        "may be one too (Granite Code's blank line after every message, which messages also "
+        "hold): the element's last one (only `after` markers after it) closes it, where what "
+        "follows cannot continue the body (the next opener, the end of the input), and an "
+        "earlier one is content; such a close has no `header`."))
     text: bool = Field(True, description=(
         "Whether the body may contain text. `false`: the body holds only children and inner "
         "markers (a media block of pad markers); text there is a parse error."))

@@ -382,11 +382,22 @@ class IdLexer:
                 a = last
                 b = max(b, a)
             if a > last:
-                toks.append((TEXT, last, a, None))
+                toks.append((TEXT, last, a, self._header_value(arr, toks, last, a)))
             toks.append((self.cfg.by_text[m.group()], a, b, m.group()))
             last = b
         if last < e:
-            toks.append((TEXT, last, e, None))
+            toks.append((TEXT, last, e, self._header_value(arr, toks, last, e)))
+
+    def _header_value(self, arr, toks, s, e):
+        """The value of the text run ``[s, e)`` that follows ``toks[-1]``: its decoded text
+        when that is a soft marker found in decoded text whose header ends at a marker
+        (ChatGLM2's `[Round ` before `]\n\n问：`), read within the header budget as after a
+        marker id; None (never read) otherwise."""
+        if not toks or toks[-1][0] not in self.cfg.decode_after or toks[-1][1] == toks[-1][2]:
+            return None
+        m = self.cfg.decode_after[toks[-1][0]]
+        dec = self.adapter.decode
+        return dec(arr[s:e].tolist()) if e - s <= m else dec(arr[s:s + m].tolist()) + "…"
 
 
 def as_id_array(ids: Any) -> np.ndarray:

@@ -213,6 +213,14 @@ class Driver:
         # (compile_grammar.bare_preamble): whitespace `between` accepts whole is no turn
         self.bare_between = frozenset(rule_name(p) for p in bare_preamble(spec)) \
             if spec.between is not None else frozenset()
+        # close markers that are also inner markers of the same element (Granite Code's blank
+        # line after every message, which a message may hold too): the grammar ends such an
+        # element with the last of them, `(TEXT | M)* M`, so the block builder takes one as the
+        # close only where nothing but `after` markers or the follow comes after it
+        self.inner_closes = {
+            n: ic for n, el in spec.elements.items() if el.close is not None
+            for ic in [frozenset(term_name(m) for m in el.inner_markers)
+                       & frozenset(term_name(c) for c in el.close.markers)] if ic}
         # An element without an opener whose header ends at a marker (GigaChat's role text)
         # can start in the text at the end of the input; only then is that text read at the
         # end (a read the memoised fast path would have to key every sample on).
@@ -743,13 +751,29 @@ class _Ctx:
                     break
                 kids.append(c)
             elif c[0] in closes:
-                break
+                ic = self.drv.inner_closes.get(b.name)
+                if ic is None or c[0] not in ic or self._is_last_close(b.name, el, ch, i):
+                    break
             i += 1
         last = ch[i - 1] if i > 0 else None
         b.body_end = _end_of(last) if last is not None and i > 0 else pos
         if b.body_end < b.body_start:
             b.body_end = b.body_start
         return i, lead_run
+
+    def _is_last_close(self, ename: str, el: Element, ch: list, i: int) -> bool:
+        """Is the close marker ``ch[i]``, which is also an inner marker, the element's close:
+        is nothing but ``after`` markers (and the follow, last) after it?"""
+        after = self.drv.el_info[ename][4]
+        n = len(ch)
+        for j in range(i + 1, n):
+            c = ch[j]
+            if isinstance(c, Block):
+                if not (el.follow and c.name == el.follow and j == n - 1):
+                    return False
+            elif c[0] not in after:
+                return False
+        return True
 
     def _close(self, b: Block, el: Element, ch: list, i: int, end: int, closes, cuntil, after):
         """Read the terminator from ``i`` (close marker, close header, ``after`` markers):
