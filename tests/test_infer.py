@@ -638,7 +638,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys, template, code):
     assert out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_cli_detect_says_inferred(tmp_path, capsys):
+def test_cli_detect_says_inferred(tmp_path, capsys, monkeypatch):
     p = tmp_path / "t.jinja"
     # a family no bundled format has, that needs no tokenizer variable
     p.write_text("{% for m in messages %}<|begin_turn|>{{ m.role }}\n{{ m.content }}"
@@ -647,9 +647,25 @@ def test_cli_detect_says_inferred(tmp_path, capsys):
     assert main(["detect", "--template", str(p)]) == 0
     out, _ = capsys.readouterr()
     assert "no bundled format; inferred inferred-" in out
-    # a detected format that only partly parses the template: detect says what auto uses
-    assert main(["detect", "--template",
-                 str(TEMPLATES / "wild" / "01-ai-Yi-1.5-34B-Chat.jinja")]) == 0
+    # a detected format that verifies: auto uses it, detect prints no `auto:` line
+    yi = str(TEMPLATES / "wild" / "01-ai-Yi-1.5-34B-Chat.jinja")
+    assert main(["detect", "--template", yi]) == 0
+    out, _ = capsys.readouterr()
+    assert out.startswith("format:   chatml") and "auto:" not in out
+    # one that only partly parses the template (chatml's verdict on Yi before it accepted the
+    # bare system text): detect says what auto uses instead
+    import dataclasses
+
+    real = inf._better_of
+
+    def as_before(det, template, tokenizer, kwargs):
+        det = dataclasses.replace(det, verification={"chatml": {
+            "status": "partial", "passed": 5, "reason": "bare system text",
+            "vars": {"bos_token": "<|startoftext|>", "eos_token": "<|im_end|>"}}})
+        return real(det, template, tokenizer, kwargs)
+
+    monkeypatch.setattr(inf, "_better_of", as_before)
+    assert main(["detect", "--template", yi]) == 0
     out, _ = capsys.readouterr()
     assert out.startswith("format:   chatml") and "auto:     inferred-" in out
 
