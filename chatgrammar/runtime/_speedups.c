@@ -447,7 +447,7 @@ done:
 
 
 /* ------------------------------------------------------------------------------------------
- * run(plan, ids, memo, last_only, out[, gen_ok]) -> list | True | None | (keys) | int
+ * run(plan, ids, memo, last_only, out[, gen_ok]) -> list | True | None | (keys) | (int, mask)
  *     One sample through the memoised engine (FastMasker._lex + _walk + _fast, in one pass):
  *     the same plan, the same automaton table and the same item keys as the Python code,
  *     which is the reference. `plan` is FastMasker.plan (see there); `memo` maps an item key
@@ -456,11 +456,11 @@ done:
  *     (`out`, a writable int64 buffer of the same length, gets the 1s: pass zeros). A tuple of
  *     (key, w0, w1): the items `memo` lacks, each with the window of ids around it, from the
  *     item before to the item after (the caller may fill them from its memo, or learn them
- *     from that window, and call again). An int: the last turn, from that position to the end, may be a
- *     generation prompt; the caller checks with the driver's rule and calls again with
- *     gen_ok=True when it is not. None: the
- *     sample needs the Python engine (anything not memoised yet, an unknown special id, a soft
- *     marker's piece, a syntax error, a generation prompt to check, ...). Never raises for
+ *     from that window, and call again). A pair (int, mask): the last turn, from that
+ *     position to the end, may be a generation prompt, and mask (the list, or True) is the
+ *     answer when it is not; the caller checks with the driver's rule (gen_ok=True skips
+ *     the question). None: the sample needs the Python engine (anything not memoised yet,
+ *     an unknown special id, a soft marker's piece, a syntax error, ...). Never raises for
  *     input reasons.
  */
 typedef struct {
@@ -743,7 +743,7 @@ item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr
     }
     if (*missing != NULL)
         return 2;
-    if (p->gen && !gen_ok && last_start >= 0 && n - last_start <= 64) {
+    if (p->gen && !gen_ok && last_start >= 0 && n - last_start <= 64 && *gen_at == -1) {
         /* The driver joins the tail's tokens (markers by their text) and compares it with
          * each generation prompt: a marker whose text is in no prompt, or marker texts longer
          * than any prompt together, rule that out here; else the driver's rule decides. */
@@ -754,10 +754,8 @@ item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr
                 m &= (uint64_t)p->gen[1 + 2 * s->K[t]];
                 len += p->gen[2 + 2 * s->K[t]];
             }
-        if (m != 0 && len <= p->gen[0]) {
-            *gen_at = last_start;
-            return 3;
-        }
+        if (m != 0 && len <= p->gen[0])
+            *gen_at = last_start;  /* the mask as if it is none, and the caller checks */
     }
     if (last_only) {
         Py_ssize_t w = 0;
@@ -863,10 +861,6 @@ run(PyObject *self, PyObject *args)
         res = PyList_AsTuple(missing);
         goto done;
     }
-    if (r == 3) {
-        res = PyLong_FromLongLong(gen_at);
-        goto done;
-    }
     if (r > 0) {
         res = Py_None;
         Py_INCREF(res);
@@ -881,6 +875,12 @@ run(PyObject *self, PyObject *args)
                 o[i] = 1;
         res = Py_True;
         Py_INCREF(res);
+    }
+    if (res != NULL && gen_at >= 0) {
+        /* (the mask computed as if the last turn were no generation prompt, and where that
+         * turn starts: the caller applies the driver's rule to it) */
+        PyObject *t = Py_BuildValue("(LN)", (long long)gen_at, res);
+        res = t;
     }
 done:
     Py_XDECREF(missing);

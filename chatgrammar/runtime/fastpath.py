@@ -272,6 +272,15 @@ class _Prog:
         return None
 
 
+class _Reference:
+    """A mask the full pipeline computed (not the C executor): returned as it is."""
+
+    __slots__ = ("mask",)
+
+    def __init__(self, mask):
+        self.mask = mask
+
+
 class FastMasker:
     """Exact, memoised loss masks for one (format, tokenizer) pair. See the module docstring.
 
@@ -402,9 +411,9 @@ class FastMasker:
             cm.pop(key, None)
 
     def run_c(self, ids, policy: MaskPolicy, strict: bool):
-        """The C executor on one sample: the mask (a list for a list, else a numpy int64
-        array), or None when it does not take the sample (the caller runs the Python
-        engine, which then teaches it)."""
+        """The C executor on one sample: the mask (a list for a list, a numpy int64 array for
+        an int64 array, a ``torch.long`` tensor for a CPU tensor), or None when it does not
+        take the sample (the caller runs the Python engine, which then teaches it)."""
         plan = self.plan
         if plan is None or _speedups is None:  # (tests and the bench switch it off live)
             return None
@@ -413,22 +422,20 @@ class FastMasker:
         elif (type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1
               and ids.flags.c_contiguous):
             out = np.zeros(len(ids), dtype=np.int64)
+        elif type(ids).__module__ == "torch":
+            return self._c_torch(ids, policy, strict)
         else:
             return None
         hit = self._cpol.get(id(policy))
         if hit is None or hit[0] is not policy:
             hit = self._c_policy(policy)
         r = _speedups.run(plan, ids, hit[1], hit[2], out)
-        if type(r) is tuple:  # items the C memo lacks: fill those the memo knows, once
-            if not self._c_fill(r, hit) and not self._c_learn(ids, r, hit):
-                return None
-            r = _speedups.run(plan, ids, hit[1], hit[2], out)
-        if type(r) is int:  # the last turn may be a generation prompt: the driver's rule
-            if not self._c_not_gen_prompt(ids, r):
-                return None
-            r = _speedups.run(plan, ids, hit[1], hit[2], out, True)
-        if r is None or type(r) is tuple or type(r) is int:
-            return None
+        if type(r) is not list and r is not True:
+            r = self._c_retry(ids, r, hit, policy, strict, out)
+            if r is None:
+                return None  # the Python engine takes it
+            if type(r) is _Reference:
+                return r.mask  # the full pipeline's own answer
         st = self.stats
         st["fast"] += 1
         st["c"] += 1
@@ -437,6 +444,48 @@ class FastMasker:
         if verify_enabled():
             self._verify(ids_input(ids)[0], r, policy, strict)
         return r
+
+    def _c_retry(self, ids, r, hit, policy, strict, out):
+        """What :meth:`run_c` does with an answer of the C executor that is not a mask:
+        items its memo lacks (filled from the Python memo, learned from a window, or the
+        whole sample parsed by the full pipeline, whose mask is returned as it is: a list or
+        an int64 array), or a last turn that may be a generation prompt."""
+        plan = self.plan
+        if type(r) is tuple and type(r[0]) is tuple:
+            # items the C memo lacks: fill those the memo knows (or learn them), once
+            if not self._c_fill(r, hit):
+                learned = self._c_learn(ids, r, hit)
+                if learned is None:
+                    return _Reference(self._c_whole(ids, policy, strict))
+                if not learned:
+                    return None
+            r = _speedups.run(plan, ids, hit[1], hit[2], out)
+        if type(r) is tuple and len(r) == 2 and type(r[0]) is int:
+            # the last turn may be a generation prompt (the driver's rule decides); r[1] is
+            # the answer when it is not
+            if not self._c_not_gen_prompt(ids, r[0]):
+                return None
+            r = r[1]
+        return r if type(r) is list or r is True else None
+
+    def _c_torch(self, ids, policy: MaskPolicy, strict: bool):
+        """A 1-D CPU tensor read through numpy (no copy for a contiguous int64 one): the C
+        executor's mask as a ``torch.long`` tensor, or None (the Python engine takes it).
+        torch is already imported by whoever made the tensor; chatgrammar never imports it."""
+        torch = sys.modules.get("torch")
+        if torch is None or type(ids) is not torch.Tensor:
+            return None
+        try:
+            if ids.device.type != "cpu" or ids.dim() != 1 or ids.is_floating_point() \
+                    or ids.is_complex() or ids.dtype == torch.bool:
+                return None
+            a = np.ascontiguousarray(ids.numpy(), dtype=np.int64)
+        except (RuntimeError, TypeError, ValueError):
+            return None
+        m = self.run_c(a, policy, strict)
+        if m is None:
+            return None
+        return torch.from_numpy(m)
 
     def _c_fill(self, keys: list, hit: tuple) -> bool:
         """The C records of memoised items the C memo lacks (they were learned, but not
@@ -456,26 +505,39 @@ class FastMasker:
             cm[key] = _c_record(prog, sp)
         return True
 
-    def _c_learn(self, ids, keys: tuple, hit: tuple) -> bool:
-        """New item shapes in a long sample: each learned by a full parse of the window of
-        ids around it the C executor gives (as :meth:`_learn_window` does), then filled as
-        in :meth:`_c_fill`. False when the memo still lacks one (the Python engine takes
-        the sample)."""
+    def _c_learn(self, ids, keys: tuple, hit: tuple) -> bool | None:
+        """New item shapes: each learned by a full parse of the window of ids around it the
+        C executor gives (as :meth:`_learn_window` does), then filled as in
+        :meth:`_c_fill`. False when the memo still lacks one (the Python engine takes the
+        sample); None when a new item's window is the whole sample (or the sample is short):
+        the full pipeline must parse the sample itself (:meth:`_c_whole`)."""
         n = len(ids)
-        if n < _WINDOW_MIN:
-            return False
+        items = self.items
         for key, w0, w1 in keys:
-            if key in self.items:
+            if key in items:
                 continue
-            if w1 - w0 >= n:
-                return False  # the window is the sample: the full pipeline parses it
+            if n < _WINDOW_MIN or w1 - w0 >= n:
+                return None  # the window is the sample: the full pipeline parses it
             self.stats["window"] = self.stats.get("window", 0) + 1
             try:
                 self._harvest(np.asarray(ids[w0:w1], dtype=np.int64), self.fmt.default_policy,
-                              False)
+                              False, mask=False)
             except ParseError:
                 return False
         return self._c_fill(keys, hit)
+
+    def _c_whole(self, ids, policy: MaskPolicy, strict: bool):
+        """A sample with a new item shape that no window can teach: the full pipeline (the
+        reference) computes its mask, as :meth:`_slow_sample` would after the numpy
+        executor's walk, and teaches the memo. Errors are the user's."""
+        self.stats["slow"] += 1
+        why = "new item shape"
+        self.reasons[why] = self.reasons.get(why, 0) + 1
+        arr = ids_input(ids)[0]
+        out, _ = self._harvest(arr, policy, strict)
+        if type(ids) is list:
+            return list(out)
+        return np.frombuffer(out, dtype=np.uint8).astype(np.int64)
 
     def _c_not_gen_prompt(self, ids, start: int) -> bool:
         """True when the tail from ``start`` is certainly no generation prompt: decoding is
@@ -1019,9 +1081,10 @@ class FastMasker:
         return fake.generation_prompt
 
     # ------------------------------------------------------------------ slow path + memo
-    def _harvest(self, arr, policy, strict) -> tuple[bytearray, list]:
+    def _harvest(self, arr, policy, strict, mask: bool = True) -> tuple[bytearray, list]:
         """The full pipeline for one sample (its errors are the user's); a clean parse also
-        teaches the memo the items it contains."""
+        teaches the memo the items it contains. ``mask=False``: only learn (the mask is
+        None)."""
         fmt, lx = self.fmt, self.lx
         warnings: list[Issue] = []
         boundaries: list = []
@@ -1033,7 +1096,7 @@ class FastMasker:
         conv = Conversation(format=fmt.name, mode="ids", length=len(arr), turns=turns,
                             warnings=warnings, boundaries=[Issue(p, m) for p, m in boundaries],
                             default_policy=fmt.default_policy)
-        out = bytearray(conv.mask_array(policy).tobytes())
+        out = bytearray(conv.mask_array(policy).tobytes()) if mask else None
         if self.enabled and not warnings and not boundaries:
             try:
                 self._learn(arr, toks, turns, src.reads)

@@ -249,6 +249,8 @@ class Driver:
             self.el_info[n] = (until, hmarks, closes, cuntil, after)
         # close markers that may be missing: the element then ends at the next top-level opener
         # (whether that is a cut, an error or the turn's normal end is decided with its role)
+        # state stack at end of input -> the synthetic terminators that close it (_finish)
+        self._closings: dict[tuple, tuple] = {}
         self.implicit_closes = tuple(dict.fromkeys(
             term_name(c) for n in spec.top
             if spec.elements[n].close is not None
@@ -348,9 +350,40 @@ class Driver:
         return turns
 
     def _finish(self, ctx, state_stack, value_stack, src, strict, warnings) -> None:
-        """Feed end of input, closing open elements with synthetic terminators (truncation)."""
-        states = self.states
+        """Feed end of input, closing open elements with synthetic terminators (truncation).
+
+        Which terminators close a configuration depends on its state stack only (unless an
+        element without an opener may start in the text at the end, which reads that text):
+        the sequence found once is kept per stack (``_closings``) and fed directly after."""
         end = src.n
+        memo = None
+        if not (self.openerless_headers and self.between is not None) and \
+                len(state_stack) <= 256:
+            key = tuple(state_stack)
+            seq = self._closings.get(key)
+            if seq is not None:
+                for c in seq:
+                    self._feed(ctx, state_stack, value_stack, (c, end, end, SYNTH))
+                return
+            memo = []
+        if self._finish_search(ctx, state_stack, value_stack, end, memo):
+            if memo is not None:
+                if len(self._closings) > 4096:
+                    self._closings.clear()
+                self._closings[key] = tuple(memo)
+            return
+        err = ParseError("unexpected end of input", offset=end,
+                         expected=self.expected(state_stack[-1], state_stack), mode=src.mode,
+                         format=self.spec.name, excerpt=src.excerpt(end))
+        if strict:
+            raise err
+        warnings.append(Issue(end, "dropped an unfinishable item at end of input"))
+
+    def _finish_search(self, ctx, state_stack, value_stack, end, fed) -> bool:
+        """The closing search of :meth:`_finish`: True once ``$END`` was fed; each term fed
+        is appended to ``fed`` (when not None)."""
+        states = self.states
+        src = ctx.src
         prefs = (self.tables.close_terms, self.tables.until_terms)
         tried: set = set()
         for _ in range(4 * len(state_stack) + 16):
@@ -368,8 +401,10 @@ class Driver:
                     self._feed(ctx, state_stack, value_stack, (u, end, end, SYNTH))
                     continue
             if self._can_feed(state_stack, "$END"):
+                if fed is not None:
+                    fed.append("$END")
                 self._feed(ctx, state_stack, value_stack, ("$END", end, end, SYNTH))
-                return
+                return True
             acts = states[state_stack[-1]]
             # A close marker that also opens an element or is some body's inner marker
             # (DeepSeek's `</think>` / `<think>`) may be shifted into a body instead of
@@ -387,16 +422,13 @@ class Driver:
                     continue
                 tried.add(key)
                 if self._can_feed(state_stack, c):
+                    if fed is not None:
+                        fed.append(c)
                     self._feed(ctx, state_stack, value_stack, (c, end, end, SYNTH))
                     break
             else:
                 break
-        err = ParseError("unexpected end of input", offset=end,
-                         expected=self.expected(state_stack[-1], state_stack), mode=src.mode,
-                         format=self.spec.name, excerpt=src.excerpt(end))
-        if strict:
-            raise err
-        warnings.append(Issue(end, "dropped an unfinishable item at end of input"))
+        return False
 
     def between_ok(self, src: Source, tok: tuple) -> bool:
         """Does the text run ``tok`` match ``between``? Read within 16 tokens (id mode) or
@@ -567,10 +599,17 @@ class _Ctx:
             ids, texts = unknown_marker_ids(drv, src.adapter)
             if len(ids):
                 import numpy as np
-                hit = np.flatnonzero(np.isin(src.arr[s:e], ids))
-                if len(hit):
-                    at = s + int(hit[0])
-                    found = texts.get(int(src.arr[at]))
+                # (np.isin costs tens of µs on a short run: the ids' range, then the few
+                # candidates in it against the sorted ids)
+                run = src.arr[s:e]
+                cand = np.flatnonzero((run >= ids[0]) & (run <= ids[-1]))
+                if len(cand):
+                    vals = run[cand]
+                    k = np.minimum(np.searchsorted(ids, vals), len(ids) - 1)
+                    hit = cand[ids[k] == vals]
+                    if len(hit):
+                        at = s + int(hit[0])
+                        found = texts.get(int(src.arr[at]))
         if at is None:
             return
         exp: list[str] = []
