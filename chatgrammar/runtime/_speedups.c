@@ -464,7 +464,7 @@ done:
  *     input reasons.
  */
 typedef struct {
-    int64_t *P, *mend, *K, *take, *off, *meta, *bounds, *spans, *key;
+    int64_t *P, *mend, *K, *take, *off, *meta, *split, *bounds, *spans, *key;
     Py_ssize_t cap_t, cap_b, cap_s, cap_k;
 } scratch_t;
 
@@ -507,7 +507,7 @@ static inline int64_t
 slot_pos(const scratch_t *s, int64_t k)
 {
     int64_t q = k / 3, r = k % 3;
-    return r == 0 ? s->P[q] : (r == 1 ? s->mend[q] : s->P[q + 1]);
+    return r == 0 ? s->P[q] : (r == 1 ? s->mend[q] : s->split[q]);
 }
 
 typedef struct {
@@ -517,19 +517,26 @@ typedef struct {
     const int64_t *gen;  /* NULL, or [longest prompt, (prompt mask, text length) per code] */
     int has_values;
     PyObject *table, *ends;
+    /* literal-ended headers: per code its split budget (0: none), and the memo
+     * bytes(code, ids of a header prefix) -> 1 (the literal ends there), 0 (not in it yet),
+     * -1 (it ends inside the last id); lstrip: per code 1 when the marker absorbs a
+     * whitespace-only run before it, and the memo bytes(ids of the run) -> bool */
+    const int64_t *sbud, *lstrip;
+    PyObject *split_memo, *space_memo;
 } plan_t;
 
 static int
 parse_plan(PyObject *plan, plan_t *p)
 {
-    PyObject *lut, *bud, *bud1, *soft, *gen;
+    PyObject *lut, *bud, *bud1, *soft, *gen, *sbud, *lstrip;
     if (!PyTuple_Check(plan)) {
         PyErr_SetString(PyExc_TypeError, "run: plan must be a tuple");
         return -1;
     }
-    if (!PyArg_ParseTuple(plan, "LSSSpOO!O!LO:plan", &p->lo, &lut, &bud, &bud1, &p->has_values,
-                          &gen, &PyList_Type, &p->table, &PyList_Type, &p->ends, &p->unk,
-                          &soft))
+    if (!PyArg_ParseTuple(plan, "LSSSpOO!O!LOOOOO:plan", &p->lo, &lut, &bud, &bud1,
+                          &p->has_values, &gen, &PyList_Type, &p->table, &PyList_Type,
+                          &p->ends, &p->unk, &soft, &sbud, &p->split_memo, &lstrip,
+                          &p->space_memo))
         return -1;
     p->lut = (const int64_t *)PyBytes_AS_STRING(lut);
     p->span = PyBytes_GET_SIZE(lut) / 8 - 1;
@@ -556,7 +563,53 @@ parse_plan(PyObject *plan, plan_t *p)
         p->soft = (const unsigned char *)PyBytes_AS_STRING(soft);
         p->soft_n = PyBytes_GET_SIZE(soft);
     }
+    p->sbud = p->lstrip = NULL;
+    if (PyBytes_Check(sbud) && PyDict_Check(p->split_memo)) {
+        if (PyBytes_GET_SIZE(sbud) != p->nb * 8) {
+            PyErr_SetString(PyExc_ValueError, "run: bad split budget table");
+            return -1;
+        }
+        p->sbud = (const int64_t *)PyBytes_AS_STRING(sbud);
+    }
+    if (PyBytes_Check(lstrip) && PyDict_Check(p->space_memo)) {
+        if (PyBytes_GET_SIZE(lstrip) != p->nb * 8) {
+            PyErr_SetString(PyExc_ValueError, "run: bad lstrip table");
+            return -1;
+        }
+        p->lstrip = (const int64_t *)PyBytes_AS_STRING(lstrip);
+    }
     return 0;
+}
+
+/* memo[bytes([head,] ids[s:e])]: 1/0/-1 as stored (bool: 1/0), -2 when absent (Python
+ * decides and fills it), -3 on an error. */
+static int
+memo_get(PyObject *memo, PyObject **items, const int64_t *arr, int64_t s, int64_t e,
+         int has_head, int64_t head)
+{
+    int64_t buf[65];
+    Py_ssize_t n = (Py_ssize_t)(e - s) + (has_head ? 1 : 0);
+    if (e < s || n > 65)
+        return -2;
+    Py_ssize_t o = 0;
+    if (has_head)
+        buf[o++] = head;
+    for (int64_t i = s; i < e; i++)
+        if (read_id(items, arr, i, &buf[o++]) < 0)
+            return -2;
+    PyObject *key = PyBytes_FromStringAndSize((const char *)buf, n * sizeof(int64_t));
+    if (key == NULL)
+        return -3;
+    PyObject *v = PyDict_GetItemWithError(memo, key);
+    Py_DECREF(key);
+    if (v == NULL)
+        return PyErr_Occurred() ? -3 : -2;
+    if (PyBool_Check(v))
+        return v == Py_True;
+    long x = PyLong_AsLong(v);
+    if (x == -1 && PyErr_Occurred())
+        return -3;
+    return (int)x;
 }
 
 /* Pass 1: the markers (code != 0) of the sample; 1 on a reason to leave it to Python. */
@@ -565,9 +618,9 @@ find_symbols(const plan_t *p, PyObject **items, const int64_t *arr, Py_ssize_t n
              Py_ssize_t *T_out)
 {
     scratch_t *s = &S_;
-    int64_t **more[5] = {&s->mend, &s->K, &s->take, &s->off, &s->meta};
+    int64_t **more[6] = {&s->mend, &s->K, &s->take, &s->off, &s->meta, &s->split};
     Py_ssize_t T = 1;
-    if (grow(&s->P, &s->cap_t, 64, 6, more) < 0)
+    if (grow(&s->P, &s->cap_t, 64, 7, more) < 0)
         return -1;
     s->P[0] = 0; s->K[0] = 0; s->mend[0] = 0;
     uint64_t span = (uint64_t)p->span;
@@ -582,17 +635,60 @@ find_symbols(const plan_t *p, PyObject **items, const int64_t *arr, Py_ssize_t n
             int64_t code = p->lut[d];
             if (code == p->unk || code >= p->nb)
                 return 1;  /* a special id the format does not know */
-            if (T + 2 > s->cap_t && grow(&s->P, &s->cap_t, T + 2, 6, more) < 0)
+            if (T + 2 > s->cap_t && grow(&s->P, &s->cap_t, T + 2, 7, more) < 0)
                 return -1;
             s->P[T] = i; s->K[T] = code; s->mend[T] = i + 1;
             T++;
         }
     }
     s->P[T] = n;
+    if (p->lstrip != NULL) {
+        /* FastMasker._absorb_lstrip: such a marker starts at the start of a whitespace-only
+         * run (at most 16 ids) right before it; the run is gone */
+        for (Py_ssize_t t = 1; t < T; t++) {
+            int64_t s0 = s->mend[t - 1], e0 = s->P[t];
+            if (!p->lstrip[s->K[t]] || e0 - s0 <= 0 || e0 - s0 > 16)
+                continue;
+            if (p->sbud != NULL && p->sbud[s->K[t - 1]] > 0)
+                return 1;  /* after a literal-ended header: the Python engine */
+            int r = memo_get(p->space_memo, items, arr, s0, e0, 0, 0);
+            if (r == -3)
+                return -1;
+            if (r < 0)
+                return 1;  /* not decoded yet: Python decides (and memoises it) */
+            if (r)
+                s->P[t] = s0;
+        }
+    }
     s->off[0] = 0;
     for (Py_ssize_t t = 0; t < T; t++) {
         int64_t glen = s->P[t + 1] - s->mend[t], k = s->K[t];
         int64_t sym = k * 4 + (glen > 0);
+        s->split[t] = s->P[t + 1];
+        if (p->sbud != NULL && p->sbud[k] > 0 && glen > 0) {
+            /* FastMasker._split: the header ends with the first id whose prefix decodes
+             * to the literal (memoised per prefix by Python) */
+            int64_t a = s->mend[t], e = s->P[t + 1], lim = a + p->sbud[k], h = -1;
+            if (lim > e)
+                lim = e;
+            for (int64_t q = a + 1; q <= lim && h < 0; q++) {
+                int r = memo_get(p->split_memo, items, arr, a, q, 1, k);
+                if (r == -3)
+                    return -1;
+                if (r == -2 || r == -1)
+                    return 1;  /* not memoised, or a straddle: the Python engine */
+                if (r == 1)
+                    h = q;
+            }
+            if (h < 0)
+                return 1;  /* no literal within the budget: the Python engine */
+            s->split[t] = h;
+            sym = k * 4 + (h < e ? 3 : 2);  /* HEAD_RUN or HEAD */
+            s->meta[t] = sym * 65536 + (h - a);
+            s->take[t] = h - a;
+            s->off[t + 1] = s->off[t] + (h - a);
+            continue;
+        }
         if (p->has_values) {
             int64_t take = glen < p->bud[k] ? glen : p->bud[k];
             int64_t vlen = glen < p->bud1[k] ? glen : p->bud1[k];

@@ -352,13 +352,22 @@ class FastMasker:
                               and not any("\ufffd" in g for g in self.drv.gen_prompts))
         self.items: dict = {}
         self.split_memo: dict = {}
+        # the same results keyed as the C executor looks them up: bytes(code, prefix ids)
+        self.split_c: dict = {}
         self.soft_lut = None
         if lx.soft_regex is not None:
             self.soft_lut = _soft_lut(lx)
             if self.soft_lut is None:
                 self.enabled = False
                 self.disabled = "soft markers this tokenizer's pieces cannot be searched for"
-        self.stats = {"fast": 0, "slow": 0, "harvest": 0, "c": 0}
+        # Opener codes whose header, cut by the end of input, the parse reads only through
+        # Driver.cut_header_reading: an item cut there is also memoised under that reading
+        # (_alias), so a cut at another id of the same header needs no parse.
+        self.cut_codes = frozenset(
+            i for i, t in enumerate(lx.terms, start=1)
+            if t in self.drv.cut_header_openers and gclass[i] == DECODE) \
+            if self.has_values and not self.has_split else frozenset()
+        self.stats = {"fast": 0, "slow": 0, "harvest": 0, "c": 0, "alias": 0}
         self.reasons: dict[str, int] = {}   # slow samples by why
         self._why = None
         # What the C executor reads: item key -> packed spans, one dict per policy (filled by
@@ -369,17 +378,30 @@ class FastMasker:
 
     def _c_plan(self):
         """The lexing plan and automaton as the C executor takes them (``_speedups.run``):
-        the same tables :meth:`_lex` / :meth:`_walk` use. None where the accelerator is not
-        built or the plan has rules only the numpy executor runs (literal-ended headers,
-        ``lstrip``)."""
-        if (_speedups is None or not hasattr(_speedups, "run") or not self.enabled
-                or self.has_split or self.lstrip_code is not None):
+        the same tables :meth:`_lex` / :meth:`_walk` use, with the memos of the two rules
+        that decode (literal-ended headers: :meth:`_split`'s, ``lstrip``:
+        :meth:`_absorb_lstrip`'s), which the C executor reads and the Python engine fills.
+        None where the accelerator is not built."""
+        if _speedups is None or not hasattr(_speedups, "run") or not self.enabled:
             return None
         soft = None if self.soft_lut is None else self.soft_lut.astype(np.uint8).tobytes()
+        nb = len(self.budget)
+        sbud = None
+        if self.has_split:
+            sbud = np.zeros(nb, dtype=np.int64)
+            for code in self.split_delim:
+                sbud[code] = max(1, self.split_budget[code])
+            sbud = sbud.tobytes()
+        lstrip = None
+        if self.lstrip_code is not None:
+            lstrip = np.zeros(nb, dtype=np.int64)
+            lstrip[:len(self.lstrip_code)] = self.lstrip_code
+            lstrip = lstrip.tobytes()
         return (self.lo, self.lutr.astype(np.int64).tobytes(),
                 self.budget.astype(np.int64).tobytes(), self.budget1.astype(np.int64).tobytes(),
                 self.has_values, self._gen_table(), self.auto.table,
-                self.auto.end_flags, self.unk_code, soft)
+                self.auto.end_flags, self.unk_code, soft, sbud, self.split_c, lstrip,
+                self.space_memo)
 
     def _gen_table(self) -> bytes | None:
         """Per marker code, the generation prompts its text occurs in (a bit mask) and its
@@ -487,13 +509,54 @@ class FastMasker:
             return None
         return torch.from_numpy(m)
 
+    def _alias(self, key: bytes) -> bytes | None:
+        """The key of an item cut inside the header of its last marker (an opener of
+        ``cut_codes``) with that header's ids replaced by what the parse reads of them
+        (:meth:`Driver.cut_header_reading` of the text the lexer gives it); None for any
+        other item."""
+        if not self.cut_codes or len(key) < 32:
+            return None
+        a_off, nslots, tail = _KEY_HEAD.unpack_from(key)
+        if tail < 0:
+            return None
+        nsym = (a_off + nslots - 1) // 3 + 1
+        mend = 24 + 8 * nsym
+        last = int.from_bytes(key[mend - 8:mend], sys.byteorder, signed=True)
+        sym, vlen = last >> 16, last & 0xFFFF
+        code = sym >> 2
+        if code not in self.cut_codes or (sym & 3) not in (NONE, RUN):
+            return None
+        m = int(self.budget[code])
+        take = min(vlen, m)
+        vals = np.frombuffer(key, dtype=np.int64, count=take, offset=len(key) - 8 * take)
+        text = self.adapter.decode(vals.tolist()) if take else ""
+        if vlen > m:  # over-long: the lexer reads its budget and marks the cut
+            text += "\u2026"
+        reading = self.drv.cut_header_reading(text)
+        return b"".join((b"cut-header\0", key[:mend - 8], (sym << 16).to_bytes(8, sys.byteorder,
+                         signed=True), key[mend:len(key) - 8 * take],
+                         repr(reading).encode()))
+
+    def _resolve(self, key: bytes):
+        """The memoised item of ``key`` through its :meth:`_alias` (registered under ``key``
+        too), or None."""
+        alias = self._alias(key)
+        if alias is None:
+            return None
+        it = self.items.get(alias)
+        if it is None or it.plan or it.unstable:
+            return None
+        self.items[key] = it
+        self.stats["alias"] += 1
+        return it
+
     def _c_fill(self, keys: list, hit: tuple) -> bool:
         """The C records of memoised items the C memo lacks (they were learned, but not
         used under this policy yet). False when one is not memoised (a new item shape)."""
         policy, cm, _, base = hit
         pid = self._pid(base)
         for key, _w0, _w1 in keys:
-            it = self.items.get(key)
+            it = self.items.get(key) or self._resolve(key)
             if it is None or it.plan or it.unstable:
                 return False
             prog = it.progs.get(())
@@ -514,7 +577,7 @@ class FastMasker:
         n = len(ids)
         items = self.items
         for key, w0, w1 in keys:
-            if key in items:
+            if key in items or self._resolve(key) is not None:
                 continue
             if n < _WINDOW_MIN or w1 - w0 >= n:
                 return None  # the window is the sample: the full pipeline parses it
@@ -876,7 +939,8 @@ class FastMasker:
             key = arr[s0:e0].tobytes()
             sp = memo.get(key)
             if sp is None:
-                sp = self.adapter.decode(arr[s0:e0].tolist()).isspace()
+                # the lexer's rule (lexers.IdLexer.lex): whitespace, or nothing at all
+                sp = not self.adapter.decode(arr[s0:e0].tolist()).strip()
                 if len(memo) > 100_000:
                     memo.clear()
                 memo[key] = sp
@@ -898,7 +962,9 @@ class FastMasker:
                 r = 0 if j < 0 else (-1 if j + len(d) < len(txt) else 1)  # -1: straddle
                 if len(memo) > 100_000:
                     memo.clear()
+                    self.split_c.clear()
                 memo[key] = r
+                self.split_c[struct.pack("=q", code) + key[1]] = r
             if r == 1:
                 return k
             if r == -1:
@@ -983,6 +1049,8 @@ class FastMasker:
                 continue
             key = _item_key(meta, vals, off, a, b, tail if b == end else None)
             it = items.get(key)
+            if it is None and b == end and tail is not None:
+                it = self._resolve(key)
             prog = None
             if it is not None and not it.plan and not it.unstable:
                 prog = it.progs.get(())
@@ -1135,6 +1203,9 @@ class FastMasker:
             if len(self.items) > _MAX_ITEMS:
                 self.forget()
             it = self.items[key] = _Item(plan)
+            alias = self._alias(key) if tail is not None and not plan else None
+            if alias is not None:
+                self.items.setdefault(alias, it)
         elif it.plan != plan:
             it.unstable = True  # reads differ between samples: this key stays slow
             self._forget_key(key)

@@ -251,11 +251,57 @@ class Driver:
         # (whether that is a cut, an error or the turn's normal end is decided with its role)
         # state stack at end of input -> the synthetic terminators that close it (_finish)
         self._closings: dict[tuple, tuple] = {}
+        self.cut_header_openers = self._cut_header_openers(spec)
         self.implicit_closes = tuple(dict.fromkeys(
             term_name(c) for n in spec.top
             if spec.elements[n].close is not None
             and (not spec.elements[n].close.required or spec.elements[n].close.roles)
             for c in spec.elements[n].close.markers))
+
+    def _cut_header_openers(self, spec: FormatSpec) -> frozenset:
+        """Opener markers whose header, cut by the end of input, the parse reads only through
+        :meth:`cut_header_reading`: every element they open has an ``until`` header with
+        ``attributes: xtml`` and nothing else (no pattern, no header markers, no
+        ``trained_after``, no ``lead``), and the marker has no other use in the spec."""
+        if self.openerless_headers:
+            return frozenset()
+        from ..core.spec import Header
+        hdef = {k: f.get_default(call_default_factory=True)
+                for k, f in Header.model_fields.items()}
+        used: dict[str, int] = {}
+        ok: dict[str, bool] = {}
+
+        def use(names) -> None:
+            for m in names or ():
+                used[m] = used.get(m, 0) + 1
+        for el in spec.elements.values():
+            use(el.inner_markers)
+            for h in (el.header, el.close.header if el.close else None):
+                if h is not None:
+                    use(h.markers)
+                    use([h.until] if h.until else [])
+            if el.close is not None:
+                use(el.close.markers)
+                use(el.close.after)
+                use(el.close.follow_after)
+            h = el.header
+            plain = (h is not None and h.until is not None and h.attributes == "xtml"
+                     and el.lead is None
+                     and all(getattr(h, k) == v for k, v in hdef.items()
+                             if k not in ("until", "attributes", "max_tokens")))
+            for m in el.open:
+                ok[m] = ok.get(m, True) and plain
+        use([p for p in spec.preamble if p in spec.markers])
+        use(spec.between_markers)
+        return frozenset(term_name(m) for m, good in ok.items() if good and not used.get(m))
+
+    @staticmethod
+    def cut_header_reading(text: str):
+        """All that a parse takes from the text of a header in :attr:`cut_header_openers`
+        cut by the end of input: its XTML reading ``(tag, attrs)``, or None. (The block's
+        tag, attributes, validity, role and kind follow from it; nothing of the element
+        trains but by its kind.) ``_read_header`` reads every XTML header with it."""
+        return parse_xtml_head(text) if text else None
 
     def alias(self, role: str) -> str:
         """The canonical role: an exact ``role_aliases`` key, else (for a role that is not
@@ -844,7 +890,7 @@ class _Ctx:
         text = b.header or ""
         m = None
         if h.attributes == "xtml":
-            parsed = parse_xtml_head(text) if text else None
+            parsed = self.drv.cut_header_reading(text)
             if parsed is None:
                 if must_be_whole:
                     self.problem(b.header_start, f"malformed XTML header {text[:60]!r}", b)
