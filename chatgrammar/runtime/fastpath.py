@@ -363,10 +363,10 @@ class FastMasker:
         # Opener codes whose header, cut by the end of input, the parse reads only through
         # Driver.cut_header_reading: an item cut there is also memoised under that reading
         # (_alias), so a cut at another id of the same header needs no parse.
-        self.cut_codes = frozenset(
-            i for i, t in enumerate(lx.terms, start=1)
-            if t in self.drv.cut_header_openers and gclass[i] == DECODE) \
-            if self.has_values and not self.has_split else frozenset()
+        self.cut_codes = {
+            i: t for i, t in enumerate(lx.terms, start=1)
+            if t in self.drv.cut_header_terms and gclass[i] == DECODE} \
+            if self.has_values and not self.has_split else {}
         self.stats = {"fast": 0, "slow": 0, "harvest": 0, "c": 0, "alias": 0}
         self.reasons: dict[str, int] = {}   # slow samples by why
         self._why = None
@@ -510,10 +510,10 @@ class FastMasker:
         return torch.from_numpy(m)
 
     def _alias(self, key: bytes) -> bytes | None:
-        """The key of an item cut inside the header of its last marker (an opener of
-        ``cut_codes``) with that header's ids replaced by what the parse reads of them
-        (:meth:`Driver.cut_header_reading` of the text the lexer gives it); None for any
-        other item."""
+        """The key of an item cut inside the header of its last marker (one of
+        ``cut_codes``: an opener, or a close marker with a close header) with that header's
+        ids replaced by what the parse reads of them (:meth:`Driver.cut_reading` of the text
+        the lexer gives it); None for any other item."""
         if not self.cut_codes or len(key) < 32:
             return None
         a_off, nslots, tail = _KEY_HEAD.unpack_from(key)
@@ -532,7 +532,7 @@ class FastMasker:
         text = self.adapter.decode(vals.tolist()) if take else ""
         if vlen > m:  # over-long: the lexer reads its budget and marks the cut
             text += "\u2026"
-        reading = self.drv.cut_header_reading(text)
+        reading = self.drv.cut_reading(self.cut_codes[code], text)
         return b"".join((b"cut-header\0", key[:mend - 8], (sym << 16).to_bytes(8, sys.byteorder,
                          signed=True), key[mend:len(key) - 8 * take],
                          repr(reading).encode()))

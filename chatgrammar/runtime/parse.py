@@ -251,49 +251,64 @@ class Driver:
         # (whether that is a cut, an error or the turn's normal end is decided with its role)
         # state stack at end of input -> the synthetic terminators that close it (_finish)
         self._closings: dict[tuple, tuple] = {}
-        self.cut_header_openers = self._cut_header_openers(spec)
+        self.cut_header_terms = self._cut_header_terms(spec)
+        self.cut_header_openers = frozenset(t for t, how in self.cut_header_terms.items()
+                                            if how == "open")
         self.implicit_closes = tuple(dict.fromkeys(
             term_name(c) for n in spec.top
             if spec.elements[n].close is not None
             and (not spec.elements[n].close.required or spec.elements[n].close.roles)
             for c in spec.elements[n].close.markers))
 
-    def _cut_header_openers(self, spec: FormatSpec) -> frozenset:
-        """Opener markers whose header, cut by the end of input, the parse reads only through
-        :meth:`cut_header_reading`: every element they open has an ``until`` header with
-        ``attributes: xtml`` and nothing else (no pattern, no header markers, no
-        ``trained_after``, no ``lead``), and the marker has no other use in the spec."""
+    def _cut_header_terms(self, spec: FormatSpec) -> dict[str, str]:
+        """Markers whose header, cut by the end of input, the parse reads only through
+        :meth:`cut_reading`: ``"open"`` for an opener whose every element has an ``until``
+        header with ``attributes: xtml`` and nothing else (no pattern, no header markers, no
+        ``trained_after``, no ``lead``); ``"close"`` for a close marker whose every element
+        has a close header (a cut close header is never read: ``_close`` checks the close tag
+        of complete terminators only). Such a marker has no other use in the spec."""
         if self.openerless_headers:
-            return frozenset()
+            return {}
         from ..core.spec import Header
         hdef = {k: f.get_default(call_default_factory=True)
                 for k, f in Header.model_fields.items()}
         used: dict[str, int] = {}
-        ok: dict[str, bool] = {}
+        how: dict[str, str | None] = {}
 
         def use(names) -> None:
             for m in names or ():
                 used[m] = used.get(m, 0) + 1
+
+        def want(m: str, kind: str | None) -> None:
+            how[m] = kind if how.get(m, kind) == kind else None
         for el in spec.elements.values():
             use(el.inner_markers)
             for h in (el.header, el.close.header if el.close else None):
                 if h is not None:
                     use(h.markers)
                     use([h.until] if h.until else [])
-            if el.close is not None:
-                use(el.close.markers)
-                use(el.close.after)
-                use(el.close.follow_after)
             h = el.header
             plain = (h is not None and h.until is not None and h.attributes == "xtml"
                      and el.lead is None
                      and all(getattr(h, k) == v for k, v in hdef.items()
                              if k not in ("until", "attributes", "max_tokens")))
             for m in el.open:
-                ok[m] = ok.get(m, True) and plain
+                want(m, "open" if plain else None)
+            if el.close is not None:
+                use(el.close.after)
+                use(el.close.follow_after)
+                ch = el.close.header
+                for m in el.close.markers:
+                    want(m, "close" if ch is not None and ch.until is not None else None)
         use([p for p in spec.preamble if p in spec.markers])
         use(spec.between_markers)
-        return frozenset(term_name(m) for m, good in ok.items() if good and not used.get(m))
+        return {term_name(m): k for m, k in how.items() if k is not None and not used.get(m)}
+
+    def cut_reading(self, term: str, text: str):
+        """All that a parse takes from the text of the header after ``term`` (one of
+        :attr:`cut_header_terms`) cut by the end of input: an opener's
+        :meth:`cut_header_reading`; nothing (None) for a close header."""
+        return self.cut_header_reading(text) if self.cut_header_terms[term] == "open" else None
 
     @staticmethod
     def cut_header_reading(text: str):
