@@ -36,8 +36,12 @@ _learn_window`). The result is always exactly ``parse_ids(...).mask_array(policy
    (:meth:`FastMasker._c_plan`: marker table, run shapes, header budgets, soft-marker
    pieces, generation prompts' markers), the same automaton table (``_Automaton.table``) and
    the same item memo (keys are the bytes :func:`_item_key` builds; per policy a packed
-   record of the item's spans, :func:`_c_record`). It applies only what the Python engine
-   memoised and hands back anything else (:meth:`FastMasker.run_c`).
+   record of the item's spans, :func:`_c_record`). The two lexing rules that decode (a
+   literal-ended header's end, :meth:`FastMasker._split`; an ``lstrip`` marker's whitespace,
+   :meth:`FastMasker._absorb_lstrip`) it reads from those rules' memos. It applies only what
+   the Python engine memoised and hands back anything else (:meth:`FastMasker.run_c`).
+   An item cut inside a header whose cut text the parse reads only through
+   :meth:`Driver.cut_reading` is memoised under that reading too (:meth:`FastMasker._alias`).
 
 :class:`TextMemo` does the same for :meth:`Format.parse` (text mode): an item seen before is
 rebuilt from a template — fresh Turn and Block objects carrying this text's positions — so the

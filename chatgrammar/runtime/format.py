@@ -190,7 +190,8 @@ class Format:
         engine), ``c`` (of those, the ones the C executor computed), ``slow`` (the full
         pipeline, which also teaches the memo), ``harvest`` (full parses whose items were
         memoised), ``window`` (windows of a long sample parsed to learn a new item shape
-        there instead of the whole sample), ``verified`` (fast answers checked in verify mode,
+        there instead of the whole sample), ``alias`` (items cut inside a header served
+        through what the parse reads of that header), ``verified`` (fast answers checked in verify mode,
         ``CHATGRAMMAR_VERIFY=1``) and ``reasons`` (slow samples by why: a new item shape, a
         syntax error, ...). ``text`` counts :meth:`parse` calls the same way.
 
@@ -201,8 +202,8 @@ class Format:
             >>> fmt.stats()["ids"]["reasons"]  # doctest: +SKIP
             {'new item shape': 5}
         """
-        ids = {"fast": 0, "c": 0, "slow": 0, "harvest": 0, "window": 0, "verified": 0,
-               "reasons": {}}
+        ids = {"fast": 0, "c": 0, "slow": 0, "harvest": 0, "window": 0, "alias": 0,
+               "verified": 0, "reasons": {}}
         for st in list(self._states.values()):
             fm = st._masker
             if fm is None:
