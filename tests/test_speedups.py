@@ -396,8 +396,8 @@ def test_the_c_executor_hands_back_what_it_does_not_memoise():
     # an empty memo: the keys of the items it lacks
     missing = S.run(fm.plan, x, {}, False, None)
     assert type(missing) is tuple and missing
-    assert all(type(k) is bytes and 0 <= w0 < w1 <= len(x) for k, w0, w1 in missing)
-    assert all(k in fm.items for k, _, _ in missing)
+    assert all(type(k) is bytes and 0 <= w0 <= a < w1 <= len(x) for k, w0, w1, a in missing)
+    assert all(k in fm.items for k, _, _, _ in missing)
     # a syntax error (an end marker first): never an answer
     assert S.run(fm.plan, [163586, *x], hit[1], hit[2], None) is None
     with pytest.raises(cg.ParseError):

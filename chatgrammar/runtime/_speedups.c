@@ -454,9 +454,9 @@ done:
  *     (bytes, fastpath._item_key) to its packed trained spans under the caller's policy;
  *     `ids` is an exact list of ints (a list mask is returned) or a C-contiguous int64 buffer
  *     (`out`, a writable int64 buffer of the same length, gets the 1s: pass zeros). A tuple of
- *     (key, w0, w1): the items `memo` lacks, each with the window of ids around it, from the
- *     item before to the item after (the caller may fill them from its memo, or learn them
- *     from that window, and call again). A pair (int, mask): the last turn, from that
+ *     (key, w0, w1, start): the items `memo` lacks, each with the window of ids around it,
+ *     from the item before to the item after, and where the item starts (the caller may
+ *     fill them from its memo, or learn them from that window, and call again). A pair (int, mask): the last turn, from that
  *     position to the end, may be a generation prompt, and mask (the list, or True) is the
  *     answer when it is not; the caller checks with the driver's rule (gen_ok=True skips
  *     the question). None: the sample needs the Python engine (anything not memoised yet,
@@ -799,8 +799,9 @@ item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr
             while (q2 < nb && s->bounds[q2] <= b)
                 q2++;
             PyObject *entry = PyErr_Occurred() ? NULL : Py_BuildValue(
-                "(OLL)", key, (long long)slot_pos(s, prev),
-                (long long)(q2 < nb ? slot_pos(s, s->bounds[q2]) : n));
+                "(OLLL)", key, (long long)slot_pos(s, prev),
+                (long long)(q2 < nb ? slot_pos(s, s->bounds[q2]) : n),
+                (long long)slot_pos(s, a));
             Py_DECREF(key);
             if (entry == NULL || (*missing == NULL && (*missing = PyList_New(0)) == NULL)
                 || PyList_Append(*missing, entry) < 0) {

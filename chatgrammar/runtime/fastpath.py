@@ -356,6 +356,7 @@ class FastMasker:
                               and not any("\ufffd" in g for g in self.drv.gen_prompts))
         self.items: dict = {}
         self.split_memo: dict = {}
+        self._canon: np.ndarray | None = None  # see _learn
         # the same results keyed as the C executor looks them up: bytes(code, prefix ids)
         self.split_c: dict = {}
         self.soft_lut = None
@@ -559,7 +560,7 @@ class FastMasker:
         used under this policy yet). False when one is not memoised (a new item shape)."""
         policy, cm, _, base = hit
         pid = self._pid(base)
-        for key, _w0, _w1 in keys:
+        for key, _w0, _w1, _a in keys:
             it = self.items.get(key) or self._resolve(key)
             if it is None or it.plan or it.unstable:
                 return False
@@ -580,18 +581,33 @@ class FastMasker:
         the full pipeline must parse the sample itself (:meth:`_c_whole`)."""
         n = len(ids)
         items = self.items
-        for key, w0, w1 in keys:
+        for key, w0, w1, a in keys:
             if key in items or self._resolve(key) is not None:
                 continue
+            canon = self._canon
+            if canon is not None and w1 == n and a > w0 and key[16:24] != b"\xff" * 8:
+                # An item cut by the end of input: its key holds everything its parse
+                # depends on, so any short whole first item can stand before it (a window
+                # that does not teach the key falls back to the real one below).
+                self._learn_from(np.concatenate([canon, np.asarray(ids[a:w1],
+                                                                   dtype=np.int64)]))
+                if key in items:
+                    continue
             if n < _WINDOW_MIN or w1 - w0 >= n:
                 return None  # the window is the sample: the full pipeline parses it
-            self.stats["window"] = self.stats.get("window", 0) + 1
-            try:
-                self._harvest(np.asarray(ids[w0:w1], dtype=np.int64), self.fmt.default_policy,
-                              False, mask=False)
-            except ParseError:
+            if not self._learn_from(np.asarray(ids[w0:w1], dtype=np.int64)):
                 return False
         return self._c_fill(keys, hit)
+
+    def _learn_from(self, window: np.ndarray) -> bool:
+        """Teach the memo the items of ``window`` (a full parse, lenient); False when it
+        does not parse."""
+        self.stats["window"] = self.stats.get("window", 0) + 1
+        try:
+            self._harvest(window, self.fmt.default_policy, False, mask=False)
+        except ParseError:
+            return False
+        return True
 
     def _c_whole(self, ids, policy: MaskPolicy, strict: bool):
         """A sample with a new item shape that no window can teach: the full pipeline (the
@@ -1193,6 +1209,11 @@ class FastMasker:
             raise _NoCache
         bounds, tail = walked
         self.stats["harvest"] += 1
+        if bounds and bounds[0] > 0 and (len(bounds) > 1 or tail is None):
+            # a short whole first item: what stands before a cut item in _c_learn's windows
+            e0 = B[bounds[0]]
+            if e0 <= 64 and (self._canon is None or e0 < len(self._canon)):
+                self._canon = np.array(arr[:e0], dtype=np.int64)
         segs, per_seg, reads_seg = _segments(bounds, B, turns, reads)
         for (a, b), sturns, sreads in zip(segs, per_seg, reads_seg):
             self._learn_item(arr, lexed, a, b, tail if b == bounds[-1] else None, sturns,
