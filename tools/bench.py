@@ -791,7 +791,23 @@ def targets(results: dict) -> list[tuple[str, str, bool]]:
     return out
 
 
-BEFORE = """The engine before issue 12 (commit 770d1c6, where truncation and `last_turn_only`
+BEFORE = """At commit 13390b7 (this session's start), measured by this same bench right after the
+table above, on the same machine (load average 4.26 4.62 6.76 / 3.56 4.31 6.42; the machine was shared and loaded all
+session, which lowers every ratio against the earlier tables below):
+
+| input class | kimi-k2 | kimi-k3 |
+|---|---|---|
+| whole samples | 3.99× | 5.47× |
+| truncated by `max_length=2048` (most cut mid-turn) | 2.95× | 2.72× |
+| `last_turn_only` policy | 5.06× | 6.70× |
+| lenient mode (`strict=False`) | 4.32× | 5.96× |
+| packed, 8 samples per sequence | 4.04× | 5.54× |
+| one ~1M-token sequence cut mid-turn | 3.30× | 4.78× |
+| whole samples, numpy in (numpy out) | 7.23× | 10.06× |
+| whole samples without the C accelerator | 0.80× | 1.07× |
+| text mode against the regex | 0.89× | 0.52× |
+
+The engine before issue 12 (commit 770d1c6, where truncation and `last_turn_only`
 took the full pipeline), measured by this same bench on the same machine in the same hour
 (load average ~8; the issue's own table was measured with the old bench on another run):
 
@@ -846,8 +862,10 @@ NOTES = """- **One engine.** Every class above runs the same memoised core
   keeps, per parser configuration, the synthetic terminators that close a cut input, so that
   search is paid once). Where the format's headers are plain XTML (kimi-k3), an item cut inside
   a header is also memoised under what the parse reads of that header
-  (`Driver.cut_header_reading`: its tag and attributes, or nothing), so a cut at another id of
-  the same kind of header costs no parse (`fmt.stats()["ids"]["alias"]`). On fresh data the
+  (`Driver.cut_reading`: an opener's tag and attributes, or nothing; nothing of a close header),
+  so a cut at another id of the same kind of header costs no parse
+  (`fmt.stats()["ids"]["alias"]`). Most new cut shapes on this workload differ in what comes
+  before the cut, though, so this saves few parses. On fresh data the
   window parses are most of what the truncated class pays beyond the whole-sample rate; the
   rate of new cut shapes falls as the memo fills.
 - **List input.** A Python list of ints must be read one object at a time: the executor does
