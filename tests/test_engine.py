@@ -1220,6 +1220,30 @@ def test_truncation_at_every_prefix(fmts, name, mode):
             assert last.end <= k
 
 
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_closing_a_cut_input_is_the_same_from_the_driver_memo(fmts, name):
+    """The driver keeps, per state stack, the synthetic terminators that closed a cut input
+    (Driver._closings): every prefix parses to the same conversation with the memo filled
+    as with it empty."""
+    fmt, text = fmts[name], SAMPLES[name]
+
+    def shape(conv):
+        return ([(t.role, t.start, t.end, t.complete, t.valid, t.block.body_start,
+                  t.block.body_end, t.block.close_start, t.block.close_end)
+                 for t in conv.turns], conv.spans(), [w.message for w in conv.warnings])
+    hits = 0
+    for k in range(len(text) + 1):
+        fmt._driver._closings.clear()
+        fmt._text_memo = None  # (the text memo would answer a parse seen before itself)
+        first = shape(fmt.parse(text[:k], strict=False))
+        filled = len(fmt._driver._closings)
+        fmt._text_memo = None
+        again = shape(fmt.parse(text[:k], strict=False))  # closed from the memo
+        hits += filled > 0
+        assert again == first, k
+    assert hits
+
+
 @pytest.mark.parametrize("name, text, marker", [
     ("chatml", "<|im_start|>assistant\nyo<|im_e", "<|im_e"),
     ("chatml", "<|im_start|>assistant\nyo<thi", "<thi"),

@@ -396,8 +396,8 @@ def test_the_c_executor_hands_back_what_it_does_not_memoise():
     # an empty memo: the keys of the items it lacks
     missing = S.run(fm.plan, x, {}, False, None)
     assert type(missing) is tuple and missing
-    assert all(type(k) is bytes and 0 <= w0 < w1 <= len(x) for k, w0, w1 in missing)
-    assert all(k in fm.items for k, _, _ in missing)
+    assert all(type(k) is bytes and 0 <= w0 <= a < w1 <= len(x) for k, w0, w1, a in missing)
+    assert all(k in fm.items for k, _, _, _ in missing)
     # a syntax error (an end marker first): never an answer
     assert S.run(fm.plan, [163586, *x], hit[1], hit[2], None) is None
     with pytest.raises(cg.ParseError):
@@ -408,3 +408,104 @@ def test_the_c_executor_hands_back_what_it_does_not_memoise():
     with pytest.raises(ValueError):
         S.run(fm.plan, np.asarray(x, dtype=np.int64), hit[1], False, None)
     assert fmt.loss_mask([], enc) == [] and fmt.loss_mask([], enc) == []
+
+
+@needs_c
+@pytest.mark.parametrize("name", ["chatml", "llama2", "mistral", "deepseek-v3", "gemma",
+                                  "internlm2"])
+def test_the_c_executor_runs_literal_ended_headers_and_lstrip(name):
+    """Formats whose lexing plan has literal-ended headers (`until_text`) or `lstrip` markers
+    run on the C executor too (it reads the memos of those two rules, which the Python
+    engine fills), and give the reference mask, cut samples included."""
+    fmt = cg.load_format(name)
+    samples = _samples(fmt)
+    assert samples
+    for enc, _ in samples[:1]:
+        fm = fmt._fast_masker(enc)
+        assert fm.plan is not None
+        assert fm.has_split or fm.lstrip_code is not None
+    inputs = [(enc, ids[:k]) for enc, ids in samples for k in {len(ids), len(ids) // 2,
+                                                               len(ids) - 1} if k > 0]
+    c0 = sum(fmt._fast_masker(enc).stats["c"] for enc, _ in samples[:1])
+    for _ in range(2):  # the second round is served by the C executor's memo
+        for enc, ids in inputs:
+            try:
+                want = fmt.parse_ids(ids, enc, strict=False).mask()
+            except cg.ParseError:
+                continue
+            assert fmt.loss_mask(ids, enc, strict=False) == want, name
+            arr = np.asarray(ids, dtype=np.int64)
+            assert fmt.loss_mask(arr, enc, strict=False).tolist() == want, name
+    assert sum(fmt._fast_masker(enc).stats["c"] for enc, _ in samples[:1]) > c0, name
+
+
+@needs_c
+def test_cpu_torch_tensors_take_the_c_executor():
+    torch = pytest.importorskip("torch")
+    bench = _bench()
+    enc = bench.kimi_encoding("kimi-k2")
+    fmt = cg.load_format("kimi-k2")
+    _texts, ids = bench.workload("kimi-k2", 4, seed=21)
+    fm = fmt._fast_masker(enc)
+    for x in ids:
+        fmt.loss_mask(x, enc)
+    before = fm.stats["c"]
+    for x in ids:
+        for t in (torch.tensor(x), torch.tensor(x, dtype=torch.int32)):
+            got = fmt.loss_mask(t, enc)
+            assert isinstance(got, torch.Tensor) and got.dtype == torch.long
+            assert got.tolist() == fmt.parse_ids(x, enc).mask()
+    assert fm.stats["c"] - before == 2 * len(ids)
+    # a strided (non-contiguous) tensor is read through a copy: same answer
+    t = torch.stack([torch.tensor(ids[0]), torch.tensor(ids[0])], dim=1)[:, 0]
+    assert not t.is_contiguous()
+    assert fmt.loss_mask(t, enc).tolist() == fmt.parse_ids(ids[0], enc).mask()
+
+
+def test_cut_headers_share_an_item_by_what_the_parse_reads():
+    """A sample cut inside an XTML header (kimi-k3) is memoised under what the parse reads
+    of that header (Driver.cut_header_reading): a cut at another id of the same kind of
+    header is served without a parse, and every answer is the reference's."""
+    bench = _bench()
+    enc = bench.kimi_encoding("kimi-k3")
+    fmt = cg.load_format("kimi-k3")
+    assert fmt._driver.cut_header_terms == {"M_OPEN": "open", "M_CLOSE": "close"}
+    assert fmt._driver.cut_header_openers == {"M_OPEN"}
+    _texts, ids = bench.workload("kimi-k3", 8, seed=22)
+    policies = [None, cg.MaskPolicy(thinking=False), cg.MaskPolicy(truncated=False),
+                cg.MaskPolicy(last_turn_only=True)]
+    for x in ids:
+        for k in range(1, min(len(x), 700)):
+            for pol in policies:
+                assert fmt.loss_mask(x[:k], enc, policy=pol) == \
+                    fmt.parse_ids(x[:k], enc).mask(pol), (k, pol)
+    assert fmt.stats()["ids"]["alias"] > 0
+    # formats whose headers are read otherwise never share cut items this way
+    for name in ("kimi-k2", "chatml", "llama3", "harmony"):
+        assert cg.load_format(name)._driver.cut_header_terms == {}
+
+
+@needs_c
+@pytest.mark.parametrize("name", ["kimi-k3", "chatml", "llama2"])
+def test_verify_mode_checks_the_new_c_paths(name, monkeypatch):
+    """CHATGRAMMAR_VERIFY=1 checks every answer of the C executor against the full pipeline:
+    cut samples (kimi-k3's cut headers served through their reading), literal-ended headers
+    and lstrip markers (chatml, llama2) included."""
+    monkeypatch.setenv("CHATGRAMMAR_VERIFY", "1")
+    if name == "kimi-k3":
+        bench = _bench()
+        enc = bench.kimi_encoding(name)
+        _texts, ids = bench.workload(name, 4, seed=23)
+        samples = [(enc, x) for x in ids]
+    else:
+        samples = _samples(cg.load_format(name))
+    fmt = cg.load_format(name)
+    for _ in range(2):
+        for enc, x in samples:
+            for k in range(1, len(x) + 1, max(1, len(x) // 60)):
+                try:
+                    fmt.loss_mask(x[:k], enc, strict=False)  # raises VerifyError on a difference
+                except cg.ParseError:  # pragma: no cover - lenient mode never raises
+                    raise
+    st = fmt.stats()["ids"]
+    assert st["verified"] > 0 and st["c"] > 0

@@ -829,7 +829,23 @@ def targets(results: dict) -> list[tuple[str, str, bool]]:
     return out
 
 
-BEFORE = """The engine before issue 12 (commit 770d1c6, where truncation and `last_turn_only`
+BEFORE = """At commit 13390b7 (this session's start), measured by this same bench right after the
+table above, on the same machine (load average 4.26 4.62 6.76 / 3.56 4.31 6.42; the machine was shared and loaded all
+session, which lowers every ratio against the earlier tables below):
+
+| input class | kimi-k2 | kimi-k3 |
+|---|---|---|
+| whole samples | 3.99× | 5.47× |
+| truncated by `max_length=2048` (most cut mid-turn) | 2.95× | 2.72× |
+| `last_turn_only` policy | 5.06× | 6.70× |
+| lenient mode (`strict=False`) | 4.32× | 5.96× |
+| packed, 8 samples per sequence | 4.04× | 5.54× |
+| one ~1M-token sequence cut mid-turn | 3.30× | 4.78× |
+| whole samples, numpy in (numpy out) | 7.23× | 10.06× |
+| whole samples without the C accelerator | 0.80× | 1.07× |
+| text mode against the regex | 0.89× | 0.52× |
+
+The engine before issue 12 (commit 770d1c6, where truncation and `last_turn_only`
 took the full pipeline), measured by this same bench on the same machine in the same hour
 (load average ~8; the issue's own table was measured with the old bench on another run):
 
@@ -863,26 +879,38 @@ list, found the markers and built the output), measured by this bench in the pre
 
 NOTES = """- **One engine.** Every class above runs the same memoised core
   (`chatgrammar/runtime/fastpath.py`): one lexing plan (marker id → code, run shapes, header budgets,
-  soft-marker pieces, the generation prompts' markers), a memoised LALR automaton (the driver's
-  own tables, implicit closes included) and an item memo (each top-level item's turns, computed
-  once by the full pipeline, keyed by bytes). The C executor (`_speedups.run`) takes a sample
-  end to end — it reads the Python list (or int64 array) directly, finds the markers with the
-  plan's table, walks the automaton's table, looks each item key up and writes the mask (a list
-  of the shared 0/1 ints, or into a zeroed int64 array) — with no per-item Python. Whatever it
-  has not memoised it hands back: the item keys its memo lacks (filled from the Python memo, or
-  learned by a full parse of the window around the item, then one retry), a last turn that may
-  be a generation prompt (one decode, then a retry), an id it does not read itself, a syntax
-  error (the Python engine, which raises or recovers). Without the extension the numpy/Python
-  executor of the same plan and memo runs (the "without the C accelerator" row).
+  literal-ended headers, `lstrip` markers, soft-marker pieces, the generation prompts' markers),
+  a memoised LALR automaton (the driver's own tables, implicit closes included) and an item memo
+  (each top-level item's turns, computed once by the full pipeline, keyed by bytes). The C
+  executor (`_speedups.run`) takes a sample end to end — it reads the Python list (or int64
+  array, or a CPU tensor through numpy) directly, finds the markers with the plan's table, ends
+  literal-ended headers and applies `lstrip` from the memos of those two rules (which the Python
+  engine fills: they decode), walks the automaton's table, looks each item key up and writes
+  the mask (a list of the shared 0/1 ints, or into a zeroed int64 array) — with no per-item
+  Python. Whatever it has not memoised it hands back: the item keys its memo lacks (filled from
+  the Python memo, or learned by a full parse of the window around the item, then one retry;
+  when the window would be the whole sample, the full pipeline's own mask is the answer), a
+  last turn that may be a generation prompt (the mask comes back with it; one decode decides),
+  an id it does not read itself, a syntax error (the Python engine, which raises or recovers).
+  Without the extension the numpy/Python executor of the same plan and memo runs (the "without
+  the C accelerator" row).
 - **Truncation** (an item cut by the end of input) is an item like any other, keyed also by
   the automaton configuration it ends in; a cut shape not seen before costs one full parse of
-  the window around it (the item before it and itself: a few hundred µs). On fresh data that
-  is most of what the truncated class pays beyond the whole-sample rate; the rate of new cut
-  shapes falls as the memo fills.
+  the window around it (the item before it and itself: a few hundred µs in Python; the driver
+  keeps, per parser configuration, the synthetic terminators that close a cut input, so that
+  search is paid once). Where the format's headers are plain XTML (kimi-k3), an item cut inside
+  a header is also memoised under what the parse reads of that header
+  (`Driver.cut_reading`: an opener's tag and attributes, or nothing; nothing of a close header),
+  so a cut at another id of the same kind of header costs no parse
+  (`fmt.stats()["ids"]["alias"]`). Most new cut shapes on this workload differ in what comes
+  before the cut, though, so this saves few parses. On fresh data the
+  window parses are most of what the truncated class pays beyond the whole-sample rate; the
+  rate of new cut shapes falls as the memo fills.
 - **List input.** A Python list of ints must be read one object at a time: the executor does
-  that read (~1.5 ns per token) and builds the returned list (~1 ns per token); the scanner
-  spends ~30-45 ns per token. What is left per call is ~2 µs of Python (`loss_mask`, the
-  tokenizer's state, the policy lookup).
+  that read (~1.5 ns per token) and builds the returned list (~1 ns per token, and as much
+  again when the caller frees it); the scanner spends ~25-45 ns per token. What is left per call
+  is ~1.5 µs of Python (`loss_mask`, the tokenizer's state — a one-entry shortcut for the last
+  tokenizer —, the policy lookup).
 - Numbers move by ±20% between runs on a shared 2-core machine, more when it is loaded (the
   load average is in Machine); the ratios, measured on the same inputs in the same process, are
   the stable part."""

@@ -447,24 +447,24 @@ done:
 
 
 /* ------------------------------------------------------------------------------------------
- * run(plan, ids, memo, last_only, out[, gen_ok]) -> list | True | None | (keys) | int
+ * run(plan, ids, memo, last_only, out[, gen_ok]) -> list | True | None | (keys) | (int, mask)
  *     One sample through the memoised engine (FastMasker._lex + _walk + _fast, in one pass):
  *     the same plan, the same automaton table and the same item keys as the Python code,
  *     which is the reference. `plan` is FastMasker.plan (see there); `memo` maps an item key
  *     (bytes, fastpath._item_key) to its packed trained spans under the caller's policy;
  *     `ids` is an exact list of ints (a list mask is returned) or a C-contiguous int64 buffer
  *     (`out`, a writable int64 buffer of the same length, gets the 1s: pass zeros). A tuple of
- *     (key, w0, w1): the items `memo` lacks, each with the window of ids around it, from the
- *     item before to the item after (the caller may fill them from its memo, or learn them
- *     from that window, and call again). An int: the last turn, from that position to the end, may be a
- *     generation prompt; the caller checks with the driver's rule and calls again with
- *     gen_ok=True when it is not. None: the
- *     sample needs the Python engine (anything not memoised yet, an unknown special id, a soft
- *     marker's piece, a syntax error, a generation prompt to check, ...). Never raises for
+ *     (key, w0, w1, start): the items `memo` lacks, each with the window of ids around it,
+ *     from the item before to the item after, and where the item starts (the caller may
+ *     fill them from its memo, or learn them from that window, and call again). A pair (int, mask): the last turn, from that
+ *     position to the end, may be a generation prompt, and mask (the list, or True) is the
+ *     answer when it is not; the caller checks with the driver's rule (gen_ok=True skips
+ *     the question). None: the sample needs the Python engine (anything not memoised yet,
+ *     an unknown special id, a soft marker's piece, a syntax error, ...). Never raises for
  *     input reasons.
  */
 typedef struct {
-    int64_t *P, *mend, *K, *take, *off, *meta, *bounds, *spans, *key;
+    int64_t *P, *mend, *K, *take, *off, *meta, *split, *bounds, *spans, *key;
     Py_ssize_t cap_t, cap_b, cap_s, cap_k;
 } scratch_t;
 
@@ -507,7 +507,7 @@ static inline int64_t
 slot_pos(const scratch_t *s, int64_t k)
 {
     int64_t q = k / 3, r = k % 3;
-    return r == 0 ? s->P[q] : (r == 1 ? s->mend[q] : s->P[q + 1]);
+    return r == 0 ? s->P[q] : (r == 1 ? s->mend[q] : s->split[q]);
 }
 
 typedef struct {
@@ -517,19 +517,26 @@ typedef struct {
     const int64_t *gen;  /* NULL, or [longest prompt, (prompt mask, text length) per code] */
     int has_values;
     PyObject *table, *ends;
+    /* literal-ended headers: per code its split budget (0: none), and the memo
+     * bytes(code, ids of a header prefix) -> 1 (the literal ends there), 0 (not in it yet),
+     * -1 (it ends inside the last id); lstrip: per code 1 when the marker absorbs a
+     * whitespace-only run before it, and the memo bytes(ids of the run) -> bool */
+    const int64_t *sbud, *lstrip;
+    PyObject *split_memo, *space_memo;
 } plan_t;
 
 static int
 parse_plan(PyObject *plan, plan_t *p)
 {
-    PyObject *lut, *bud, *bud1, *soft, *gen;
+    PyObject *lut, *bud, *bud1, *soft, *gen, *sbud, *lstrip;
     if (!PyTuple_Check(plan)) {
         PyErr_SetString(PyExc_TypeError, "run: plan must be a tuple");
         return -1;
     }
-    if (!PyArg_ParseTuple(plan, "LSSSpOO!O!LO:plan", &p->lo, &lut, &bud, &bud1, &p->has_values,
-                          &gen, &PyList_Type, &p->table, &PyList_Type, &p->ends, &p->unk,
-                          &soft))
+    if (!PyArg_ParseTuple(plan, "LSSSpOO!O!LOOOOO:plan", &p->lo, &lut, &bud, &bud1,
+                          &p->has_values, &gen, &PyList_Type, &p->table, &PyList_Type,
+                          &p->ends, &p->unk, &soft, &sbud, &p->split_memo, &lstrip,
+                          &p->space_memo))
         return -1;
     p->lut = (const int64_t *)PyBytes_AS_STRING(lut);
     p->span = PyBytes_GET_SIZE(lut) / 8 - 1;
@@ -556,7 +563,53 @@ parse_plan(PyObject *plan, plan_t *p)
         p->soft = (const unsigned char *)PyBytes_AS_STRING(soft);
         p->soft_n = PyBytes_GET_SIZE(soft);
     }
+    p->sbud = p->lstrip = NULL;
+    if (PyBytes_Check(sbud) && PyDict_Check(p->split_memo)) {
+        if (PyBytes_GET_SIZE(sbud) != p->nb * 8) {
+            PyErr_SetString(PyExc_ValueError, "run: bad split budget table");
+            return -1;
+        }
+        p->sbud = (const int64_t *)PyBytes_AS_STRING(sbud);
+    }
+    if (PyBytes_Check(lstrip) && PyDict_Check(p->space_memo)) {
+        if (PyBytes_GET_SIZE(lstrip) != p->nb * 8) {
+            PyErr_SetString(PyExc_ValueError, "run: bad lstrip table");
+            return -1;
+        }
+        p->lstrip = (const int64_t *)PyBytes_AS_STRING(lstrip);
+    }
     return 0;
+}
+
+/* memo[bytes([head,] ids[s:e])]: 1/0/-1 as stored (bool: 1/0), -2 when absent (Python
+ * decides and fills it), -3 on an error. */
+static int
+memo_get(PyObject *memo, PyObject **items, const int64_t *arr, int64_t s, int64_t e,
+         int has_head, int64_t head)
+{
+    int64_t buf[65];
+    Py_ssize_t n = (Py_ssize_t)(e - s) + (has_head ? 1 : 0);
+    if (e < s || n > 65)
+        return -2;
+    Py_ssize_t o = 0;
+    if (has_head)
+        buf[o++] = head;
+    for (int64_t i = s; i < e; i++)
+        if (read_id(items, arr, i, &buf[o++]) < 0)
+            return -2;
+    PyObject *key = PyBytes_FromStringAndSize((const char *)buf, n * sizeof(int64_t));
+    if (key == NULL)
+        return -3;
+    PyObject *v = PyDict_GetItemWithError(memo, key);
+    Py_DECREF(key);
+    if (v == NULL)
+        return PyErr_Occurred() ? -3 : -2;
+    if (PyBool_Check(v))
+        return v == Py_True;
+    long x = PyLong_AsLong(v);
+    if (x == -1 && PyErr_Occurred())
+        return -3;
+    return (int)x;
 }
 
 /* Pass 1: the markers (code != 0) of the sample; 1 on a reason to leave it to Python. */
@@ -565,9 +618,9 @@ find_symbols(const plan_t *p, PyObject **items, const int64_t *arr, Py_ssize_t n
              Py_ssize_t *T_out)
 {
     scratch_t *s = &S_;
-    int64_t **more[5] = {&s->mend, &s->K, &s->take, &s->off, &s->meta};
+    int64_t **more[6] = {&s->mend, &s->K, &s->take, &s->off, &s->meta, &s->split};
     Py_ssize_t T = 1;
-    if (grow(&s->P, &s->cap_t, 64, 6, more) < 0)
+    if (grow(&s->P, &s->cap_t, 64, 7, more) < 0)
         return -1;
     s->P[0] = 0; s->K[0] = 0; s->mend[0] = 0;
     uint64_t span = (uint64_t)p->span;
@@ -582,17 +635,60 @@ find_symbols(const plan_t *p, PyObject **items, const int64_t *arr, Py_ssize_t n
             int64_t code = p->lut[d];
             if (code == p->unk || code >= p->nb)
                 return 1;  /* a special id the format does not know */
-            if (T + 2 > s->cap_t && grow(&s->P, &s->cap_t, T + 2, 6, more) < 0)
+            if (T + 2 > s->cap_t && grow(&s->P, &s->cap_t, T + 2, 7, more) < 0)
                 return -1;
             s->P[T] = i; s->K[T] = code; s->mend[T] = i + 1;
             T++;
         }
     }
     s->P[T] = n;
+    if (p->lstrip != NULL) {
+        /* FastMasker._absorb_lstrip: such a marker starts at the start of a whitespace-only
+         * run (at most 16 ids) right before it; the run is gone */
+        for (Py_ssize_t t = 1; t < T; t++) {
+            int64_t s0 = s->mend[t - 1], e0 = s->P[t];
+            if (!p->lstrip[s->K[t]] || e0 - s0 <= 0 || e0 - s0 > 16)
+                continue;
+            if (p->sbud != NULL && p->sbud[s->K[t - 1]] > 0)
+                return 1;  /* after a literal-ended header: the Python engine */
+            int r = memo_get(p->space_memo, items, arr, s0, e0, 0, 0);
+            if (r == -3)
+                return -1;
+            if (r < 0)
+                return 1;  /* not decoded yet: Python decides (and memoises it) */
+            if (r)
+                s->P[t] = s0;
+        }
+    }
     s->off[0] = 0;
     for (Py_ssize_t t = 0; t < T; t++) {
         int64_t glen = s->P[t + 1] - s->mend[t], k = s->K[t];
         int64_t sym = k * 4 + (glen > 0);
+        s->split[t] = s->P[t + 1];
+        if (p->sbud != NULL && p->sbud[k] > 0 && glen > 0) {
+            /* FastMasker._split: the header ends with the first id whose prefix decodes
+             * to the literal (memoised per prefix by Python) */
+            int64_t a = s->mend[t], e = s->P[t + 1], lim = a + p->sbud[k], h = -1;
+            if (lim > e)
+                lim = e;
+            for (int64_t q = a + 1; q <= lim && h < 0; q++) {
+                int r = memo_get(p->split_memo, items, arr, a, q, 1, k);
+                if (r == -3)
+                    return -1;
+                if (r == -2 || r == -1)
+                    return 1;  /* not memoised, or a straddle: the Python engine */
+                if (r == 1)
+                    h = q;
+            }
+            if (h < 0)
+                return 1;  /* no literal within the budget: the Python engine */
+            s->split[t] = h;
+            sym = k * 4 + (h < e ? 3 : 2);  /* HEAD_RUN or HEAD */
+            s->meta[t] = sym * 65536 + (h - a);
+            s->take[t] = h - a;
+            s->off[t + 1] = s->off[t] + (h - a);
+            continue;
+        }
         if (p->has_values) {
             int64_t take = glen < p->bud[k] ? glen : p->bud[k];
             int64_t vlen = glen < p->bud1[k] ? glen : p->bud1[k];
@@ -703,8 +799,9 @@ item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr
             while (q2 < nb && s->bounds[q2] <= b)
                 q2++;
             PyObject *entry = PyErr_Occurred() ? NULL : Py_BuildValue(
-                "(OLL)", key, (long long)slot_pos(s, prev),
-                (long long)(q2 < nb ? slot_pos(s, s->bounds[q2]) : n));
+                "(OLLL)", key, (long long)slot_pos(s, prev),
+                (long long)(q2 < nb ? slot_pos(s, s->bounds[q2]) : n),
+                (long long)slot_pos(s, a));
             Py_DECREF(key);
             if (entry == NULL || (*missing == NULL && (*missing = PyList_New(0)) == NULL)
                 || PyList_Append(*missing, entry) < 0) {
@@ -743,7 +840,7 @@ item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr
     }
     if (*missing != NULL)
         return 2;
-    if (p->gen && !gen_ok && last_start >= 0 && n - last_start <= 64) {
+    if (p->gen && !gen_ok && last_start >= 0 && n - last_start <= 64 && *gen_at == -1) {
         /* The driver joins the tail's tokens (markers by their text) and compares it with
          * each generation prompt: a marker whose text is in no prompt, or marker texts longer
          * than any prompt together, rule that out here; else the driver's rule decides. */
@@ -754,10 +851,8 @@ item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr
                 m &= (uint64_t)p->gen[1 + 2 * s->K[t]];
                 len += p->gen[2 + 2 * s->K[t]];
             }
-        if (m != 0 && len <= p->gen[0]) {
-            *gen_at = last_start;
-            return 3;
-        }
+        if (m != 0 && len <= p->gen[0])
+            *gen_at = last_start;  /* the mask as if it is none, and the caller checks */
     }
     if (last_only) {
         Py_ssize_t w = 0;
@@ -863,10 +958,6 @@ run(PyObject *self, PyObject *args)
         res = PyList_AsTuple(missing);
         goto done;
     }
-    if (r == 3) {
-        res = PyLong_FromLongLong(gen_at);
-        goto done;
-    }
     if (r > 0) {
         res = Py_None;
         Py_INCREF(res);
@@ -881,6 +972,12 @@ run(PyObject *self, PyObject *args)
                 o[i] = 1;
         res = Py_True;
         Py_INCREF(res);
+    }
+    if (res != NULL && gen_at >= 0) {
+        /* (the mask computed as if the last turn were no generation prompt, and where that
+         * turn starts: the caller applies the driver's rule to it) */
+        PyObject *t = Py_BuildValue("(LN)", (long long)gen_at, res);
+        res = t;
     }
 done:
     Py_XDECREF(missing);

@@ -36,8 +36,12 @@ _learn_window`). The result is always exactly ``parse_ids(...).mask_array(policy
    (:meth:`FastMasker._c_plan`: marker table, run shapes, header budgets, soft-marker
    pieces, generation prompts' markers), the same automaton table (``_Automaton.table``) and
    the same item memo (keys are the bytes :func:`_item_key` builds; per policy a packed
-   record of the item's spans, :func:`_c_record`). It applies only what the Python engine
-   memoised and hands back anything else (:meth:`FastMasker.run_c`).
+   record of the item's spans, :func:`_c_record`). The two lexing rules that decode (a
+   literal-ended header's end, :meth:`FastMasker._split`; an ``lstrip`` marker's whitespace,
+   :meth:`FastMasker._absorb_lstrip`) it reads from those rules' memos. It applies only what
+   the Python engine memoised and hands back anything else (:meth:`FastMasker.run_c`).
+   An item cut inside a header whose cut text the parse reads only through
+   :meth:`Driver.cut_reading` is memoised under that reading too (:meth:`FastMasker._alias`).
 
 The text-mode memo for :meth:`Format.parse` (``TextMemo``) lives in
 :mod:`chatgrammar.runtime.textpath`; it reuses this module's automaton and item machinery.
@@ -271,6 +275,15 @@ class _Prog:
         return None
 
 
+class _Reference:
+    """A mask the full pipeline computed (not the C executor): returned as it is."""
+
+    __slots__ = ("mask",)
+
+    def __init__(self, mask):
+        self.mask = mask
+
+
 class FastMasker:
     """Exact, memoised loss masks for one (format, tokenizer) pair. See the module docstring.
 
@@ -347,13 +360,23 @@ class FastMasker:
                               and not any("\ufffd" in g for g in self.drv.gen_prompts))
         self.items: dict = {}
         self.split_memo: dict = {}
+        self._canon: np.ndarray | None = None  # see _learn
+        # the same results keyed as the C executor looks them up: bytes(code, prefix ids)
+        self.split_c: dict = {}
         self.soft_lut = None
         if lx.soft_regex is not None:
             self.soft_lut = _soft_lut(lx)
             if self.soft_lut is None:
                 self.enabled = False
                 self.disabled = "soft markers this tokenizer's pieces cannot be searched for"
-        self.stats = {"fast": 0, "slow": 0, "harvest": 0, "c": 0}
+        # Opener codes whose header, cut by the end of input, the parse reads only through
+        # Driver.cut_header_reading: an item cut there is also memoised under that reading
+        # (_alias), so a cut at another id of the same header needs no parse.
+        self.cut_codes = {
+            i: t for i, t in enumerate(lx.terms, start=1)
+            if t in self.drv.cut_header_terms and gclass[i] == DECODE} \
+            if self.has_values and not self.has_split else {}
+        self.stats = {"fast": 0, "slow": 0, "harvest": 0, "c": 0, "alias": 0}
         self.reasons: dict[str, int] = {}   # slow samples by why
         self._why = None
         # What the C executor reads: item key -> packed spans, one dict per policy (filled by
@@ -364,17 +387,30 @@ class FastMasker:
 
     def _c_plan(self):
         """The lexing plan and automaton as the C executor takes them (``_speedups.run``):
-        the same tables :meth:`_lex` / :meth:`_walk` use. None where the accelerator is not
-        built or the plan has rules only the numpy executor runs (literal-ended headers,
-        ``lstrip``)."""
-        if (_speedups is None or not hasattr(_speedups, "run") or not self.enabled
-                or self.has_split or self.lstrip_code is not None):
+        the same tables :meth:`_lex` / :meth:`_walk` use, with the memos of the two rules
+        that decode (literal-ended headers: :meth:`_split`'s, ``lstrip``:
+        :meth:`_absorb_lstrip`'s), which the C executor reads and the Python engine fills.
+        None where the accelerator is not built."""
+        if _speedups is None or not hasattr(_speedups, "run") or not self.enabled:
             return None
         soft = None if self.soft_lut is None else self.soft_lut.astype(np.uint8).tobytes()
+        nb = len(self.budget)
+        sbud = None
+        if self.has_split:
+            sbud = np.zeros(nb, dtype=np.int64)
+            for code in self.split_delim:
+                sbud[code] = max(1, self.split_budget[code])
+            sbud = sbud.tobytes()
+        lstrip = None
+        if self.lstrip_code is not None:
+            lstrip = np.zeros(nb, dtype=np.int64)
+            lstrip[:len(self.lstrip_code)] = self.lstrip_code
+            lstrip = lstrip.tobytes()
         return (self.lo, self.lutr.astype(np.int64).tobytes(),
                 self.budget.astype(np.int64).tobytes(), self.budget1.astype(np.int64).tobytes(),
                 self.has_values, self._gen_table(), self.auto.table,
-                self.auto.end_flags, self.unk_code, soft)
+                self.auto.end_flags, self.unk_code, soft, sbud, self.split_c, lstrip,
+                self.space_memo)
 
     def _gen_table(self) -> bytes | None:
         """Per marker code, the generation prompts its text occurs in (a bit mask) and its
@@ -406,9 +442,9 @@ class FastMasker:
             cm.pop(key, None)
 
     def run_c(self, ids, policy: MaskPolicy, strict: bool):
-        """The C executor on one sample: the mask (a list for a list, else a numpy int64
-        array), or None when it does not take the sample (the caller runs the Python
-        engine, which then teaches it)."""
+        """The C executor on one sample: the mask (a list for a list, a numpy int64 array for
+        an int64 array, a ``torch.long`` tensor for a CPU tensor), or None when it does not
+        take the sample (the caller runs the Python engine, which then teaches it)."""
         plan = self.plan
         if plan is None or _speedups is None:  # (tests and the bench switch it off live)
             return None
@@ -417,22 +453,20 @@ class FastMasker:
         elif (type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1
               and ids.flags.c_contiguous):
             out = np.zeros(len(ids), dtype=np.int64)
+        elif type(ids).__module__ == "torch":
+            return self._c_torch(ids, policy, strict)
         else:
             return None
         hit = self._cpol.get(id(policy))
         if hit is None or hit[0] is not policy:
             hit = self._c_policy(policy)
         r = _speedups.run(plan, ids, hit[1], hit[2], out)
-        if type(r) is tuple:  # items the C memo lacks: fill those the memo knows, once
-            if not self._c_fill(r, hit) and not self._c_learn(ids, r, hit):
-                return None
-            r = _speedups.run(plan, ids, hit[1], hit[2], out)
-        if type(r) is int:  # the last turn may be a generation prompt: the driver's rule
-            if not self._c_not_gen_prompt(ids, r):
-                return None
-            r = _speedups.run(plan, ids, hit[1], hit[2], out, True)
-        if r is None or type(r) is tuple or type(r) is int:
-            return None
+        if type(r) is not list and r is not True:
+            r = self._c_retry(ids, r, hit, policy, strict, out)
+            if r is None:
+                return None  # the Python engine takes it
+            if type(r) is _Reference:
+                return r.mask  # the full pipeline's own answer
         st = self.stats
         st["fast"] += 1
         st["c"] += 1
@@ -442,13 +476,96 @@ class FastMasker:
             self._verify(ids_input(ids)[0], r, policy, strict)
         return r
 
+    def _c_retry(self, ids, r, hit, policy, strict, out):
+        """What :meth:`run_c` does with an answer of the C executor that is not a mask:
+        items its memo lacks (filled from the Python memo, learned from a window, or the
+        whole sample parsed by the full pipeline, whose mask is returned as it is: a list or
+        an int64 array), or a last turn that may be a generation prompt."""
+        plan = self.plan
+        if type(r) is tuple and type(r[0]) is tuple:
+            # items the C memo lacks: fill those the memo knows (or learn them), once
+            if not self._c_fill(r, hit):
+                learned = self._c_learn(ids, r, hit)
+                if learned is None:
+                    return _Reference(self._c_whole(ids, policy, strict))
+                if not learned:
+                    return None
+            r = _speedups.run(plan, ids, hit[1], hit[2], out)
+        if type(r) is tuple and len(r) == 2 and type(r[0]) is int:
+            # the last turn may be a generation prompt (the driver's rule decides); r[1] is
+            # the answer when it is not
+            if not self._c_not_gen_prompt(ids, r[0]):
+                return None
+            r = r[1]
+        return r if type(r) is list or r is True else None
+
+    def _c_torch(self, ids, policy: MaskPolicy, strict: bool):
+        """A 1-D CPU tensor read through numpy (no copy for a contiguous int64 one): the C
+        executor's mask as a ``torch.long`` tensor, or None (the Python engine takes it).
+        torch is already imported by whoever made the tensor; chatgrammar never imports it."""
+        torch = sys.modules.get("torch")
+        if torch is None or type(ids) is not torch.Tensor:
+            return None
+        try:
+            if ids.device.type != "cpu" or ids.dim() != 1 or ids.is_floating_point() \
+                    or ids.is_complex() or ids.dtype == torch.bool:
+                return None
+            a = np.ascontiguousarray(ids.numpy(), dtype=np.int64)
+        except (RuntimeError, TypeError, ValueError):
+            return None
+        m = self.run_c(a, policy, strict)
+        if m is None:
+            return None
+        return torch.from_numpy(m)
+
+    def _alias(self, key: bytes) -> bytes | None:
+        """The key of an item cut inside the header of its last marker (one of
+        ``cut_codes``: an opener, or a close marker with a close header) with that header's
+        ids replaced by what the parse reads of them (:meth:`Driver.cut_reading` of the text
+        the lexer gives it); None for any other item."""
+        if not self.cut_codes or len(key) < 32:
+            return None
+        a_off, nslots, tail = _KEY_HEAD.unpack_from(key)
+        if tail < 0:
+            return None
+        nsym = (a_off + nslots - 1) // 3 + 1
+        mend = 24 + 8 * nsym
+        last = int.from_bytes(key[mend - 8:mend], sys.byteorder, signed=True)
+        sym, vlen = last >> 16, last & 0xFFFF
+        code = sym >> 2
+        if code not in self.cut_codes or (sym & 3) not in (NONE, RUN):
+            return None
+        m = int(self.budget[code])
+        take = min(vlen, m)
+        vals = np.frombuffer(key, dtype=np.int64, count=take, offset=len(key) - 8 * take)
+        text = self.adapter.decode(vals.tolist()) if take else ""
+        if vlen > m:  # over-long: the lexer reads its budget and marks the cut
+            text += "\u2026"
+        reading = self.drv.cut_reading(self.cut_codes[code], text)
+        return b"".join((b"cut-header\0", key[:mend - 8], (sym << 16).to_bytes(8, sys.byteorder,
+                         signed=True), key[mend:len(key) - 8 * take],
+                         repr(reading).encode()))
+
+    def _resolve(self, key: bytes):
+        """The memoised item of ``key`` through its :meth:`_alias` (registered under ``key``
+        too), or None."""
+        alias = self._alias(key)
+        if alias is None:
+            return None
+        it = self.items.get(alias)
+        if it is None or it.plan or it.unstable:
+            return None
+        self.items[key] = it
+        self.stats["alias"] += 1
+        return it
+
     def _c_fill(self, keys: list, hit: tuple) -> bool:
         """The C records of memoised items the C memo lacks (they were learned, but not
         used under this policy yet). False when one is not memoised (a new item shape)."""
         policy, cm, _, base = hit
         pid = self._pid(base)
-        for key, _w0, _w1 in keys:
-            it = self.items.get(key)
+        for key, _w0, _w1, _a in keys:
+            it = self.items.get(key) or self._resolve(key)
             if it is None or it.plan or it.unstable:
                 return False
             prog = it.progs.get(())
@@ -460,26 +577,54 @@ class FastMasker:
             cm[key] = _c_record(prog, sp)
         return True
 
-    def _c_learn(self, ids, keys: tuple, hit: tuple) -> bool:
-        """New item shapes in a long sample: each learned by a full parse of the window of
-        ids around it the C executor gives (as :meth:`_learn_window` does), then filled as
-        in :meth:`_c_fill`. False when the memo still lacks one (the Python engine takes
-        the sample)."""
+    def _c_learn(self, ids, keys: tuple, hit: tuple) -> bool | None:
+        """New item shapes: each learned by a full parse of the window of ids around it the
+        C executor gives (as :meth:`_learn_window` does), then filled as in
+        :meth:`_c_fill`. False when the memo still lacks one (the Python engine takes the
+        sample); None when a new item's window is the whole sample (or the sample is short):
+        the full pipeline must parse the sample itself (:meth:`_c_whole`)."""
         n = len(ids)
-        if n < _WINDOW_MIN:
-            return False
-        for key, w0, w1 in keys:
-            if key in self.items:
+        items = self.items
+        for key, w0, w1, a in keys:
+            if key in items or self._resolve(key) is not None:
                 continue
-            if w1 - w0 >= n:
-                return False  # the window is the sample: the full pipeline parses it
-            self.stats["window"] = self.stats.get("window", 0) + 1
-            try:
-                self._harvest(np.asarray(ids[w0:w1], dtype=np.int64), self.fmt.default_policy,
-                              False)
-            except ParseError:
+            canon = self._canon
+            if canon is not None and w1 == n and a > w0 and key[16:24] != b"\xff" * 8:
+                # An item cut by the end of input: its key holds everything its parse
+                # depends on, so any short whole first item can stand before it (a window
+                # that does not teach the key falls back to the real one below).
+                self._learn_from(np.concatenate([canon, np.asarray(ids[a:w1],
+                                                                   dtype=np.int64)]))
+                if key in items:
+                    continue
+            if n < _WINDOW_MIN or w1 - w0 >= n:
+                return None  # the window is the sample: the full pipeline parses it
+            if not self._learn_from(np.asarray(ids[w0:w1], dtype=np.int64)):
                 return False
         return self._c_fill(keys, hit)
+
+    def _learn_from(self, window: np.ndarray) -> bool:
+        """Teach the memo the items of ``window`` (a full parse, lenient); False when it
+        does not parse."""
+        self.stats["window"] = self.stats.get("window", 0) + 1
+        try:
+            self._harvest(window, self.fmt.default_policy, False, mask=False)
+        except ParseError:
+            return False
+        return True
+
+    def _c_whole(self, ids, policy: MaskPolicy, strict: bool):
+        """A sample with a new item shape that no window can teach: the full pipeline (the
+        reference) computes its mask, as :meth:`_slow_sample` would after the numpy
+        executor's walk, and teaches the memo. Errors are the user's."""
+        self.stats["slow"] += 1
+        why = "new item shape"
+        self.reasons[why] = self.reasons.get(why, 0) + 1
+        arr = ids_input(ids)[0]
+        out, _ = self._harvest(arr, policy, strict)
+        if type(ids) is list:
+            return list(out)
+        return np.frombuffer(out, dtype=np.uint8).astype(np.int64)
 
     def _c_not_gen_prompt(self, ids, start: int) -> bool:
         """True when the tail from ``start`` is certainly no generation prompt: decoding is
@@ -818,7 +963,8 @@ class FastMasker:
             key = arr[s0:e0].tobytes()
             sp = memo.get(key)
             if sp is None:
-                sp = self.adapter.decode(arr[s0:e0].tolist()).isspace()
+                # the lexer's rule (lexers.IdLexer.lex): whitespace, or nothing at all
+                sp = not self.adapter.decode(arr[s0:e0].tolist()).strip()
                 if len(memo) > 100_000:
                     memo.clear()
                 memo[key] = sp
@@ -840,7 +986,9 @@ class FastMasker:
                 r = 0 if j < 0 else (-1 if j + len(d) < len(txt) else 1)  # -1: straddle
                 if len(memo) > 100_000:
                     memo.clear()
+                    self.split_c.clear()
                 memo[key] = r
+                self.split_c[struct.pack("=q", code) + key[1]] = r
             if r == 1:
                 return k
             if r == -1:
@@ -925,6 +1073,8 @@ class FastMasker:
                 continue
             key = _item_key(meta, vals, off, a, b, tail if b == end else None)
             it = items.get(key)
+            if it is None and b == end and tail is not None:
+                it = self._resolve(key)
             prog = None
             if it is not None and not it.plan and not it.unstable:
                 prog = it.progs.get(())
@@ -1023,9 +1173,10 @@ class FastMasker:
         return fake.generation_prompt
 
     # ------------------------------------------------------------------ slow path + memo
-    def _harvest(self, arr, policy, strict) -> tuple[bytearray, list]:
+    def _harvest(self, arr, policy, strict, mask: bool = True) -> tuple[bytearray, list]:
         """The full pipeline for one sample (its errors are the user's); a clean parse also
-        teaches the memo the items it contains."""
+        teaches the memo the items it contains. ``mask=False``: only learn (the mask is
+        None)."""
         fmt, lx = self.fmt, self.lx
         warnings: list[Issue] = []
         boundaries: list = []
@@ -1037,7 +1188,7 @@ class FastMasker:
         conv = Conversation(format=fmt.name, mode="ids", length=len(arr), turns=turns,
                             warnings=warnings, boundaries=[Issue(p, m) for p, m in boundaries],
                             default_policy=fmt.default_policy)
-        out = bytearray(conv.mask_array(policy).tobytes())
+        out = bytearray(conv.mask_array(policy).tobytes()) if mask else None
         if self.enabled and not warnings and not boundaries:
             try:
                 self._learn(arr, toks, turns, src.reads)
@@ -1062,6 +1213,11 @@ class FastMasker:
             raise _NoCache
         bounds, tail = walked
         self.stats["harvest"] += 1
+        if bounds and bounds[0] > 0 and (len(bounds) > 1 or tail is None):
+            # a short whole first item: what stands before a cut item in _c_learn's windows
+            e0 = B[bounds[0]]
+            if e0 <= 64 and (self._canon is None or e0 < len(self._canon)):
+                self._canon = np.array(arr[:e0], dtype=np.int64)
         segs, per_seg, reads_seg = _segments(bounds, B, turns, reads)
         for (a, b), sturns, sreads in zip(segs, per_seg, reads_seg):
             self._learn_item(arr, lexed, a, b, tail if b == bounds[-1] else None, sturns,
@@ -1076,6 +1232,9 @@ class FastMasker:
             if len(self.items) > _MAX_ITEMS:
                 self.forget()
             it = self.items[key] = _Item(plan)
+            alias = self._alias(key) if tail is not None and not plan else None
+            if alias is not None:
+                self.items.setdefault(alias, it)
         elif it.plan != plan:
             it.unstable = True  # reads differ between samples: this key stays slow
             self._forget_key(key)

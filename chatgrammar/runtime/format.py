@@ -46,6 +46,9 @@ class Format:
         # tokenizer, and a content version that moved (added tokens) misses it
         self._states: dict[Any, _TokState] = {}
         self._by_obj: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # (state, content version) of the last tokenizer seen: a call with the same one (the
+        # state's adapter holds it, weakly) skips the dictionary lookups
+        self._last_tok: tuple | None = None
         self._text_memo: TextMemo | None = None
         self._lock = threading.Lock()
 
@@ -146,6 +149,11 @@ class Format:
         is kept alive (the state's adapter holds it weakly and is rebound on each lookup)."""
         if isinstance(tokenizer, TokenizerAdapter):
             tokenizer = tokenizer.tokenizer
+        last = self._last_tok
+        if last is not None:
+            ref = last[0].adapter._ref
+            if ref is not None and ref() is tokenizer and last[1] == content_version(tokenizer):
+                return last[0]
         try:
             hit = self._by_obj.get(tokenizer)
         except TypeError:  # not weakly referenceable, or unhashable: no shortcut
@@ -155,6 +163,7 @@ class Format:
             if st is not None:
                 if st.adapter._ref is None or st.adapter._ref() is not tokenizer:
                     st.adapter.rebind(tokenizer)
+                self._last_tok = (st, hit[0])
                 return st
         ver = content_version(tokenizer)
         ckey = content_key(tokenizer)
@@ -168,6 +177,7 @@ class Format:
                 st.adapter.rebind(tokenizer)
             try:
                 self._by_obj[tokenizer] = (ver, ckey)
+                self._last_tok = (st, ver)
             except TypeError:  # kept nowhere: its content key is computed on each call
                 pass
         return st
@@ -187,7 +197,8 @@ class Format:
         engine), ``c`` (of those, the ones the C executor computed), ``slow`` (the full
         pipeline, which also teaches the memo), ``harvest`` (full parses whose items were
         memoised), ``window`` (windows of a long sample parsed to learn a new item shape
-        there instead of the whole sample), ``verified`` (fast answers checked in verify mode,
+        there instead of the whole sample), ``alias`` (items cut inside a header served
+        through what the parse reads of that header), ``verified`` (fast answers checked in verify mode,
         ``CHATGRAMMAR_VERIFY=1``) and ``reasons`` (slow samples by why: a new item shape, a
         syntax error, ...). ``text`` counts :meth:`parse` calls the same way.
 
@@ -198,8 +209,8 @@ class Format:
             >>> fmt.stats()["ids"]["reasons"]  # doctest: +SKIP
             {'new item shape': 5}
         """
-        ids = {"fast": 0, "c": 0, "slow": 0, "harvest": 0, "window": 0, "verified": 0,
-               "reasons": {}}
+        ids = {"fast": 0, "c": 0, "slow": 0, "harvest": 0, "window": 0, "alias": 0,
+               "verified": 0, "reasons": {}}
         for st in list(self._states.values()):
             fm = st._masker
             if fm is None:
@@ -276,7 +287,8 @@ class Format:
         """
         # Same result as parse_ids(ids, tokenizer).mask_array(policy), through the memoised
         # fast path (chatgrammar.runtime.fastpath), which falls back to exactly that when it must.
-        fm = self._fast_masker(tokenizer)
+        st = self._tok_state(tokenizer)
+        fm = st._masker or st.masker
         pol = policy or self.default_policy
         # The C executor of the same plan and memo takes the sample when everything it needs
         # is memoised; else the Python engine does (and teaches it).

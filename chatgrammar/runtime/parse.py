@@ -263,11 +263,74 @@ class Driver:
             self.el_info[n] = (until, hmarks, closes, cuntil, after)
         # close markers that may be missing: the element then ends at the next top-level opener
         # (whether that is a cut, an error or the turn's normal end is decided with its role)
+        # state stack at end of input -> the synthetic terminators that close it (_finish)
+        self._closings: dict[tuple, tuple] = {}
+        self.cut_header_terms = self._cut_header_terms(spec)
+        self.cut_header_openers = frozenset(t for t, how in self.cut_header_terms.items()
+                                            if how == "open")
         self.implicit_closes = tuple(dict.fromkeys(
             term_name(c) for n in spec.top
             if spec.elements[n].close is not None
             and (not spec.elements[n].close.required or spec.elements[n].close.roles)
             for c in spec.elements[n].close.markers))
+
+    def _cut_header_terms(self, spec: FormatSpec) -> dict[str, str]:
+        """Markers whose header, cut by the end of input, the parse reads only through
+        :meth:`cut_reading`: ``"open"`` for an opener whose every element has an ``until``
+        header with ``attributes: xtml`` and nothing else (no pattern, no header markers, no
+        ``trained_after``, no ``lead``); ``"close"`` for a close marker whose every element
+        has a close header (a cut close header is never read: ``_close`` checks the close tag
+        of complete terminators only). Such a marker has no other use in the spec."""
+        if self.openerless_headers:
+            return {}
+        from ..core.spec import Header
+        hdef = {k: f.get_default(call_default_factory=True)
+                for k, f in Header.model_fields.items()}
+        used: dict[str, int] = {}
+        how: dict[str, str | None] = {}
+
+        def use(names) -> None:
+            for m in names or ():
+                used[m] = used.get(m, 0) + 1
+
+        def want(m: str, kind: str | None) -> None:
+            how[m] = kind if how.get(m, kind) == kind else None
+        for el in spec.elements.values():
+            use(el.inner_markers)
+            for h in (el.header, el.close.header if el.close else None):
+                if h is not None:
+                    use(h.markers)
+                    use([h.until] if h.until else [])
+            h = el.header
+            plain = (h is not None and h.until is not None and h.attributes == "xtml"
+                     and el.lead is None
+                     and all(getattr(h, k) == v for k, v in hdef.items()
+                             if k not in ("until", "attributes", "max_tokens")))
+            for m in el.open:
+                want(m, "open" if plain else None)
+            if el.close is not None:
+                use(el.close.after)
+                use(el.close.follow_after)
+                ch = el.close.header
+                for m in el.close.markers:
+                    want(m, "close" if ch is not None and ch.until is not None else None)
+        use([p for p in spec.preamble if p in spec.markers])
+        use(spec.between_markers)
+        return {term_name(m): k for m, k in how.items() if k is not None and not used.get(m)}
+
+    def cut_reading(self, term: str, text: str):
+        """All that a parse takes from the text of the header after ``term`` (one of
+        :attr:`cut_header_terms`) cut by the end of input: an opener's
+        :meth:`cut_header_reading`; nothing (None) for a close header."""
+        return self.cut_header_reading(text) if self.cut_header_terms[term] == "open" else None
+
+    @staticmethod
+    def cut_header_reading(text: str):
+        """All that a parse takes from the text of a header in :attr:`cut_header_openers`
+        cut by the end of input: its XTML reading ``(tag, attrs)``, or None. (The block's
+        tag, attributes, validity, role and kind follow from it; nothing of the element
+        trains but by its kind.) ``_read_header`` reads every XTML header with it."""
+        return parse_xtml_head(text) if text else None
 
     def alias(self, role: str) -> str:
         """The canonical role: an exact ``role_aliases`` key, else (for a role that is not
@@ -369,9 +432,40 @@ class Driver:
         return turns
 
     def _finish(self, ctx, state_stack, value_stack, src, strict, warnings) -> None:
-        """Feed end of input, closing open elements with synthetic terminators (truncation)."""
-        states = self.states
+        """Feed end of input, closing open elements with synthetic terminators (truncation).
+
+        Which terminators close a configuration depends on its state stack only (unless an
+        element without an opener may start in the text at the end, which reads that text):
+        the sequence found once is kept per stack (``_closings``) and fed directly after."""
         end = src.n
+        memo = None
+        if not (self.openerless_headers and self.between is not None) and \
+                len(state_stack) <= 256:
+            key = tuple(state_stack)
+            seq = self._closings.get(key)
+            if seq is not None:
+                for c in seq:
+                    self._feed(ctx, state_stack, value_stack, (c, end, end, SYNTH))
+                return
+            memo = []
+        if self._finish_search(ctx, state_stack, value_stack, end, memo):
+            if memo is not None:
+                if len(self._closings) > 4096:
+                    self._closings.clear()
+                self._closings[key] = tuple(memo)
+            return
+        err = ParseError("unexpected end of input", offset=end,
+                         expected=self.expected(state_stack[-1], state_stack), mode=src.mode,
+                         format=self.spec.name, excerpt=src.excerpt(end))
+        if strict:
+            raise err
+        warnings.append(Issue(end, "dropped an unfinishable item at end of input"))
+
+    def _finish_search(self, ctx, state_stack, value_stack, end, fed) -> bool:
+        """The closing search of :meth:`_finish`: True once ``$END`` was fed; each term fed
+        is appended to ``fed`` (when not None)."""
+        states = self.states
+        src = ctx.src
         prefs = (self.tables.close_terms, self.tables.until_terms)
         tried: set = set()
         for _ in range(4 * len(state_stack) + 16):
@@ -389,8 +483,10 @@ class Driver:
                     self._feed(ctx, state_stack, value_stack, (u, end, end, SYNTH))
                     continue
             if self._can_feed(state_stack, "$END"):
+                if fed is not None:
+                    fed.append("$END")
                 self._feed(ctx, state_stack, value_stack, ("$END", end, end, SYNTH))
-                return
+                return True
             acts = states[state_stack[-1]]
             # A close marker that also opens an element or is some body's inner marker
             # (DeepSeek's `</think>` / `<think>`) may be shifted into a body instead of
@@ -408,16 +504,13 @@ class Driver:
                     continue
                 tried.add(key)
                 if self._can_feed(state_stack, c):
+                    if fed is not None:
+                        fed.append(c)
                     self._feed(ctx, state_stack, value_stack, (c, end, end, SYNTH))
                     break
             else:
                 break
-        err = ParseError("unexpected end of input", offset=end,
-                         expected=self.expected(state_stack[-1], state_stack), mode=src.mode,
-                         format=self.spec.name, excerpt=src.excerpt(end))
-        if strict:
-            raise err
-        warnings.append(Issue(end, "dropped an unfinishable item at end of input"))
+        return False
 
     def between_ok(self, src: Source, tok: tuple) -> bool:
         """Does the text run ``tok`` match ``between``? Read within 16 tokens (id mode) or
@@ -602,10 +695,17 @@ class _Ctx:
             ids, texts = unknown_marker_ids(drv, src.adapter)
             if len(ids):
                 import numpy as np
-                hit = np.flatnonzero(np.isin(src.arr[s:e], ids))
-                if len(hit):
-                    at = s + int(hit[0])
-                    found = texts.get(int(src.arr[at]))
+                # (np.isin costs tens of µs on a short run: the ids' range, then the few
+                # candidates in it against the sorted ids)
+                run = src.arr[s:e]
+                cand = np.flatnonzero((run >= ids[0]) & (run <= ids[-1]))
+                if len(cand):
+                    vals = run[cand]
+                    k = np.minimum(np.searchsorted(ids, vals), len(ids) - 1)
+                    hit = cand[ids[k] == vals]
+                    if len(hit):
+                        at = s + int(hit[0])
+                        found = texts.get(int(src.arr[at]))
         if at is None:
             return
         exp: list[str] = []
@@ -862,7 +962,7 @@ class _Ctx:
         text = b.header or ""
         m = None
         if h.attributes == "xtml":
-            parsed = parse_xtml_head(text) if text else None
+            parsed = self.drv.cut_header_reading(text)
             if parsed is None:
                 if must_be_whole:
                     self.problem(b.header_start, f"malformed XTML header {text[:60]!r}", b)
