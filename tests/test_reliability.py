@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import sys
-import time
 import tracemalloc
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from chatgrammar.core.compile import HEADER_CHARS_PER_TOKEN, regex_risk
 from chatgrammar.errors import ChatGrammarError, CompileError, ParseError, SpecError
 from chatgrammar.conformance.render import RenderTimeout, TemplateError, render_chat
 from chatgrammar.core.spec import parse_spec
+from tests.hang_guard import hang_guard
 from tests.fuzz_tokenizers import (check_contract, encode_rendered, expected_token_mask,
                                    format_encoding, format_templates, mask_markers,
                                    placeholder_table, token_char_starts, unmask)
@@ -85,7 +85,7 @@ def test_odd_inputs_never_break_the_contract(name):
         check_contract(fmt, text, "text")
         if "\ud800" not in text:
             check_contract(fmt, encode_rendered(enc, text), "ids", enc)
-    marker_ids = [enc.encode(m, allowed_special={m})[0] for m in markers]
+    marker_ids = [enc.encode_single_token(m) for m in markers]  # a marker may hold another
     for ids in ([], [-1], [2 ** 63 - 1], [enc.n_vocab + 5] * 3, marker_ids,
                 marker_ids[::-1] * 500, [marker_ids[0], -5, 10 ** 12, marker_ids[-1]]):
         check_contract(fmt, ids, "ids", enc)
@@ -343,11 +343,10 @@ def test_python_yaml_tags_are_spec_errors_and_never_execute(tmp_path, tag):
 def test_hostile_yaml_structures_are_spec_errors(yaml_text, message):
     """Recursive aliases, a billion-laughs alias bomb, absurd nesting: a SpecError at once,
     never a hang or a RecursionError."""
-    t0 = time.monotonic()
-    with pytest.raises(SpecError) as info:
-        parse_spec(yaml_text)
-    assert message in str(info.value)
-    assert time.monotonic() - t0 < 5
+    with hang_guard():
+        with pytest.raises(SpecError) as info:
+            parse_spec(yaml_text)
+        assert message in str(info.value)
 
 
 @pytest.mark.parametrize("header,where", [
@@ -375,11 +374,10 @@ def test_oversized_spec_is_refused_before_compiling():
     lines += ["elements:"] + [f"  e{i}: {{open: o{i}, close: {{markers: [c{i}]}}}}"
                               for i in range(n)]
     lines += ["top: [" + ", ".join(f"e{i}" for i in range(n)) + "]"]
-    t0 = time.monotonic()
-    with pytest.raises(SpecError) as info:
-        parse_spec("\n".join(lines))
-    assert info.value.path == "elements" and "256" in info.value.message
-    assert time.monotonic() - t0 < 5
+    with hang_guard():
+        with pytest.raises(SpecError) as info:
+            parse_spec("\n".join(lines))
+        assert info.value.path == "elements" and "256" in info.value.message
 
 
 # exponential shapes, and polynomial ones that blow up on a header-length string
@@ -403,9 +401,8 @@ def _adversarial(pattern: str, n: int) -> list[str]:
 @pytest.mark.parametrize("pattern", CATASTROPHIC)
 def test_catastrophic_patterns_are_rejected(pattern):
     """The classic catastrophic-backtracking shapes are rejected before any input is run."""
-    t0 = time.monotonic()
-    assert regex_risk(pattern), pattern
-    assert time.monotonic() - t0 < 3
+    with hang_guard():
+        assert regex_risk(pattern), pattern
 
 
 @pytest.mark.parametrize("pattern", SAFE)
@@ -414,9 +411,8 @@ def test_deterministic_patterns_are_accepted_and_fast(pattern):
     assert regex_risk(pattern, max_len) is None, pattern
     rx = re.compile(pattern, re.S)
     for s in _adversarial(pattern, max_len):
-        t0 = time.monotonic()
-        rx.fullmatch(s)
-        assert time.monotonic() - t0 < 0.5, (pattern, s[:5])
+        with hang_guard():
+            rx.fullmatch(s)
 
 
 def test_bundled_patterns_pass_the_check():
@@ -468,12 +464,11 @@ def test_patterns_only_ever_see_bounded_strings(tmp_path):
     enc = format_encoding(fmt)
     for text in ("<|s|>" + "a" * 2_000_000 + "\nhi<|e|>",
                  "<|s|>a\nhi<|e|>" + "a" * 2_000_000 + "!" + "<|s|>a\nhi<|e|>"):
-        t0 = time.monotonic()
-        strict, lenient = check_contract(fmt, text, "text")
-        assert isinstance(strict, ParseError)
-        strict, lenient = check_contract(fmt, encode_rendered(enc, text), "ids", enc)
-        assert isinstance(strict, ParseError)
-        assert time.monotonic() - t0 < 20
+        with hang_guard():
+            strict, lenient = check_contract(fmt, text, "text")
+            assert isinstance(strict, ParseError)
+            strict, lenient = check_contract(fmt, encode_rendered(enc, text), "ids", enc)
+            assert isinstance(strict, ParseError)
 
 
 # ------------------------------------------------------------------------- template sandbox
@@ -500,11 +495,10 @@ def test_template_escapes_fail_with_a_chatgrammar_error(tmp_path, template):
 def test_endless_template_is_stopped_by_the_time_limit():
     endless = ("{% for i in range(100000) %}{% for j in range(100000) %}"
                "{% for k in range(100000) %}{% endfor %}{% endfor %}{% endfor %}")
-    t0 = time.monotonic()
-    with pytest.raises(RenderTimeout) as info:
-        render_chat(endless, USER, timeout=0.5)
-    assert isinstance(info.value, ChatGrammarError)
-    assert time.monotonic() - t0 < 5
+    with hang_guard():
+        with pytest.raises(RenderTimeout) as info:
+            render_chat(endless, USER, timeout=0.5)
+        assert isinstance(info.value, ChatGrammarError)
 
 
 # ------------------------------------------------------------------------ size and memory
