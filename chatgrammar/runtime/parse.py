@@ -303,7 +303,7 @@ class Driver:
                     use([h.until] if h.until else [])
             h = el.header
             plain = (h is not None and h.until is not None and h.attributes == "xtml"
-                     and el.lead is None
+                     and not el.lead
                      and all(getattr(h, k) == v for k, v in hdef.items()
                              if k not in ("until", "attributes", "max_tokens")))
             for m in el.open:
