@@ -480,10 +480,14 @@ class FormatData:
             except RenderTimeout:
                 raise  # (a slow machine's accident, not the template's outcome: not kept)
             except TemplateError as exc:
-                self._renders[key] = exc
+                self._renders[key] = exc.with_traceback(None)
         out = self._renders[key]
         if isinstance(out, TemplateError):
-            raise out
+            # a copy: the kept error never carries a traceback (whose frames would keep the
+            # caller's tokenizers alive after the suite has dropped them)
+            err = out.__class__.__new__(out.__class__)
+            err.args, err.__dict__ = out.args, dict(out.__dict__)
+            raise err
         return out
 
     # ---------------------------------------------------------------- goldens
