@@ -394,36 +394,45 @@ def apply_chat_template(
         >>> out["assistant_masks"]                                    # doctest: +SKIP
         [0, 0, 0, 0, 0, 0, 1, 1, 1, 0]
     """
+    return_dict = _check_apply_args(conversation, tokenize, return_dict,
+                                    return_assistant_tokens_mask, continue_final_message)
+    batched = _is_batched(conversation)
+    convs = list(conversation) if batched else [conversation]
+    opts = dict(tools=tools, documents=documents, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, tokenize=tokenize,
+                continue_final_message=continue_final_message, padding=padding,
+                truncation=truncation, max_length=max_length, return_tensors=return_tensors,
+                return_dict=return_dict, return_mask=return_assistant_tokens_mask,
+                fmt=format, policy=policy, strict=strict, kwargs=kwargs)
+    if _is_hf_tokenizer(tokenizer):
+        return _apply_hf(tokenizer, conversation, convs, batched,
+                         tokenizer_kwargs=tokenizer_kwargs, **opts)
+    return _apply_plain(tokenizer, convs, batched, **opts)
+
+
+def _check_apply_args(conversation: Any, tokenize: bool, return_dict: bool,
+                      return_mask: bool, continue_final_message: Any) -> Any:
+    """The argument combinations :func:`apply_chat_template` refuses, as transformers does.
+
+    Returns:
+        The ``return_dict`` in effect (``False`` without ``tokenize``).
+
+    Raises:
+        ValueError: a mask without ``tokenize`` and ``return_dict``, a mask with
+            ``continue_final_message``, or an empty conversation.
+    """
     if not tokenize:
         return_dict = False
-    if return_assistant_tokens_mask and not (return_dict and tokenize):
+    if return_mask and not (return_dict and tokenize):
         raise ValueError("`return_assistant_tokens_mask=True` requires `return_dict=True` "
                          "and `tokenize=True`")
-    if return_assistant_tokens_mask and continue_final_message:
+    if return_mask and continue_final_message:
         raise ValueError("continue_final_message is not compatible with "
                          "return_assistant_tokens_mask.")
     if isinstance(conversation, (list, tuple)) and len(conversation) == 0:
         raise ValueError("Cannot apply chat template to an empty conversation. Provide at "
                          "least one message.")
-    batched = _is_batched(conversation)
-    convs = list(conversation) if batched else [conversation]
-    if _is_hf_tokenizer(tokenizer):
-        return _apply_hf(tokenizer, conversation, convs, batched, tools=tools,
-                         documents=documents, chat_template=chat_template,
-                         add_generation_prompt=add_generation_prompt,
-                         continue_final_message=continue_final_message, tokenize=tokenize,
-                         padding=padding, truncation=truncation, max_length=max_length,
-                         return_tensors=return_tensors, return_dict=return_dict,
-                         return_mask=return_assistant_tokens_mask,
-                         tokenizer_kwargs=tokenizer_kwargs, fmt=format, policy=policy,
-                         strict=strict, kwargs=kwargs)
-    return _apply_plain(tokenizer, convs, batched, tools=tools, documents=documents,
-                        chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                        continue_final_message=continue_final_message, tokenize=tokenize,
-                        padding=padding, truncation=truncation, max_length=max_length,
-                        return_tensors=return_tensors, return_dict=return_dict,
-                        return_mask=return_assistant_tokens_mask, fmt=format, policy=policy,
-                        strict=strict, kwargs=kwargs)
+    return return_dict
 
 
 def _apply_hf(tok, conversation, convs, batched, *, tools, documents, chat_template,

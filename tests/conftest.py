@@ -93,6 +93,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """``CHATGRAMMAR_TEST_CPULOG=FILE``: each test's CPU seconds (setup, call and teardown)
+    appended to FILE (wall time on a shared machine says little about a test's cost)."""
+    log = os.environ.get("CHATGRAMMAR_TEST_CPULOG")
+    if not log:
+        yield
+        return
+    import time
+
+    cpu = time.process_time()
+    yield
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"{time.process_time() - cpu:.4f}\t{item.nodeid}\n")
+
+
+def pytest_collection_finish(session):
+    """What collection built (every module, format, test item: most of the heap) lives to the
+    end: moved out of the garbage collector's sight, so that each later collection (the
+    interpreter's own, and the explicit ones between formats and modules) walks only what the
+    tests allocate since, not the whole heap again."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(scope="session")
 def update_goldens(request) -> bool:
     """Whether this run regenerates the format suite's goldens."""
@@ -134,14 +161,32 @@ def _drop_format_state(name: str) -> None:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_between_modules():
+def _release_between_modules(request):
     """After each test module, drop what it built and nothing else keeps: the test helpers'
     cached tokenizers (every ``functools.lru_cache`` of a ``tests.*`` module: a Qwen-ranks
     vocabulary is ~35 MB, transformers tokenizers more), every loaded format's per-tokenizer
     state, then give the freed heap back to the system. The suite's peak is then one module's
-    working set, not the sum of all of them."""
+    working set, not the sum of all of them.
+
+    ``CHATGRAMMAR_TEST_COSTLOG=FILE``: each module's CPU seconds and the process's resident
+    and peak memory after it are appended to FILE (how the suite's cost is measured)."""
+    import time
+
+    cpu = time.process_time()
     yield
     _release()
+    log = os.environ.get("CHATGRAMMAR_TEST_COSTLOG")
+    if log:
+        status = {}
+        try:
+            with open("/proc/self/status", encoding="ascii") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            pass
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t{request.node.nodeid}\t"
+                    f"{time.process_time() - cpu:.1f}\t{status.get('VmRSS', '?').strip()}\t"
+                    f"{status.get('VmHWM', '?').strip()}\n")
 
 
 def _release() -> None:

@@ -100,10 +100,12 @@ def encode_with_ranges(tok, text: str) -> tuple[list[int], list[tuple[int, int]]
     ids = tok.encode(text, allowed_special="all")
     dec, starts = tok.decode_with_offsets(ids)
     assert dec == text
-    ends, n = [], 0
-    for t in ids:
-        n += sum(1 for c in tok.decode_single_token_bytes(t) if not 0x80 <= c < 0xC0)
-        ends.append(n)
+    # a token ends after the characters whose first byte it holds (UTF-8 lead bytes, counted
+    # over the whole byte string at once)
+    pieces = tok.decode_tokens_bytes(ids)
+    raw = np.frombuffer(b"".join(pieces), dtype=np.uint8)
+    leads = np.cumsum((raw & 0xC0) != 0x80)
+    ends = leads[np.cumsum([len(b) for b in pieces]) - 1].tolist() if ids else []
     assert ends[-1:] in ([len(text)], [])
     return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
 
@@ -130,8 +132,23 @@ def mapped_mask(conv: cg.Conversation, ranges, n_chars: int, policy=None) -> lis
     chars = np.zeros(n_chars + 1, dtype=np.int64)
     for s in conv.spans(policy):
         chars[s.start:s.end] = 1
+    return _overlaps(chars, ranges, n_chars)
+
+
+def _overlaps(chars, ranges, n_chars: int) -> list[int]:
+    """1 for each ``(a, b)`` of ``ranges`` with ``b > a`` that holds a set character of
+    ``chars`` (vectorised: one prefix sum, one gather)."""
     csum = np.concatenate([[0], np.cumsum(chars[:n_chars])])
-    return [int(b > a and csum[b] - csum[a] > 0) for a, b in ranges]
+    if not len(ranges):
+        return []
+    r = np.asarray(ranges, dtype=np.int64)
+    a, b = r[:, 0], r[:, 1]
+    return ((b > a) & (csum[b] - csum[a] > 0)).astype(int).tolist()
+
+
+def _differing(m, want) -> set[int]:
+    """The positions where two equally long 0/1 lists differ."""
+    return set(np.flatnonzero(np.asarray(m) != np.asarray(want)).tolist())
 
 
 def parse_example(text: str) -> tuple[str, list[tuple[int, int]]]:
@@ -230,16 +247,15 @@ def check_id_mode(fmt: cg.Format, text: str, conv: cg.Conversation, tok, policie
                 chars = np.zeros(len(text) + 1, dtype=np.int64)
                 for s in sub:
                     chars[s.start:s.end] = 1
-                csum = np.concatenate([[0], np.cumsum(chars[:len(text)])])
-                want_k = [int(b > a and csum[b] - csum[a] > 0) for a, b in ranges]
+                want_k = _overlaps(chars, ranges, len(text))
                 got_k = [0] * len(ids)
                 for s in conv_ids.spans(policy):
                     if s.kind == kind:
                         got_k[s.start:s.end] = [1] * (s.end - s.start)
-                assert {i for i, (a, b) in enumerate(zip(got_k, want_k)) if a != b} <= odd, kind
+                assert _differing(got_k, want_k) <= odd, kind
         for m in masks:
             assert len(m) == len(ids)
-            assert {i for i, (a, b) in enumerate(zip(m, want)) if a != b} <= odd, policy
+            assert _differing(m, want) <= odd, policy
     return conv_ids
 
 
@@ -330,7 +346,7 @@ import yaml as _yaml  # noqa: E402
 
 from chatgrammar.conformance.format_tests import tests_for  # noqa: E402
 from chatgrammar.conformance.matrix import MatrixCase, default_matrix  # noqa: E402
-from chatgrammar.conformance.render import render_chat  # noqa: E402
+from chatgrammar.conformance.render import RenderTimeout, TemplateError, render_chat  # noqa: E402
 
 SUITE_DIR = Path(__file__).resolve().parent / "formats"
 _MARKS = ("\u27e6", "\u27e7")  # ⟦ ⟧
@@ -364,10 +380,13 @@ class FormatData:
         self.folder = Path(folder) if folder else SUITE_DIR / fmt.name
         self.facts = tests_for(fmt)
         p = self.folder / "suite.yaml"
-        self.data = (_yaml.safe_load(p.read_text(encoding="utf-8")) if p.is_file() else {}) or {}
+        self.data = (_yaml.load(p.read_text(encoding="utf-8"),
+                                Loader=getattr(_yaml, "CSafeLoader", _yaml.SafeLoader))
+                     if p.is_file() else {}) or {}
         self.goldens: dict[str, dict] = {}
         self._cases: list[MatrixCase] | None = None
         self._templates: list[dict] | None = None
+        self._renders: dict[tuple, object] = {}
 
     # ---------------------------------------------------------------- cases and templates
     def cases(self) -> list[MatrixCase]:
@@ -446,13 +465,30 @@ class FormatData:
         return template(file)
 
     def render(self, file: str, case: MatrixCase) -> str:
-        """The case rendered with the template as transformers does (raises TemplateError)."""
-        t = self.template(file)
-        from tests.fuzz_tokenizers import _PARTS_PRELUDE
+        """The case rendered with the template as transformers does (raises TemplateError).
+        Rendered once per template and case (the matrix, batch, truncation and contrast
+        checks all read the same rendering; the template's outcome, text or error, is kept)."""
+        key = (file, case.name, id(case))
+        if key not in self._renders:
+            t = self.template(file)
+            from tests.fuzz_tokenizers import _PARTS_PRELUDE
 
-        src = (_PARTS_PRELUDE if t.get("content_as_parts") else "") + self.source(file)
-        kw = {**(t.get("vars") or {}), **case.render_kwargs()}
-        return render_chat(src, _copy.deepcopy(case.messages), **kw)
+            src = (_PARTS_PRELUDE if t.get("content_as_parts") else "") + self.source(file)
+            kw = {**(t.get("vars") or {}), **case.render_kwargs()}
+            try:
+                self._renders[key] = render_chat(src, _copy.deepcopy(case.messages), **kw)
+            except RenderTimeout:
+                raise  # (a slow machine's accident, not the template's outcome: not kept)
+            except TemplateError as exc:
+                self._renders[key] = exc.with_traceback(None)
+        out = self._renders[key]
+        if isinstance(out, TemplateError):
+            # a copy: the kept error never carries a traceback (whose frames would keep the
+            # caller's tokenizers alive after the suite has dropped them)
+            err = out.__class__.__new__(out.__class__)
+            err.args, err.__dict__ = out.args, dict(out.__dict__)
+            raise err
+        return out
 
     # ---------------------------------------------------------------- goldens
     def golden_path(self, file: str) -> Path:

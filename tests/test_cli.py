@@ -1,18 +1,27 @@
 """The ``chatgrammar`` console script: validate, grammar, formats, schema, show.
 
-Every test runs the real installed console script (``chatgrammar``; ``python -m chatgrammar``
-when it is not on PATH) in a subprocess and checks exit codes and output: 0 ok, 1 problems
-found, 2 usage error, and a one-line error (never a traceback) for bad input.
+The tests check exit codes and output: 0 ok, 1 problems found, 2 usage error, and a one-line
+error (never a traceback) for bad input. Most run ``chatgrammar.cli.main`` in this process
+(the same argv, stdin, cwd and COLUMNS as a subprocess would get; an uncaught exception becomes
+a traceback on stderr and exit 1, as in a real run), because a subprocess pays interpreter
+start and the package import each time (issue 14: most of this file's CPU). A few tests
+(``real=True``, and ``python -m chatgrammar``) still run the real installed console script
+(``chatgrammar``; ``python -m chatgrammar`` when it is not on PATH) in a subprocess, so the
+entry point, its exit codes and its traceback-free errors stay covered end to end.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import os
 import re
 import shutil
 import subprocess
+import runpy
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -34,10 +43,52 @@ SCRIPT = shutil.which("chatgrammar")
 CMD = [SCRIPT] if SCRIPT else [sys.executable, "-m", "chatgrammar"]
 
 
-def run(*args, stdin: str | None = None, cmd=None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONIOENCODING": "utf-8", "COLUMNS": "200"}
-    return subprocess.run([*(cmd or CMD), *map(str, args)], input=stdin, capture_output=True,
-                          text=True, encoding="utf-8", env=env, cwd=ROOT, timeout=600)
+def run(*args, stdin: str | None = None, cmd=None, real: bool = False
+        ) -> subprocess.CompletedProcess:
+    """Run the CLI with ``args``: in this process, unless ``real`` (the installed console
+    script in a subprocess) or ``cmd`` names another command (``[sys.executable]`` with a
+    tools/ script as first arg runs that script in this process; anything else, e.g.
+    ``python -m chatgrammar``, a subprocess)."""
+    argv = [str(a) for a in args]
+    if real or (cmd is not None and cmd != [sys.executable]):
+        env = {**os.environ, "PYTHONIOENCODING": "utf-8", "COLUMNS": "200"}
+        return subprocess.run([*(cmd or CMD), *argv], input=stdin, capture_output=True,
+                              text=True, encoding="utf-8", env=env, cwd=ROOT, timeout=600)
+    if cmd is None:
+        from chatgrammar.cli import main
+        entry = ["chatgrammar", *argv]
+    else:  # [sys.executable, "tools/x.py", ...]: the script as __main__
+        def main(_argv, script=str(ROOT / argv[0])):
+            runpy.run_path(script, run_name="__main__")
+        entry = argv
+    return _in_process(main, entry, stdin)
+
+
+def _in_process(main, argv: list[str], stdin: str | None) -> subprocess.CompletedProcess:
+    out, err = io.StringIO(), io.StringIO()
+    old = (sys.argv, sys.stdin, os.environ.get("COLUMNS"), os.getcwd())
+    sys.argv, sys.stdin = argv, io.StringIO(stdin or "")
+    os.environ["COLUMNS"] = "200"
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv[1:])
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) or exc.code is None else 1
+                if not isinstance(exc.code, (int, type(None))):
+                    print(exc.code, file=sys.stderr)
+            except Exception:  # what the interpreter would print, and its exit status
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv, sys.stdin = old[0], old[1]
+        if old[2] is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = old[2]
+        os.chdir(old[3])
+    return subprocess.CompletedProcess(argv, int(code or 0), out.getvalue(), err.getvalue())
 
 
 def one_line_error(p: subprocess.CompletedProcess) -> str:
@@ -116,10 +167,10 @@ def test_unreadable_inputs_exit_2(tmp_path):
 
 
 def test_unknown_command_and_no_command_are_usage_errors():
-    p = run("frobnicate")
+    p = run("frobnicate", real=True)  # the installed console script, end to end
     assert p.returncode == 2 and "invalid choice: 'frobnicate'" in p.stderr
     assert "Traceback" not in p.stderr
-    assert run().returncode == 2
+    assert run(real=True).returncode == 2
 
 
 def test_validate_real_kimi_templates_pass():
@@ -411,7 +462,7 @@ def test_show_reads_stdin_and_renders_messages_with_a_template():
 
 def test_show_parse_error_and_lenient():
     broken = '<|open|>message role="user"<|sep|>Hi<|close|>message<|open|>'
-    p = run("show", "-f", "kimi-k3", stdin=broken)
+    p = run("show", "-f", "kimi-k3", stdin=broken, real=True)  # stdin and exit 1, end to end
     assert p.returncode == 1
     assert "Traceback" not in p.stderr
     assert p.stderr.startswith("chatgrammar: error: kimi-k3: unexpected open '<|open|>' at char")

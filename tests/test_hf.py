@@ -12,7 +12,9 @@ from chatgrammar.hf import MaskFn, map_fn
 from chatgrammar.conformance.render import render_chat
 from tests.tokenizers import qwen_fast_tokenizer
 
-datasets = pytest.importorskip("datasets")
+from tests.lazy_modules import lazy_importorskip  # noqa: E402
+
+datasets = lazy_importorskip("datasets")  # (imported by the first test that uses it)
 
 TEMPLATE = (Path(__file__).resolve().parent / "data" / "templates" / "generation"
             / "trl-qwen2_5_training.jinja").read_text(encoding="utf-8")

@@ -20,13 +20,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-with warnings.catch_warnings():  # "transformers X is not tested with this modelopt": we test it
-    warnings.simplefilter("ignore", UserWarning)
-    loss_mask = pytest.importorskip("modelopt.torch.utils.loss_mask")
+from tests.lazy_modules import lazy_importorskip  # noqa: E402
+
+# imported when a test first needs them, not while every worker collects the suite
+torch = lazy_importorskip("torch")
+# (quiet: "transformers X is not tested with this modelopt": we test it)
+loss_mask = lazy_importorskip("modelopt.torch.utils.loss_mask", quiet=True)
+cg_modelopt = lazy_importorskip("chatgrammar.integrations.modelopt", quiet=True)
 
 import chatgrammar as cg  # noqa: E402
-from chatgrammar.integrations import modelopt as cg_modelopt  # noqa: E402
 from tests.kimi_tokenizers import (K2_SPECIALS, PAT_STR, _ranks, _with_reserved,  # noqa: E402
                                    kimi_k2_encoding, kimi_slow_tokenizer, template,
                                    write_kimi_files)

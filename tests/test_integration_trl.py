@@ -20,10 +20,13 @@ import pytest
 import chatgrammar as cg
 from tests.tokenizers import qwen_fast_tokenizer
 
-datasets = pytest.importorskip("datasets")
-torch = pytest.importorskip("torch")
-trl = pytest.importorskip("trl")
-transformers = pytest.importorskip("transformers")
+from tests.lazy_modules import lazy_importorskip  # noqa: E402
+
+# imported when a test first needs them, not while every worker collects the suite
+datasets = lazy_importorskip("datasets")
+torch = lazy_importorskip("torch")
+trl = lazy_importorskip("trl")
+transformers = lazy_importorskip("transformers")
 
 from chatgrammar.hf import apply_chat_template  # noqa: E402
 from chatgrammar.integrations.trl import prepare  # noqa: E402

@@ -78,3 +78,45 @@ def test_no_bundled_format_name_is_a_string_in_the_package():
                    for s in _code_strings(ast.parse(p.read_text(encoding="utf-8")))
                    if s in names)
     assert not found, found
+
+
+# Functions of the package allowed over MAX_FUNCTION_LINES, each with its reason (none today:
+# issue 14 "no function over ~100 lines"). An entry that is no longer over the limit fails
+# the test too, so the list never hides anything.
+MAX_FUNCTION_LINES = 100
+LONG_FUNCTIONS: dict[str, str] = {}
+
+
+def _function_lengths():
+    """``(lines, "path:line qualname")`` of every function and method of the package,
+    counting from its first decorator to its last line (docstring and comments included)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(chatgrammar.__file__).resolve().parent
+    for py in sorted(root.rglob("*.py")):
+        tree = ast.parse(py.read_text(encoding="utf-8"))
+        stack = [(tree, "")]
+        while stack:
+            node, prefix = stack.pop()
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    qual = prefix + child.name
+                    if not isinstance(child, ast.ClassDef):
+                        start = min([d.lineno for d in child.decorator_list] + [child.lineno])
+                        yield (child.end_lineno - start + 1,
+                               f"{py.relative_to(root.parent).as_posix()}:{qual}")
+                    stack.append((child, qual + "."))
+                else:
+                    stack.append((child, prefix))
+
+
+def test_no_function_over_a_hundred_lines():
+    """No function of the package is longer than MAX_FUNCTION_LINES lines (docstrings
+    counted) unless LONG_FUNCTIONS names it with a reason."""
+    lengths = list(_function_lengths())
+    assert len(lengths) > 500  # the scan saw the package (every module, nested functions too)
+    long = {where: n for n, where in lengths if n > MAX_FUNCTION_LINES}
+    assert sorted(set(long) - set(LONG_FUNCTIONS)) == [], \
+        f"split these (lines counted with the docstring): {long}"
+    assert sorted(set(LONG_FUNCTIONS) - set(long)) == [], "no longer long: remove the entry"

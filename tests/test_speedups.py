@@ -227,7 +227,56 @@ def _c_lexable():
     return out
 
 
-C_LEXABLE = _c_lexable()
+def _c_lexable_shared() -> list[str]:
+    """:func:`_c_lexable`, computed once per source state and shared through a file.
+
+    It builds a tokenizer and a fast masker for every format (~8 CPU-s), at import, so every
+    xdist worker paid it at collection although only one runs this file (issue 14). The
+    answer is kept under .pytest_cache, keyed by a hash of everything it depends on (the
+    package's sources, the formats, the test tokenizers and their ranks file, tiktoken's
+    version, CHATGRAMMAR_PURE);
+    a lock makes a second worker wait for the first one's answer instead of recomputing it.
+    Any change to those inputs computes it afresh, so the ids collected are what
+    :func:`_c_lexable` says now.
+    """
+    import fcntl
+    import hashlib
+    import importlib.metadata
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    files = sorted([*(root / "chatgrammar").rglob("*.py"), *(root / "formats").glob("*.yaml"),
+                    root / "tests" / "fuzz_tokenizers.py", Path(__file__).resolve()])
+    for f in files:
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    from tests.fuzz_tokenizers import QWEN_TIKTOKEN  # the ranks: by size and mtime
+    ranks = os.stat(QWEN_TIKTOKEN)
+    h.update(f"{sys.version}|{importlib.metadata.version('tiktoken')}|"
+             f"{ranks.st_size}|{ranks.st_mtime_ns}|"
+             f"{os.environ.get('CHATGRAMMAR_PURE', '')}".encode())
+    cache = root / ".pytest_cache" / "chatgrammar"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        lock = open(cache / "c_lexable.lock", "a+")
+    except OSError:  # a read-only checkout: just compute it
+        return _c_lexable()
+    path = cache / f"c_lexable-{h.hexdigest()[:20]}.json"
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            pass
+        out = _c_lexable()
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(out), encoding="utf-8")
+        os.replace(tmp, path)
+        return out
+
+
+C_LEXABLE = _c_lexable_shared()
 
 
 def test_the_c_symbol_pass_serves_the_kimi_formats():

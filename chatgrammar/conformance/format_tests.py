@@ -134,10 +134,14 @@ def check_tests(data: Any, file: str = "<tests.yaml>") -> list[str]:
     return out
 
 
+# libyaml's safe loader when PyYAML has it (the same data, ~7x faster than the pure-Python one)
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 @lru_cache(maxsize=256)
 def _read(path: str, mtime: float) -> dict:
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_SAFE_LOADER)
     except (OSError, yaml.YAMLError) as exc:
         raise SpecError(f"cannot read test facts: {exc}", file=path) from None
     problems = check_tests(data, path)

@@ -552,6 +552,61 @@ class RenderResult:
         return [self.text[start:end] for start, end in self.generation_spans]
 
 
+def _tag_final_message(chat: list, continue_final_message: bool | str, template: str) -> Any:
+    """Tag the field of ``chat``'s final message that the model continues (in place, on the
+    caller's fresh copy) and return its untagged value, as transformers does.
+
+    Raises:
+        ValueError: the final message has no such field, the template never reads it, or it
+            holds no text block to continue.
+    """
+    field = continue_final_message if isinstance(continue_final_message, str) else "content"
+    final_message = chat[-1].get(field)
+    if final_message is None:
+        raise ValueError(
+            f'continue_final_message is set but the final message has no "{field}" to continue!'
+        )
+    fields = [field]
+    if field in _REASONING_FIELDS:
+        # Reasoning is copied under several names: tag each copy the template might read.
+        fields = [f for f in _REASONING_FIELDS if chat[-1].get(f) == final_message]
+    if not any(f in template for f in fields):
+        raise ValueError(f'continue_final_message is set to "{field}" but this is not an '
+                         "accepted field in the chat_template")
+    if isinstance(final_message, (list, tuple)):
+        for block in reversed(final_message):
+            if "text" in block:
+                final_message = block["text"]
+                block["text"] = block["text"] + _CONTINUE_TAG
+                break
+        else:
+            raise ValueError("continue_final_message is set but we could not find any text "
+                             "to continue in the final message!")
+    else:
+        for f in fields:
+            chat[-1][f] = chat[-1][f] + _CONTINUE_TAG
+    return final_message
+
+
+def _cut_continued(text: str, final_message: str) -> str:
+    """The rendering cut at the continue tag (the final message left open).
+
+    Raises:
+        TemplateError: (``kind="continue"``) the template deleted or rewrote the final message.
+    """
+    if final_message.strip() not in text or _CONTINUE_TAG.strip() not in text:
+        raise TemplateError(
+            "continue_final_message is set but the final message does not appear in the "
+            "rendering: the template deletes or rewrites part of it",
+            kind="continue",
+        )
+    tag_at = text.rindex(_CONTINUE_TAG.strip())
+    if text[tag_at:tag_at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return text[:tag_at]
+    # The template trimmed the tag's trailing space: cut more cautiously, as transformers.
+    return text[:tag_at].rstrip()
+
+
 def render_chat_with_spans(
     template: str,
     messages: Any,
@@ -623,33 +678,8 @@ def render_chat_with_spans(
     extra = _plain(template_kwargs)
     chat = _alias_reasoning(_plain(chat))  # a fresh copy: the edits below never leak out
 
-    final_message: Any = None
-    if continue_final_message:
-        field = continue_final_message if isinstance(continue_final_message, str) else "content"
-        final_message = chat[-1].get(field)
-        if final_message is None:
-            raise ValueError(
-                f'continue_final_message is set but the final message has no "{field}" to continue!'
-            )
-        fields = [field]
-        if field in _REASONING_FIELDS:
-            # Reasoning is copied under several names: tag each copy the template might read.
-            fields = [f for f in _REASONING_FIELDS if chat[-1].get(f) == final_message]
-        if not any(f in template for f in fields):
-            raise ValueError(f'continue_final_message is set to "{field}" but this is not an '
-                             "accepted field in the chat_template")
-        if isinstance(final_message, (list, tuple)):
-            for block in reversed(final_message):
-                if "text" in block:
-                    final_message = block["text"]
-                    block["text"] = block["text"] + _CONTINUE_TAG
-                    break
-            else:
-                raise ValueError("continue_final_message is set but we could not find any text "
-                                 "to continue in the final message!")
-        else:
-            for f in fields:
-                chat[-1][f] = chat[-1][f] + _CONTINUE_TAG
+    final_message = _tag_final_message(chat, continue_final_message, template) \
+        if continue_final_message else None
 
     variables = {
         "messages": chat,
@@ -661,18 +691,7 @@ def render_chat_with_spans(
     text, spans = _run(compiled, variables, timeout)
 
     if continue_final_message:
-        if final_message.strip() not in text or _CONTINUE_TAG.strip() not in text:
-            raise TemplateError(
-                "continue_final_message is set but the final message does not appear in the "
-                "rendering: the template deletes or rewrites part of it",
-                kind="continue",
-            )
-        tag_at = text.rindex(_CONTINUE_TAG.strip())
-        if text[tag_at:tag_at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
-            text = text[:tag_at]
-        else:
-            # The template trimmed the tag's trailing space: cut more cautiously, as transformers.
-            text = text[:tag_at].rstrip()
+        text = _cut_continued(text, final_message)
     return RenderResult(text=text, generation_spans=tuple(spans))
 
 

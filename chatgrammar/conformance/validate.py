@@ -278,8 +278,7 @@ def check_examples(fmt: Any, tokenizer: Any = None) -> list[Problem]:
     Returns:
         One problem per failing example and mode.
     """
-    from .templates import MarkerTokenizer, encode_text
-    from ..runtime.tokenizers import adapt
+    from .templates import MarkerTokenizer
 
     src = fmt.source
     synth = MarkerTokenizer.for_format(fmt)
@@ -292,79 +291,100 @@ def check_examples(fmt: Any, tokenizer: Any = None) -> list[Problem]:
                                       "examples"))
 
     for i, ex in enumerate(fmt.spec.examples):
-        try:
-            plain, spans = parse_marked(ex.text)
-        except ValueError as exc:
-            problem(i, f"bad {OPEN_MARK}{CLOSE_MARK} marks: {exc}", ("text",))
-            continue
-        try:
-            policy = MaskPolicy.from_mapping(ex.policy, base=fmt.default_policy)
-        except (ValueError, TypeError) as exc:
-            problem(i, f"bad policy: {exc}", ("policy",))
-            continue
-        ids, starts = synth.encode_with_offsets(plain)
-        bounds = starts + [len(plain)]
-        if ex.error is not None:
-            if spans:
-                problem(i, f"an `error:` example cannot also mark trained text with "
-                           f"{OPEN_MARK}{CLOSE_MARK}", ("text",))
-            for mode in ("text", "id"):
-                try:
-                    if mode == "text":
-                        fmt.parse(plain)
-                    else:
-                        fmt.parse_ids(ids, synth)
-                except ParseError as exc:
-                    if ex.error not in str(exc):
-                        problem(i, f"{mode} mode fails, but its message does not contain "
-                                   f"{ex.error!r}: {str(exc).splitlines()[0]}", ("error",))
-                else:
-                    problem(i, f"{mode} mode parses it, but the example expects an error "
-                               f"containing {ex.error!r}", ("error",))
-            continue
-        want = _mask(spans, len(plain))
-        try:
-            conv = fmt.parse(plain)
-        except ParseError as exc:
-            problem(i, f"text mode does not parse it: {str(exc).splitlines()[0]}", ("text",))
-            continue
-        got = conv.mask(policy)
-        if got != want:
-            problem(i, "text mode trains something else.\n"
-                       f"expected: {_mark(plain, spans)}\n"
-                       f"found:    {_mark(plain, _runs(got))}", ("text",))
-        if fmt._partial_marker_tail(plain) is not None:  # (the parser's own rule)
-            # Text cut inside a marker string: only text can end there (in ids a marker is
-            # one token), so there is no id-mode counterpart to compare with.
-            continue
-        try:
-            conv_ids = fmt.parse_ids(ids, synth)
-        except ParseError as exc:
-            problem(i, f"id mode does not parse it: {str(exc).splitlines()[0]}", ("text",))
-            continue
-        got_ids = [0] * len(plain)
-        for s in conv_ids.spans(policy):
-            for k in range(bounds[s.start], bounds[s.end]):
-                got_ids[k] = 1
-        if got_ids != got:
-            problem(i, "id mode (one id per marker) disagrees with text mode.\n"
-                       f"text mode: {_mark(plain, _runs(got))}\n"
-                       f"id mode:   {_mark(plain, _runs(got_ids))}", ("text",))
-        if tokenizer is not None:
-            rids = encode_text(tokenizer, plain)
-            try:
-                rconv = fmt.parse_ids(rids, tokenizer)
-            except ParseError as exc:
-                problem(i, f"id mode with the tokenizer does not parse it: "
-                           f"{str(exc).splitlines()[0]}", ("text",))
-                continue
-            ad = adapt(tokenizer)
-            t_text = [plain[s.start:s.end] for s in conv.spans(policy)]
-            i_text = [ad.decode(rids[s.start:s.end]) for s in rconv.spans(policy)]
-            if "".join(t_text) != "".join(i_text):
-                problem(i, "id mode with the tokenizer trains other text than text mode: "
-                           f"{''.join(i_text)!r} vs {''.join(t_text)!r}", ("text",))
+        _check_example(fmt, ex, lambda msg, sub=(), i=i: problem(i, msg, sub), synth, tokenizer)
     return out
+
+
+def _check_example(fmt: Any, ex: Any, problem: Any, synth: Any, tokenizer: Any) -> None:
+    """One embedded example of :func:`check_examples`; ``problem(msg, sub=())`` records a
+    failure located at the example (``sub``: the key inside it)."""
+    try:
+        plain, spans = parse_marked(ex.text)
+    except ValueError as exc:
+        problem(f"bad {OPEN_MARK}{CLOSE_MARK} marks: {exc}", ("text",))
+        return
+    try:
+        policy = MaskPolicy.from_mapping(ex.policy, base=fmt.default_policy)
+    except (ValueError, TypeError) as exc:
+        problem(f"bad policy: {exc}", ("policy",))
+        return
+    ids, starts = synth.encode_with_offsets(plain)
+    if ex.error is not None:
+        _check_error_example(fmt, ex, plain, spans, ids, synth, problem)
+        return
+    want = _mask(spans, len(plain))
+    try:
+        conv = fmt.parse(plain)
+    except ParseError as exc:
+        problem(f"text mode does not parse it: {str(exc).splitlines()[0]}", ("text",))
+        return
+    got = conv.mask(policy)
+    if got != want:
+        problem("text mode trains something else.\n"
+                f"expected: {_mark(plain, spans)}\n"
+                f"found:    {_mark(plain, _runs(got))}", ("text",))
+    if fmt._partial_marker_tail(plain) is not None:  # (the parser's own rule)
+        # Text cut inside a marker string: only text can end there (in ids a marker is
+        # one token), so there is no id-mode counterpart to compare with.
+        return
+    try:
+        conv_ids = fmt.parse_ids(ids, synth)
+    except ParseError as exc:
+        problem(f"id mode does not parse it: {str(exc).splitlines()[0]}", ("text",))
+        return
+    bounds = starts + [len(plain)]
+    got_ids = [0] * len(plain)
+    for s in conv_ids.spans(policy):
+        for k in range(bounds[s.start], bounds[s.end]):
+            got_ids[k] = 1
+    if got_ids != got:
+        problem("id mode (one id per marker) disagrees with text mode.\n"
+                f"text mode: {_mark(plain, _runs(got))}\n"
+                f"id mode:   {_mark(plain, _runs(got_ids))}", ("text",))
+    if tokenizer is not None:
+        _check_with_tokenizer(fmt, plain, conv, policy, tokenizer, problem)
+
+
+def _check_error_example(fmt: Any, ex: Any, plain: str, spans: list, ids: list[int],
+                         synth: Any, problem: Any) -> None:
+    """An ``error:`` example: both modes raise a ParseError whose message contains it."""
+    if spans:
+        problem(f"an `error:` example cannot also mark trained text with "
+                f"{OPEN_MARK}{CLOSE_MARK}", ("text",))
+    for mode in ("text", "id"):
+        try:
+            if mode == "text":
+                fmt.parse(plain)
+            else:
+                fmt.parse_ids(ids, synth)
+        except ParseError as exc:
+            if ex.error not in str(exc):
+                problem(f"{mode} mode fails, but its message does not contain "
+                        f"{ex.error!r}: {str(exc).splitlines()[0]}", ("error",))
+        else:
+            problem(f"{mode} mode parses it, but the example expects an error "
+                    f"containing {ex.error!r}", ("error",))
+
+
+def _check_with_tokenizer(fmt: Any, plain: str, conv: Any, policy: Any, tokenizer: Any,
+                          problem: Any) -> None:
+    """Id mode with a real tokenizer trains the same text as text mode (``conv``)."""
+    from .templates import encode_text
+    from ..runtime.tokenizers import adapt
+
+    rids = encode_text(tokenizer, plain)
+    try:
+        rconv = fmt.parse_ids(rids, tokenizer)
+    except ParseError as exc:
+        problem(f"id mode with the tokenizer does not parse it: "
+                f"{str(exc).splitlines()[0]}", ("text",))
+        return
+    ad = adapt(tokenizer)
+    t_text = [plain[s.start:s.end] for s in conv.spans(policy)]
+    i_text = [ad.decode(rids[s.start:s.end]) for s in rconv.spans(policy)]
+    if "".join(t_text) != "".join(i_text):
+        problem("id mode with the tokenizer trains other text than text mode: "
+                f"{''.join(i_text)!r} vs {''.join(t_text)!r}", ("text",))
 
 
 # --------------------------------------------------------------------------- one spec

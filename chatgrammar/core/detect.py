@@ -219,11 +219,20 @@ def check_precedence(formats: Iterable[Any]) -> list["PrecedenceError"]:
         []
     """
     entries = sorted(_entries(formats), key=lambda e: (e.name, e.file))
-    problems: list[PrecedenceError] = []
-
     by_name: dict[str, list[_Entry]] = {}
     for e in entries:
         by_name.setdefault(e.name, []).append(e)
+    unique = [g[0] for g in by_name.values()]
+    problems = _duplicate_name_problems(by_name) + _reference_problems(unique, by_name)
+    graph = _graph(unique)
+    beats = _closure(graph)
+    problems += _cycle_problems(unique, by_name, graph, beats)
+    return problems + _overlap_problems(unique, beats)
+
+
+def _duplicate_name_problems(by_name: dict[str, list["_Entry"]]) -> list["PrecedenceError"]:
+    """A format name declared by more than one spec file (:func:`check_precedence`)."""
+    problems = []
     for name, group in by_name.items():
         if len(group) > 1:
             files = [e.file for e in group]
@@ -231,9 +240,13 @@ def check_precedence(formats: Iterable[Any]) -> list["PrecedenceError"]:
                 group[1], f"format name {name!r} is declared by {len(group)} spec files: "
                 f"{_quote(files)}; detection would pick one by lookup order (rename one)",
                 ("name",), files=files, formats=[name]))
-    unique = [g[0] for g in by_name.values()]
-    names = sorted(by_name)
+    return problems
 
+
+def _reference_problems(unique: list["_Entry"], by_name: dict) -> list["PrecedenceError"]:
+    """``precedence_over`` entries naming the format itself or no format of the set."""
+    names = sorted(by_name)
+    problems = []
     for e in unique:
         for i, other in enumerate(e.spec.detect.precedence_over):
             loc = ("detect", "precedence_over", i)
@@ -247,12 +260,18 @@ def check_precedence(formats: Iterable[Any]) -> list["PrecedenceError"]:
                     e, f"{e.name} declares precedence over {other!r}, which is not a format of "
                     f"the checked set ({_quote(names)}).{hint}", loc,
                     files=[e.file], formats=[e.name]))
+    return problems
 
-    graph = _graph(unique)
+
+def _cycle_problems(unique: list["_Entry"], by_name: dict, graph: dict, beats: dict
+                    ) -> list["PrecedenceError"]:
+    """One problem per cycle of ``precedence_over`` declarations (a strongly connected set
+    of formats; a format over itself is reported by :func:`_reference_problems`)."""
+    names = sorted(by_name)
     files_of = {e.name: e.file for e in unique}
-    beats = _closure(graph)
     cyclic = sorted(n for n in names if n in beats[n] and n != "")
     reported: set[frozenset] = set()
+    problems = []
     for n in cyclic:
         if any(x == n for x in graph[n]):
             continue  # already reported as "over itself"
@@ -267,8 +286,14 @@ def check_precedence(formats: Iterable[Any]) -> list["PrecedenceError"]:
             + "); none can win: remove one of these precedence_over entries",
             ("detect", "precedence_over"), files=[files_of[m] for m in sorted(comp)],
             formats=sorted(comp)))
+    return problems
 
-    in_cycle = {n for n in names if n in beats[n]}
+
+def _overlap_problems(unique: list["_Entry"], beats: dict) -> list["PrecedenceError"]:
+    """Pairs of formats whose detectors can both match one input (a tokenizer or a chat
+    template: the witnesses) and that no chain of declarations orders."""
+    in_cycle = {n for n in beats if n in beats[n]}
+    problems = []
     for i, a in enumerate(unique):
         for b in unique[i + 1:]:
             if a.name in in_cycle and b.name in in_cycle:
@@ -779,6 +804,59 @@ def _no_match(what: str, evidence: dict[str, dict], considered: list[str],
     return DetectionError("\n".join(lines), candidates=near, evidence=evidence)
 
 
+def _chat_template_of(tokenizer: Any, chat_template: Any) -> tuple[str | None, str | None, Any]:
+    """``(template text, where it came from, the raw value)`` for :func:`explain_detection`:
+    the given ``chat_template`` (``"argument"``), else the tokenizer's own (``"tokenizer"``).
+
+    Raises:
+        TypeError: ``chat_template`` is given but holds no template text.
+    """
+    if chat_template is not None:
+        template = _template_text(chat_template)
+        if template is None:
+            raise TypeError(f"chat_template must be a str (a Jinja template's source), got "
+                            f"{type(chat_template).__name__}")
+        return template, "argument", chat_template
+    if tokenizer is not None:
+        raw_template = getattr(tokenizer, "chat_template", None)
+        template = _template_text(raw_template)
+        return template, ("tokenizer" if template is not None else None), raw_template
+    return None, None, None
+
+
+def _evidence(by_name: dict[str, Format], adapter: Any, template: str | None) -> dict[str, dict]:
+    """Each format's marker evidence: in the tokenizer's vocabulary and in the template."""
+    evidence: dict[str, dict] = {}
+    for name in sorted(by_name):
+        fmt = by_name[name]
+        ev: dict = {}
+        if adapter is not None:
+            ev["tokens"] = _tokens_evidence(fmt, adapter)
+        if template is not None:
+            ev["template"] = _template_evidence(fmt, template)
+        evidence[name] = ev
+    return evidence
+
+
+def _narrowed(name: str, rule: dict, why: str, matched: list[str], candidates: list[str],
+              verified: list[str], by_name: dict, template_source: str | None
+              ) -> tuple[dict, str]:
+    """The template's literals narrowed the token matches: the rule and reason say so, and
+    whether precedence alone (over the token matches) would have picked the same format."""
+    by_prec, _, _ = _resolve(matched, by_name)
+    ruled_out = [n for n in matched if n not in candidates]
+    whose = "given" if template_source == "argument" else "tokenizer's"
+    why = (f"{name}: the {whose} chat template rules out {_quote(ruled_out)}, which "
+           f"the tokens also match; " + (why if len(verified) > 1 else
+                                         f"{name} is the only candidate left")
+           + (f"; precedence alone agrees ({by_prec})" if by_prec == name else
+              f"; precedence alone would have picked {by_prec}"))
+    rule = {**rule, "template_ruled_out": ruled_out, "precedence_alone": by_prec}
+    if rule["kind"] == "only-match":
+        rule["kind"] = "template"
+    return rule, why
+
+
 def explain_detection(tokenizer: Any = None, *, chat_template: Any = None,
                       formats: Iterable[Format] | None = None, verify: bool = True
                       ) -> Detection:
@@ -816,30 +894,8 @@ def explain_detection(tokenizer: Any = None, *, chat_template: Any = None,
     by_name = {f.name: f for f in fmts}
     adapter = adapt(tokenizer) if tokenizer is not None else None
 
-    template_source = None
-    template = None
-    raw_template = None
-    if chat_template is not None:
-        template = _template_text(chat_template)
-        if template is None:
-            raise TypeError(f"chat_template must be a str (a Jinja template's source), got "
-                            f"{type(chat_template).__name__}")
-        template_source, raw_template = "argument", chat_template
-    elif tokenizer is not None:
-        raw_template = getattr(tokenizer, "chat_template", None)
-        template = _template_text(raw_template)
-        if template is not None:
-            template_source = "tokenizer"
-
-    evidence: dict[str, dict] = {}
-    for name in sorted(by_name):
-        fmt = by_name[name]
-        ev: dict = {}
-        if adapter is not None:
-            ev["tokens"] = _tokens_evidence(fmt, adapter)
-        if template is not None:
-            ev["template"] = _template_evidence(fmt, template)
-        evidence[name] = ev
+    template, template_source, raw_template = _chat_template_of(tokenizer, chat_template)
+    evidence = _evidence(by_name, adapter, template)
 
     inputs = {"tokenizer": type(tokenizer).__name__ if tokenizer is not None else None,
               "tokenizer_kind": adapter.kind if adapter is not None else None,
@@ -864,19 +920,8 @@ def explain_detection(tokenizer: Any = None, *, chat_template: Any = None,
 
     name, rule, why = _resolve(verified, by_name)
     if len(candidates) < len(matched):
-        # The template's literals narrowed the token matches: say so, and whether precedence
-        # alone (over the token matches) would have picked the same format.
-        by_prec, _, _ = _resolve(matched, by_name)
-        ruled_out = [n for n in matched if n not in candidates]
-        whose = "given" if template_source == "argument" else "tokenizer's"
-        why = (f"{name}: the {whose} chat template rules out {_quote(ruled_out)}, which "
-               f"the tokens also match; " + (why if len(verified) > 1 else
-                                             f"{name} is the only candidate left")
-               + (f"; precedence alone agrees ({by_prec})" if by_prec == name else
-                  f"; precedence alone would have picked {by_prec}"))
-        rule = {**rule, "template_ruled_out": ruled_out, "precedence_alone": by_prec}
-        if rule["kind"] == "only-match":
-            rule["kind"] = "template"
+        rule, why = _narrowed(name, rule, why, matched, candidates, verified, by_name,
+                              template_source)
     if vtemplates:
         why = _with_verification(name, why, rule, verification, ruled_by_check, candidates,
                                  by_name, template_source, notes)

@@ -178,6 +178,37 @@ def prepare(dataset: Any, tokenizer: Any, *, format: Format | str | None = None,
         >>> st["malformed"], st["dropped"]                                 # doctest: +SKIP
         (0, 0)
     """
+    dataset = _as_dataset(dataset, messages_column, max_length)
+    cols = dataset.column_names
+    src = None
+    if chat_template is not None:
+        from ..hf import chat_template_of
+        src = chat_template_of(tokenizer, chat_template, None)
+    fmt = format_for(format, tokenizer, src)
+    fn = PrepareFn(fmt, tokenizer, policy=policy, max_length=max_length, strict=strict,
+                   chat_template=chat_template, template_kwargs=template_kwargs,
+                   messages_column=messages_column)
+    out = dataset.map(fn, batched=True, batch_size=256, num_proc=num_proc,
+                      remove_columns=cols, desc="chatgrammar: masking",
+                      new_fingerprint=_fingerprint(dataset, fn))
+    st, keep = _counted(out, fmt.name, drop_empty)
+    if stats is not None:
+        stats.clear()
+        stats.update(st)
+    if not all(keep):
+        out = out.select([i for i, k in enumerate(keep) if k])
+    return out.remove_columns(_PRIVATE)
+
+
+def _as_dataset(dataset: Any, messages_column: str, max_length: int | None) -> Any:
+    """:func:`prepare`'s input as a ``datasets.Dataset``, its arguments checked.
+
+    Raises:
+        ImportError: ``datasets`` is not installed.
+        TypeError: neither a ``datasets.Dataset`` nor a list of rows.
+        KeyError: no ``input_ids`` and no ``messages_column`` column.
+        ValueError: ``max_length`` below 1.
+    """
     try:
         import datasets
     except ImportError as exc:  # pragma: no cover - the extra pulls it in
@@ -193,17 +224,12 @@ def prepare(dataset: Any, tokenizer: Any, *, format: Format | str | None = None,
                        f"(columns: {cols})")
     if max_length is not None and max_length < 1:
         raise ValueError("max_length must be positive")
-    src = None
-    if chat_template is not None:
-        from ..hf import chat_template_of
-        src = chat_template_of(tokenizer, chat_template, None)
-    fmt = format_for(format, tokenizer, src)
-    fn = PrepareFn(fmt, tokenizer, policy=policy, max_length=max_length, strict=strict,
-                   chat_template=chat_template, template_kwargs=template_kwargs,
-                   messages_column=messages_column)
-    out = dataset.map(fn, batched=True, batch_size=256, num_proc=num_proc,
-                      remove_columns=cols, desc="chatgrammar: masking",
-                      new_fingerprint=_fingerprint(dataset, fn))
+    return dataset
+
+
+def _counted(out: Any, fmt_name: str, drop_empty: bool) -> tuple[dict, list[bool]]:
+    """The counts of :func:`prepare` (its ``stats``) over the mapped dataset ``out`` and which
+    rows to keep; logs them once (a warning when anything was malformed or dropped)."""
     status = out[_STATUS]
     cut = out[_CUT]
     masks_ok = [s != DROPPED for s in status]
@@ -217,11 +243,8 @@ def prepare(dataset: Any, tokenizer: Any, *, format: Format | str | None = None,
           "dropped": sum(s == DROPPED for s in status), "empty": sum(empty),
           "truncated": sum(cut), "tokens": sum(n for n, k in zip(lens, keep) if k),
           "trained": sum(t for t, k in zip(trained, keep) if k),
-          "format": fmt.name, "errors": errs[:10]}
-    if stats is not None:
-        stats.clear()
-        stats.update(st)
-    msg = (f"chatgrammar prepare ({fmt.name}): {st['kept']} of {st['samples']} samples kept; "
+          "format": fmt_name, "errors": errs[:10]}
+    msg = (f"chatgrammar prepare ({fmt_name}): {st['kept']} of {st['samples']} samples kept; "
            f"{st['malformed']} malformed (trained nothing where malformed), {st['dropped']} "
            f"unusable, {st['empty']} train nothing{' (dropped)' if drop_empty else ''}, "
            f"{st['truncated']} cut at max_length")
@@ -229,9 +252,7 @@ def prepare(dataset: Any, tokenizer: Any, *, format: Format | str | None = None,
         msg += f"; first problem: row {errs[0][0]}: {errs[0][1]}"
     (log.warning if st["malformed"] or st["dropped"] or (drop_empty and st["empty"])
      else log.info)(msg)
-    if not all(keep):
-        out = out.select([i for i, k in enumerate(keep) if k])
-    return out.remove_columns(_PRIVATE)
+    return st, keep
 
 
 def _tokenizer_key(tok: Any) -> Any:
