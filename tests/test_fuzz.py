@@ -371,13 +371,14 @@ def _cut_expectation(fmt, conv, full_prefix: np.ndarray, end: int | None = None,
     want = full_prefix.copy()
     end = len(full_prefix) if end is None else end
     for t in whole.turns if whole is not None else ():
-        if t.start < end <= t.block.header_end:
+        if t.start < end <= t.block.header_end and not _header_whole(fmt, conv, t.start, end):
             want[t.start:] = 0
     if conv.turns:
         last = conv.turns[-1]
         el = fmt.spec.elements.get(last.block.name)
         in_header = (not last.complete and el is not None and el.header is not None
-                     and last.block.header_end >= end)
+                     and last.block.header_end >= end
+                     and not _header_whole(fmt, conv, last.start, end))
         if last.generation_prompt or in_header:
             want[last.start:] = 0
     return want
@@ -392,6 +393,21 @@ def _trim_tail(want: np.ndarray, n: int, is_space) -> None:
     while j > 0 and want[j - 1] and is_space(j - 1):
         j -= 1
     want[j:n] = 0
+
+
+def _header_whole(fmt, conv, start: int, end: int) -> bool:
+    """The prefix ``conv`` ends right after the whole header of its turn at ``start``: the
+    header's ``until_text`` literal is its last text (docs/engine.md, "Whole headers": a header
+    is whole when its terminator follows; HyperCLOVA X SEED's ``assistant -> tool/function_call\n``
+    then trains its ``trained_after`` tail). A header ended by an ``until`` marker that the cut
+    leaves out, or one without the literal yet, is still cut."""
+    for t in conv.turns:
+        if t.start == start:
+            el = fmt.spec.elements.get(t.block.name)
+            lit = el.header.until_text if el is not None and el.header is not None else None
+            return (bool(lit) and t.block.header_end == end
+                    and (t.block.header or "").endswith(lit))
+    return False
 
 
 def _lstrip_tail(want: np.ndarray, units, n: int, is_space, lstrip_at) -> None:
