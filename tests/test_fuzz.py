@@ -374,13 +374,14 @@ def _cut_expectation(fmt, conv, full_prefix: np.ndarray, end: int | None = None,
     want = full_prefix.copy()
     end = len(full_prefix) if end is None else end
     for t in whole.turns if whole is not None else ():
-        if t.start < end <= t.block.header_end:
+        if t.start < end <= t.block.header_end and not _header_whole(fmt, conv, t.start, end):
             want[t.start:] = 0
     if conv.turns:
         last = conv.turns[-1]
         el = fmt.spec.elements.get(last.block.name)
         in_header = (not last.complete and el is not None and el.header is not None
-                     and last.block.header_end >= end)
+                     and last.block.header_end >= end
+                     and not _header_whole(fmt, conv, last.start, end))
         if last.generation_prompt or in_header:
             want[last.start:] = 0
     return want
@@ -395,6 +396,21 @@ def _trim_tail(want: np.ndarray, n: int, is_space) -> None:
     while j > 0 and want[j - 1] and is_space(j - 1):
         j -= 1
     want[j:n] = 0
+
+
+def _header_whole(fmt, conv, start: int, end: int) -> bool:
+    """The prefix ``conv`` ends right after the whole header of its turn at ``start``: the
+    header's ``until_text`` literal is its last text (docs/engine.md, "Whole headers": a header
+    is whole when its terminator follows; HyperCLOVA X SEED's ``assistant -> tool/function_call\n``
+    then trains its ``trained_after`` tail). A header ended by an ``until`` marker that the cut
+    leaves out, or one without the literal yet, is still cut."""
+    for t in conv.turns:
+        if t.start == start:
+            el = fmt.spec.elements.get(t.block.name)
+            lit = el.header.until_text if el is not None and el.header is not None else None
+            return (bool(lit) and t.block.header_end == end
+                    and (t.block.header or "").endswith(lit))
+    return False
 
 
 def _lstrip_tail(want: np.ndarray, units, n: int, is_space, lstrip_at) -> None:
@@ -431,6 +447,8 @@ def test_every_prefix_trains_what_is_there(name):
     prefixes_of = fmt._lexcfg.marker_prefixes
     lstrip_texts = [m.text for m in fmt.spec.markers.values() if m.lstrip]
     lstrip_ids = {i for t in lstrip_texts for i in encode_rendered(enc, t)[:1]}
+    marker_ids = {u[0] for m in fmt.spec.markers.values()
+                  if len(u := encode_rendered(enc, m.text)) == 1}
     trims = any(el.trim_end for el in fmt.spec.elements.values())
     for k, text in enumerate(renders):
         ids = encode_rendered(enc, text)
@@ -441,7 +459,10 @@ def test_every_prefix_trains_what_is_there(name):
             got, want = np.asarray(conv.mask()), _cut_expectation(fmt, conv, full[:n],
                                                                   whole=whole)
             if lstrip_ids:
-                _lstrip_tail(want, ids, n, lambda i: enc.decode([i]).isspace(),
+                # a marker of whitespace (Granite Code's blank-line close "\n\n") is no text
+                # run: lstrip never absorbs it
+                _lstrip_tail(want, ids, n,
+                             lambda i: i not in marker_ids and enc.decode([i]).isspace(),
                              lambda j: ids[j] in lstrip_ids)
             if trims:
                 _trim_tail(want, n, lambda j: enc.decode([ids[j]]).isspace())
@@ -472,7 +493,12 @@ def test_every_prefix_trains_what_is_there(name):
                                                                   whole_t)
             want[end:] = 0
             if lstrip_texts:
-                _lstrip_tail(want, text, end, str.isspace,
+                # chars of a whitespace marker (Granite Code's "\n\n") are no text run
+                ws_marks = {c for t in fmt.spec.markers.values() if t.text.isspace()
+                            for m in re.finditer(re.escape(t.text), text)
+                            for c in range(*m.span())}
+                _lstrip_tail(want, range(len(text)), end,
+                             lambda c: c not in ws_marks and text[c].isspace(),
                              lambda j: any(text.startswith(t, j) for t in lstrip_texts))
             if trims:
                 _trim_tail(want, end, lambda j: text[j].isspace())
