@@ -396,11 +396,16 @@ def _trim_tail(want: np.ndarray, n: int, is_space) -> None:
     want[j:n] = 0
 
 
-def _lstrip_tail(want: np.ndarray, units, n: int, is_space, lstrip_at) -> None:
+def _lstrip_tail(want: np.ndarray, units, n: int, is_space, lstrip_at,
+                 marker_len=None) -> None:
     """A cut inside the whitespace an ``lstrip`` marker absorbs (Nemotron's ``\n`` before
     ``<SPECIAL_12>``): the prefix cannot know a marker follows, so that whitespace is the end
     of whatever run it ends — it trains as the unit before it does. ``units``: the whole
-    rendering's ids or text; ``lstrip_at(j)``: an lstrip marker starts at unit ``j``."""
+    rendering's ids or text; ``lstrip_at(j)``: an lstrip marker starts at unit ``j``.
+    ``marker_len(p)``: the length of a whitespace marker at ``p`` (text mode), 0 if none; the
+    lexer takes those first, so an lstrip marker absorbs only the whitespace after the last
+    one (granite-code's blank-line terminator ``\n\n`` before ``Question:\n`` is no
+    absorbed whitespace; a cut inside such a marker leaves it as the whole trains it)."""
     j = n
     while j < len(units) and j - n < 16 and is_space(units[j]):
         j += 1
@@ -409,6 +414,16 @@ def _lstrip_tail(want: np.ndarray, units, n: int, is_space, lstrip_at) -> None:
     s = n
     while s > 0 and n - s < 16 and is_space(units[s - 1]):
         s -= 1
+    if marker_len is not None:
+        p, last = s, s
+        while p < j:
+            k = marker_len(p)
+            if k and p + k <= j:
+                p += k
+                last = p
+            else:
+                p += 1
+        s = max(s, last)
     if 0 < s < n:
         want[s:n] = want[s - 1]
 
@@ -430,6 +445,10 @@ def test_every_prefix_trains_what_is_there(name):
     prefixes_of = fmt._lexcfg.marker_prefixes
     lstrip_texts = [m.text for m in fmt.spec.markers.values() if m.lstrip]
     lstrip_ids = {i for t in lstrip_texts for i in encode_rendered(enc, t)[:1]}
+    marker_ids = {i for m in fmt.spec.markers.values()
+                  for i in encode_rendered(enc, m.text)[:1]
+                  if enc.decode([i]) == m.text}
+    ws_markers = [m.text for m in fmt.spec.markers.values() if m.text.isspace()]
     trims = any(el.trim_end for el in fmt.spec.elements.values())
     for k, text in enumerate(renders):
         ids = encode_rendered(enc, text)
@@ -440,7 +459,10 @@ def test_every_prefix_trains_what_is_there(name):
             got, want = np.asarray(conv.mask()), _cut_expectation(fmt, conv, full[:n],
                                                                   whole=whole)
             if lstrip_ids:
-                _lstrip_tail(want, ids, n, lambda i: enc.decode([i]).isspace(),
+                # a marker's id is no whitespace an lstrip marker absorbs (granite-code's
+                # blank-line terminator `\n\n` before `Question:\n` is a marker of its own)
+                _lstrip_tail(want, ids, n,
+                             lambda i: i not in marker_ids and enc.decode([i]).isspace(),
                              lambda j: ids[j] in lstrip_ids)
             if trims:
                 _trim_tail(want, n, lambda j: enc.decode([ids[j]]).isspace())
@@ -472,7 +494,9 @@ def test_every_prefix_trains_what_is_there(name):
             want[end:] = 0
             if lstrip_texts:
                 _lstrip_tail(want, text, end, str.isspace,
-                             lambda j: any(text.startswith(t, j) for t in lstrip_texts))
+                             lambda j: any(text.startswith(t, j) for t in lstrip_texts),
+                             lambda p: max((len(t) for t in ws_markers
+                                            if text.startswith(t, p)), default=0))
             if trims:
                 _trim_tail(want, end, lambda j: text[j].isspace())
             if not np.array_equal(got, want):
