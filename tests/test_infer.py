@@ -526,22 +526,13 @@ def test_unbundled_template_refused_with_a_reason(name):
 
 
 def test_partial_detection_gives_way_to_an_exact_inferred_format():
-    # Yi-1.5-Chat: ChatML with a bare system text before the first turn. The bundled chatml
-    # accepts it now (a `bare_system` preamble element), so it is detected and kept; the rule
-    # that a detected format which only partly parses the template (verdict `partial`: located
-    # ParseErrors) gives way to an inferred one verifying on more cases with no deviation is
-    # checked on the verdict chatml had before it accepted the bare system text (5 of its
-    # cases parsed: docs/inference.md)
-    import dataclasses
-
+    # Yi-1.5-Chat: ChatML with a bare system text before the first turn; the bundled chatml is
+    # detected but only partly parses it (located ParseErrors); the inferred format verifies
+    # on every case without a deviation, so resolve_format (mask -f auto, hf.map_fn) takes it
     tpl = _read("wild/01-ai-Yi-1.5-34B-Chat.jinja")
     kw = {"bos_token": "<|startoftext|>", "eos_token": "<|im_end|>"}
-    assert inf.resolve_format(chat_template=tpl, **kw)[1] == "detected"
-    det = cg.explain_detection(None, chat_template=tpl)
-    assert det.format == "chatml" and det.verification["chatml"]["status"] == "verified"
-    before = dataclasses.replace(det, verification={"chatml": {
-        "status": "partial", "passed": 5, "vars": kw}})
-    fmt, how = inf._better_of(before, tpl, None, {})
+    assert cg.detect_format(None, chat_template=tpl).name == "chatml"
+    fmt, how = inf.resolve_format(chat_template=tpl, **kw)
     assert how == "inferred" and not fmt.verification.deviations
     msgs = [{"role": "system", "content": "Be brief."}] + TWO_EXCHANGES
     conv = fmt.parse(render_chat(tpl, msgs, **kw))
@@ -638,7 +629,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys, template, code):
     assert out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_cli_detect_says_inferred(tmp_path, capsys, monkeypatch):
+def test_cli_detect_says_inferred(tmp_path, capsys):
     p = tmp_path / "t.jinja"
     # a family no bundled format has, that needs no tokenizer variable
     p.write_text("{% for m in messages %}<|begin_turn|>{{ m.role }}\n{{ m.content }}"
@@ -647,25 +638,9 @@ def test_cli_detect_says_inferred(tmp_path, capsys, monkeypatch):
     assert main(["detect", "--template", str(p)]) == 0
     out, _ = capsys.readouterr()
     assert "no bundled format; inferred inferred-" in out
-    # a detected format that verifies: auto uses it, detect prints no `auto:` line
-    yi = str(TEMPLATES / "wild" / "01-ai-Yi-1.5-34B-Chat.jinja")
-    assert main(["detect", "--template", yi]) == 0
-    out, _ = capsys.readouterr()
-    assert out.startswith("format:   chatml") and "auto:" not in out
-    # one that only partly parses the template (chatml's verdict on Yi before it accepted the
-    # bare system text): detect says what auto uses instead
-    import dataclasses
-
-    real = inf._better_of
-
-    def as_before(det, template, tokenizer, kwargs):
-        det = dataclasses.replace(det, verification={"chatml": {
-            "status": "partial", "passed": 5, "reason": "bare system text",
-            "vars": {"bos_token": "<|startoftext|>", "eos_token": "<|im_end|>"}}})
-        return real(det, template, tokenizer, kwargs)
-
-    monkeypatch.setattr(inf, "_better_of", as_before)
-    assert main(["detect", "--template", yi]) == 0
+    # a detected format that only partly parses the template: detect says what auto uses
+    assert main(["detect", "--template",
+                 str(TEMPLATES / "wild" / "01-ai-Yi-1.5-34B-Chat.jinja")]) == 0
     out, _ = capsys.readouterr()
     assert out.startswith("format:   chatml") and "auto:     inferred-" in out
 
