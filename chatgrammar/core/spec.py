@@ -501,6 +501,11 @@ def _resolve_extends(data: dict, marks: dict, file: str, seen: tuple = ()
 # A spec is a few hundred YAML nodes; aliases can multiply that exponentially (a "billion
 # laughs" file) or make it cyclic, and everything after composition walks the expanded tree.
 MAX_YAML_NODES = 100_000
+# No spec nests deeper than ~8 levels. The limit is checked on the composed node graph, not
+# left to a RecursionError: libyaml's composer (PyYAML's C binding) is not recursive in
+# Python, so whether a deep document raised depended on the PyYAML build (6.0.3 composes
+# 20,000 levels and hands them to the schema).
+MAX_YAML_DEPTH = 200
 
 
 def duplicate_keys(root: yaml.Node | None) -> list[tuple[tuple, str, yaml.Mark, yaml.Mark]]:
@@ -529,9 +534,11 @@ def duplicate_keys(root: yaml.Node | None) -> list[tuple[tuple, str, yaml.Mark, 
 
 
 def check_node_graph(root: yaml.Node, file: str) -> None:
-    """Reject recursive aliases and alias expansions beyond MAX_YAML_NODES (iteratively,
-    counting each shared node once per reference, with memoised subtree sizes)."""
+    """Reject recursive aliases, alias expansions beyond MAX_YAML_NODES and nesting beyond
+    MAX_YAML_DEPTH (iteratively, counting each shared node once per reference, with memoised
+    subtree sizes and depths)."""
     size: dict[int, int] = {}
+    depth: dict[int, int] = {}
     open_: set[int] = set()
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
     while stack:
@@ -541,6 +548,11 @@ def check_node_graph(root: yaml.Node, file: str) -> None:
         if done:
             open_.discard(id(n))
             size[id(n)] = min(MAX_YAML_NODES + 1, 1 + sum(size[id(k)] for k in kids))
+            depth[id(n)] = 1 + max((depth[id(k)] for k in kids), default=0)
+            if depth[id(n)] > MAX_YAML_DEPTH:
+                m = n.start_mark
+                raise SpecError(f"YAML nested too deeply (more than {MAX_YAML_DEPTH} levels)",
+                                file=file, line=m.line + 1, col=m.column + 1)
             continue
         if id(n) in size:
             continue
