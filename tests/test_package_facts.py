@@ -120,3 +120,19 @@ def test_no_function_over_a_hundred_lines():
     assert sorted(set(long) - set(LONG_FUNCTIONS)) == [], \
         f"split these (lines counted with the docstring): {long}"
     assert sorted(set(LONG_FUNCTIONS) - set(long)) == [], "no longer long: remove the entry"
+
+
+def test_docs_formats_lists_every_bundled_format():
+    """docs/formats.md's table has one row and one section per bundled format and states
+    their number (a new format added as data must not leave the page stale)."""
+    import re
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "formats.md").read_text(
+        encoding="utf-8")
+    names = chatgrammar.list_formats()
+    rows = re.findall(r"^\| \[`([^`]+)`\]\(#([^)]+)\) \|", doc, re.M)
+    assert sorted(r[0] for r in rows) == sorted(names)
+    assert all(name == anchor for name, anchor in rows)
+    missing = [n for n in names if not re.search(rf"^## {re.escape(n)}$", doc, re.M)]
+    assert not missing, f"docs/formats.md has no section for: {missing}"
+    assert f"\n{len(names)} bundled formats" in doc
