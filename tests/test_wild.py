@@ -17,7 +17,11 @@ The test asserts:
 - a template pinned ``bundled NAME`` or ``inferred`` stays fully correct (a detected bundled
   format must be NAME; detection may instead hand it to inference, which must then be right);
 - a template pinned ``refused`` fails safely — or got better (it may become fully correct:
-  run ``python tools/wild.py --write-expected`` to pin that).
+  run ``python tools/wild.py --write-expected`` to pin that);
+- under every other mask policy a trainer uses (``chatgrammar.conformance.policies.POLICIES``)
+  no case that passes with the default trains otherwise than the template says — except the
+  known defects pinned under ``policy_wrong`` in expected.yaml (those may get fixed, never
+  spread to another policy).
 
 Cheap: about 0.2 s a template (inference is cached by template hash).
 """
@@ -74,3 +78,16 @@ def test_wild_template(path):
         assert res.outcome in ("warned", "detected", "inferred"), detail
     else:
         assert res.outcome in ("safe", "detected", "inferred"), detail
+    known = entry.get("policy_wrong") or {}
+    wrong = [f for f in res.policy_failures if f.partition(": ")[0] not in known]
+    assert not wrong, "wrong under a mask policy:\n" + "\n".join(wrong)
+
+
+def test_policy_counts_pinned():
+    """The per-policy counts in expected.yaml are those of the templates pinned there: no
+    template is wrong under a policy without its ``policy_wrong`` entry."""
+    counts = wild.load_policy_counts()
+    assert set(counts) == set(wild.POLICIES), "python tools/wild.py --write-expected"
+    for name, tally in counts.items():
+        pinned = sum(1 for e in EXPECTED.values() if name in (e.get("policy_wrong") or {}))
+        assert tally["wrong"] == pinned, (name, tally, pinned)
