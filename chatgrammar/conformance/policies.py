@@ -45,6 +45,9 @@ from .matrix import get_case
 
 __all__ = ["POLICIES", "check_policies", "policy_problems"]
 
+#: Everything of the assistant trains (the policy the default check proves right).
+_OUTPUT = MaskPolicy(roles=("assistant",), thinking=True, tool_calls=True)
+
 #: The non-default policies every passing case is re-checked under (name -> policy).
 POLICIES: dict[str, MaskPolicy] = {
     "thinking=False": MaskPolicy(thinking=False),
@@ -84,9 +87,12 @@ def _show(R: str, k: int) -> str:
     return repr(R[max(0, k - 20):k + 20])
 
 
-def _drop_problems(R: str, got: set, base: set, regions, outputs, dropped: str) -> list[str]:
+def _drop_problems(R: str, got: set, base: set, regions, outputs, dropped: str,
+                   typed: set) -> list[str]:
     """``thinking=False`` / ``tool_calls=False``: the ``dropped`` strings never train, the
-    others still do, and nothing trains that the default does not."""
+    others still do, and nothing trains that the default does not. ``typed``: the chars the
+    format types as the dropped kind (only to say why: a message with none of them writes
+    its reasoning / calls as plain text, with no marker any grammar could tell them by)."""
     problems = []
     new = got - base
     if new:
@@ -97,8 +103,11 @@ def _drop_problems(R: str, got: set, base: set, regions, outputs, dropped: str) 
             for s, e in occ:
                 inside = set(range(s, e))
                 if what == dropped and inside & got:
+                    why = "" if set(range(region[1], region[4])) & typed else (
+                        " (untyped: no block of that kind in this message, the template "
+                        "writes it as plain text)")
                     problems.append(f"message [{region[0]}]: its {what.replace('_', ' ')} "
-                                    f"{R[s:e]!r} at char {s} still trains")
+                                    f"{R[s:e]!r} at char {s} still trains{why}")
                 elif what != dropped and inside <= base and not inside <= got:
                     problems.append(f"message [{region[0]}]: its {what.replace('_', ' ')} "
                                     f"{R[s:e]!r} at char {s} no longer trains")
@@ -230,10 +239,11 @@ def policy_problems(name: str, R: str, got: set, base: set, case, res, conv, fmt
     """What is wrong with the chars ``got`` that policy ``name`` trains on case ``case``
     (``base``: what the default trains, proven right; ``res``: the passing CaseResult)."""
     regions, outputs = res.regions, case.outputs
-    if name == "thinking=False":
-        return _drop_problems(R, got, base, regions, outputs, "reasoning")
-    if name == "tool_calls=False":
-        return _drop_problems(R, got, base, regions, outputs, "tool_call")
+    if name in ("thinking=False", "tool_calls=False"):
+        kind = "think" if name == "thinking=False" else "tool_call"
+        typed = _chars((s.start, s.end) for s in conv.spans(_OUTPUT) if s.kind == kind)
+        return _drop_problems(R, got, base, regions, outputs,
+                              "reasoning" if kind == "think" else "tool_call", typed)
     if name == "last_turn_only":
         return _last_turn_problems(R, got, base, regions)
     if name == "end_marker":
