@@ -91,3 +91,120 @@ def test_policy_counts_pinned():
     for name, tally in counts.items():
         pinned = sum(1 for e in EXPECTED.values() if name in (e.get("policy_wrong") or {}))
         assert tally["wrong"] == pinned, (name, tally, pinned)
+
+
+# ---------------------------------------------------------------- the policy check itself
+# Each defect the policy check found, pinned under its policy: the bundled format is right on
+# the template, and the spec as it was (reconstructed with `extends`) is caught.
+
+from chatgrammar.conformance.matrix import get_case  # noqa: E402
+from chatgrammar.conformance.policies import check_policies  # noqa: E402
+from chatgrammar.conformance.templates import check_template  # noqa: E402
+
+import chatgrammar as cg  # noqa: E402
+
+_DS_VARS = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
+# deepseek-v3 before the fixes: `</think>` an inner marker of the assistant's content, no
+# leading reasoning block, DSML calls plain text
+_DS_BEFORE = """\
+extends: deepseek-v3
+name: deepseek-v3-before
+elements:
+  assistant:
+    children: [think, tool_calls, tool_call]
+    inner_markers: [think_close, tool_calls_end]
+"""
+
+# deepseek-v3 before the DSML fix: the DSML calls plain text (the reasoning fix kept)
+_DS_BEFORE_DSML = """\
+extends: deepseek-v3
+name: deepseek-v3-before-dsml
+markers: {dsml_open_v32: null, dsml_close_v32: null, dsml_open_v4: null, dsml_close_v4: null,
+          dsml_open_v41: null, dsml_close_v41: null}
+elements:
+  system: {inner_markers: [think_open, think_close]}
+  assistant: {children: [lead_think, think, tool_calls, tool_call]}
+  outputs_reply: {children: [think, tool_calls, tool_call]}
+  reply: {children: [think, tool_calls, tool_call]}
+  dsml_calls: null
+"""
+
+
+def _policy_problems(fmt, template: str, cases: list[str], variables: dict) -> dict:
+    chk = check_template(fmt, (wild.WILD / template).read_text(encoding="utf-8"),
+                         cases=[get_case(c) for c in cases], variables=variables)
+    assert chk.ok, chk.summary()
+    return check_policies(fmt, chk)
+
+
+def _spec(tmp_path_factory, text: str):
+    p = tmp_path_factory.mktemp("ds") / "before.yaml"
+    p.write_text(text, encoding="utf-8")
+    return cg.load_format(str(p))
+
+
+@pytest.fixture(scope="module")
+def deepseek_before(tmp_path_factory):
+    return _spec(tmp_path_factory, _DS_BEFORE)
+
+
+@pytest.fixture(scope="module")
+def deepseek_before_dsml(tmp_path_factory):
+    return _spec(tmp_path_factory, _DS_BEFORE_DSML)
+
+
+def test_sglang_deepseek_v4_reasoning_never_trains_without_thinking(deepseek_before):
+    """sglang's DeepSeek-V4 template writes the last turn as `REASONING</think>answer`: read
+    as content, thinking=False trained the reasoning; now it is a reasoning block."""
+    args = ("sglang-tool_chat_template_deepseekv4.jinja", ["reasoning-thinking-on"], _DS_VARS)
+    got = _policy_problems(cg.load_format("deepseek-v3"), *args)
+    assert not any(got.values()), got
+    before = _policy_problems(deepseek_before, *args)["thinking=False"]
+    assert before and "reasoning '7 has no divisors" in before[0], before
+
+
+def test_deepseek_v4_dsml_calls_dropped_without_tool_calls(deepseek_before_dsml):
+    """DeepSeek-V4's DSML tool calls were content: tool_calls=False trained them."""
+    args = ("deepseek-ai-DeepSeek-V4.jinja", ["tool-call", "tool-call-with-content"], _DS_VARS)
+    got = _policy_problems(cg.load_format("deepseek-v3"), *args)
+    assert not any(got.values()), got
+    before = _policy_problems(deepseek_before_dsml, *args)["tool_calls=False"]
+    assert before and "untyped" in before[0], before
+
+
+@pytest.mark.parametrize("template,fmt,variables", [
+    ("RLHFlow-LLaMA3-SFT.jinja", "llama3",
+     {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+    ("dreamgen-opus-v1.2-7b.jinja", "chatml", {"bos_token": "", "eos_token": "<|im_end|>"}),
+])
+def test_unlisted_generation_prompt_no_longer_eats_last_turn_only(template, fmt, variables):
+    """An unlisted generation prompt was an empty cut turn, the last: last_turn_only trained
+    nothing."""
+    got = _policy_problems(cg.load_format(fmt), template, ["generation-prompt"], variables)
+    assert not got["last_turn_only"], got
+
+
+def test_nemotron_super_toolcall_dropped_without_tool_calls():
+    got = _policy_problems(cg.load_format("llama3"),
+                           "nvidia-Llama-3_3-Nemotron-Super-49B-v1_5.jinja",
+                           ["tool-call", "parallel-tool-calls"],
+                           {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"})
+    assert not got["tool_calls=False"], got
+
+
+def test_minicpm3_tool_template_checked_without_tool_calls():
+    """vLLM's MiniCPM3 tool template (chatml): its <|tool_call_start|> calls are dropped under
+    tool_calls=False, the content around them still trains."""
+    got = _policy_problems(cg.load_format("chatml"), "vllm-tool_chat_template_minicpm3.jinja",
+                           ["tool-call", "tool-call-with-content", "parallel-tool-calls"],
+                           {"bos_token": "", "eos_token": "<|im_end|>"})
+    assert not any(got.values()), got
+
+
+def test_untyped_tool_calls_are_reported_as_such():
+    """A tool call the template writes as plain JSON (Llama 3.1 JSON calls) cannot be dropped
+    by any grammar: the check reports it wrong, and says why."""
+    got = _policy_problems(cg.load_format("llama3"), "vllm-tool_chat_template_llama3.1_json.jinja",
+                           ["tool-call"],
+                           {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"})
+    assert got["tool_calls=False"] and "untyped" in got["tool_calls=False"][0], got
