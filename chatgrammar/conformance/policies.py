@@ -196,7 +196,7 @@ def _diff(R: str, got: set, want: set, what: str) -> list[str]:
     return [f"{'trains' if k in got else 'does not train'} char {k} ({what}): {_show(R, k)}"]
 
 
-def _others(R: str, case, res, fmt) -> set[int]:
+def _others(R: str, case, res, conv, fmt) -> set[int]:
     """Chars no system policy may train: the words of user and tool messages, the assistant
     messages' regions, turn openers."""
     out = set()
@@ -204,7 +204,12 @@ def _others(R: str, case, res, fmt) -> set[int]:
         if m.get("role") in ("user", "tool") and isinstance(m.get("content"), str):
             out |= _chars(_occurrences(R, m["content"], 0, len(R)))
     out |= _in_regions(res.regions, len(R))
-    return out | _chars(o for t in _top_open_texts(fmt) for o in _occurrences(R, t, 0, len(R)))
+    # a turn opener where a turn starts (one quoted inside a system prompt's tool
+    # instructions, Phi-4-mini's `<|tool|>…<|/tool|>`, is that prompt's text)
+    opens = _top_open_texts(fmt)
+    starts = {t.start for t in conv.turns}
+    return out | _chars(o for t in opens for o in _occurrences(R, t, 0, len(R))
+                        if o[0] in starts)
 
 
 def _system_problems(R: str, got: set, base: set, case, res, conv, fmt) -> list[str]:
@@ -215,12 +220,13 @@ def _system_problems(R: str, got: set, base: set, case, res, conv, fmt) -> list[
     if not base <= got:
         k = min(base - got)
         problems.append(f"no longer trains char {k}: {_show(R, k)}")
-    others = _others(R, case, res, fmt)
+    others = _others(R, case, res, conv, fmt)
     bad = (got - base) & others
     if bad:
         k = min(bad)
         problems.append(f"trains char {k} of a user, tool or assistant message or a turn "
                         f"opener: {_show(R, k)}")
+    # Harmony renders the system message as a `developer` turn: not the role asked for
     if any(t.role == "system" for t in conv.turns):
         for m in case.messages:
             text = m.get("content")
@@ -228,7 +234,9 @@ def _system_problems(R: str, got: set, base: set, case, res, conv, fmt) -> list[
                 text = "".join(p.get("text", "") for p in text if isinstance(p, dict))
             if m.get("role") != "system" or not text:
                 continue
-            occ = [o for o in _occurrences(R, text, 0, len(R)) if not set(range(*o)) & others]
+            occ = [o for o in _occurrences(R, text, 0, len(R)) if not set(range(*o)) & others
+                   and not any(t.role == "developer" and t.start <= o[0] < t.end
+                               for t in conv.turns)]
             if occ and not any(set(range(*o)) <= got for o in occ):
                 problems.append(f"the system prompt {text[:40]!r} at char {occ[0][0]} does "
                                 "not train")
