@@ -184,11 +184,15 @@ def test_unlisted_generation_prompt_no_longer_eats_last_turn_only(template, fmt,
     assert not got["last_turn_only"], got
 
 
-def test_nemotron_super_toolcall_dropped_without_tool_calls():
-    got = _policy_problems(cg.load_format("llama3"),
-                           "nvidia-Llama-3_3-Nemotron-Super-49B-v1_5.jinja",
-                           ["tool-call", "parallel-tool-calls"],
-                           {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"})
+@pytest.mark.parametrize("template,fmt,variables", [
+    ("nvidia-Llama-3_3-Nemotron-Super-49B-v1_5.jinja", "llama3",
+     {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+    ("vllm-tool_chat_template_olmo3.jinja", "chatml", {"bos_token": "", "eos_token": "<|im_end|>"}),
+])
+def test_marked_tool_calls_dropped_without_tool_calls(template, fmt, variables):
+    """Nemotron-Super's <TOOLCALL> and OLMo 3's <function_calls> blocks were content."""
+    got = _policy_problems(cg.load_format(fmt), template, ["tool-call", "parallel-tool-calls"],
+                           variables)
     assert not got["tool_calls=False"], got
 
 
