@@ -287,13 +287,18 @@ def expected_entry(r: WildResult) -> dict:
 
 
 def policy_counts(results: list[WildResult]) -> dict:
-    """Policy name -> ``{correct, safe, warned, wrong}`` counts over the templates."""
+    """Policy name -> ``{correct, safe, warned, wrong, untyped}`` counts over the templates
+    (``untyped``: of the wrong ones, those whose every problem is reasoning or a tool call in
+    a message the format types no such block in: plain text, or tags it has no markers for)."""
     out = {}
     for name in POLICIES:
-        tally = {"correct": 0, "safe": 0, "warned": 0, "wrong": 0}
+        tally = {"correct": 0, "safe": 0, "warned": 0, "wrong": 0, "untyped": 0}
         for r in results:
             v = r.policies.get(name, "safe")
             tally[v] = tally.get(v, 0) + 1
+            mine = [f for f in r.policy_failures if f.startswith(name + ": ")]
+            if v == "wrong" and all("(untyped:" in f for f in mine):
+                tally["untyped"] += 1
         out[name] = tally
     return out
 
@@ -353,12 +358,18 @@ def table(results: list[WildResult]) -> str:
         "Under the other mask policies a trainer uses (the cases that pass with the default, "
         "re-checked: `chatgrammar.conformance.policies`), templates:",
         "",
-        "| policy | correct | safe | warned | wrong |",
-        "|---|---:|---:|---:|---:|",
+        "| policy | correct | safe | warned | wrong | of which untyped |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, t in policy_counts(results).items():
         lines.append(f"| `{name}` | {t['correct']} | {t['safe']} | {t['warned']} | "
-                     f"**{t['wrong']}** |")
+                     f"**{t['wrong']}** | {t['untyped']} |")
+    lines += ["", "`untyped`: the format types no tool-call (or reasoning) block in that "
+              "message, so the policy cannot drop it: the template writes the call as plain "
+              "text, no marker around it (Llama 3.x JSON and pythonic calls, xLAM, Gemma 3 "
+              "pythonic, Phi-4-mini JSON: no grammar can tell it from the answer), or in tags "
+              "the format does not read as markers (Qwen2.5-Coder's `<tools>`, the inferred "
+              "formats of Granite-20B-FC and kite1.0)."]
     lines += [
         "",
         "| template | outcome | format | pass | fail | unsafe | skip | wrong under | reason |",

@@ -91,8 +91,9 @@ def _drop_problems(R: str, got: set, base: set, regions, outputs, dropped: str,
                    typed: set) -> list[str]:
     """``thinking=False`` / ``tool_calls=False``: the ``dropped`` strings never train, the
     others still do, and nothing trains that the default does not. ``typed``: the chars the
-    format types as the dropped kind (only to say why: a message with none of them writes
-    its reasoning / calls as plain text, with no marker any grammar could tell them by)."""
+    format types as the dropped kind (only to say why: in a message with none of them the
+    template writes its reasoning / calls as plain text, or in tags the format has no markers
+    for)."""
     problems = []
     new = got - base
     if new:
@@ -104,8 +105,9 @@ def _drop_problems(R: str, got: set, base: set, regions, outputs, dropped: str,
                 inside = set(range(s, e))
                 if what == dropped and inside & got:
                     why = "" if set(range(region[1], region[4])) & typed else (
-                        " (untyped: no block of that kind in this message, the template "
-                        "writes it as plain text)")
+                        " (untyped: the format types no block of that kind in this "
+                        "message; the template writes it as plain text or in tags it has no "
+                        "markers for)")
                     problems.append(f"message [{region[0]}]: its {what.replace('_', ' ')} "
                                     f"{R[s:e]!r} at char {s} still trains{why}")
                 elif what != dropped and inside <= base and not inside <= got:
