@@ -43,7 +43,7 @@ from ..runtime.policy import MaskPolicy
 from ..runtime.spans import merge_spans
 from .matrix import get_case
 
-__all__ = ["POLICIES", "check_policies", "policy_problems"]
+__all__ = ["POLICIES", "check_policies"]
 
 #: Everything of the assistant trains (the policy the default check proves right).
 _OUTPUT = MaskPolicy(roles=("assistant",), thinking=True, tool_calls=True)
