@@ -212,3 +212,73 @@ def test_untyped_tool_calls_are_reported_as_such():
                            ["tool-call"],
                            {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"})
     assert got["tool_calls=False"] and "untyped" in got["tool_calls=False"][0], got
+
+
+def _think_formats() -> list[str]:
+    from chatgrammar.core.registry import list_formats
+    out = []
+    for name in list_formats():
+        spec = cg.load_format(name).spec
+        if any(e.kind == "think" and e.open for e in spec.elements.values()):
+            out.append(name)
+    return out
+
+
+@pytest.mark.parametrize("name", _think_formats())
+def test_reasoning_without_its_opener_never_trains_without_thinking(name):
+    """DeepSeek-V4's shape in every thinking format: a format's own template renders a
+    reasoning turn, its think opener is taken out (`…REASONING</think>answer`, a completion
+    stored after a prefilled `<think>`): the format refuses it (a located ParseError) or
+    types it as reasoning; thinking=False never trains it."""
+    from chatgrammar.conformance.format_tests import tests_for
+    from chatgrammar.conformance.render import render_chat
+    fmt = cg.load_format(name)
+    spec = fmt.spec
+    opens = {spec.markers[o].text for e in spec.elements.values() if e.kind == "think"
+             for o in e.open if o in spec.markers}
+    for t, case in [(t, get_case(c)) for c in ("reasoning-thinking-on", "reasoning")
+                    for t in tests_for(fmt).get("templates") or []]:
+        said = case.outputs[-1].reasoning
+        path = ROOT / "tests" / "data" / "templates" / t["file"]
+        try:
+            R = render_chat(path.read_text(encoding="utf-8"), case.messages,
+                            **{**(t.get("vars") or {}), **case.template_kwargs})
+        except Exception:  # noqa: BLE001 - a template that rejects the shape: try the next
+            continue
+        k = R.find(said)
+        at, opener = max((R.rfind(o, 0, k), o) for o in opens) if k >= 0 else (-1, "")
+        if at < 0:
+            continue
+        S = R[:at] + R[at + len(opener):]
+        try:
+            conv = fmt.parse(S)
+        except cg.ParseError:
+            return
+        k = S.find(said)
+        trained = [s for s in conv.spans(cg.MaskPolicy(thinking=False)) if s.start <= k < s.end]
+        assert not trained, f"{name} × {t['file']}: reasoning trains under thinking=False"
+        return
+    # no template renders `reasoning_content`: the format's own examples with a think block
+    closes = {spec.markers[c].text for e in spec.elements.values() if e.kind == "think"
+              and e.close for c in e.close.markers if c in spec.markers}
+    for ex in spec.examples or ():
+        text = ex.text.replace("\u27e6", "").replace("\u27e7", "")
+        for o in opens:
+            at = text.find(o)
+            end = min((k for k in (text.find(c, at + len(o)) for c in closes) if k >= 0),
+                      default=-1) if at >= 0 else -1
+            body = text[at + len(o):end].strip() if end > 0 else ""
+            if not body:
+                continue
+            S = text[:at] + text[at + len(o):]
+            try:
+                conv = fmt.parse(S)
+            except cg.ParseError:
+                return
+            k = S.find(body)
+            trained = [s for s in conv.spans(cg.MaskPolicy(thinking=False))
+                       if s.start <= k < s.end]
+            assert not trained, f"{name} example {ex.name!r}: reasoning trains under " \
+                                "thinking=False"
+            return
+    pytest.skip("neither a template nor an example of the format writes a think block")
