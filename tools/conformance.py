@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
+from chatgrammar.conformance.policies import POLICIES, check_policies  # noqa: E402
 from chatgrammar.conformance.templates import check_template  # noqa: E402
 from chatgrammar.errors import ChatGrammarError  # noqa: E402
 from chatgrammar.conformance.format_tests import tests_for  # noqa: E402
@@ -151,9 +152,45 @@ def inference_counts(cells: dict) -> str:
             "(docs/inference.md says which side is wrong where they differ).")
 
 
+def policy_results(results: list) -> dict:
+    """(format, template) -> policy name -> ``["case: problem", …]`` for every checked pair
+    (:func:`chatgrammar.conformance.policies.check_policies` on its passing cases)."""
+    out = {}
+    for r in results:
+        if not r.error:
+            out[(r.format, r.template)] = check_policies(load_format(r.format), r)
+    return out
+
+
+def policy_lines(policies: dict) -> list[str]:
+    """The "Under other mask policies" section: per policy, pairs right and wrong; then the
+    first problem of each wrong pair."""
+    lines = ["## Under other mask policies", "",
+             "Each passing case re-checked under each policy: no reasoning trains under "
+             "`thinking=False`, no tool-call name or argument under `tool_calls=False`, and the "
+             "other words of the message still do; `last_turn_only` trains exactly the last "
+             "assistant message; `end_marker` adds each message's terminator and nothing else; "
+             "`roles+system` adds the system prompt and never a user's or a tool's words; id "
+             "mode (parse and fast path) agrees. \"untyped\": the template writes the call or "
+             "the reasoning as plain text, with no marker a grammar could tell it by.", "",
+             "| policy | pairs right | pairs wrong |", "|---|---:|---:|"]
+    for name in POLICIES:
+        wrong = sum(1 for v in policies.values() if v.get(name))
+        lines.append(f"| `{name}` | {len(policies) - wrong} | {wrong} |")
+    lines.append("")
+    for (f, t), v in policies.items():
+        for name, problems in v.items():
+            if problems:
+                lines.append(f"- **{f} × {t}**, `{name}`: {_cell(problems[0])}"
+                             + (f" (+{len(problems) - 1} more cases)" if len(problems) > 1
+                                else ""))
+    return lines + [""]
+
+
 def markdown(results: list, missing: list[str], formats: list[str],
-             inference: dict | None = None) -> str:
-    """The report: summary, per-case grid, failure and skip reasons."""
+             inference: dict | None = None, policies: dict | None = None) -> str:
+    """The report: summary, per-case grid, failure and skip reasons (``policies``: the
+    :func:`policy_results`, a section of their own)."""
     cases = case_names()
     lines = [
         "# Conformance: bundled formats × real chat templates",
@@ -166,7 +203,12 @@ def markdown(results: list, missing: list[str], formats: list[str],
         "prefills, such as an opened think block), up to the end of the message, terminator",
         "excluded, and nothing outside assistant messages. `chatgrammar validate FORMAT",
         "--template FILE` runs the same check for one pair and shows every mismatch. Shapes a",
-        "template rejects (it raises) are skipped.",
+        "template rejects (it raises) are skipped. Every case that passes is then re-checked",
+        "under the other mask policies a trainer uses (`thinking=False`, `tool_calls=False`,",
+        "`last_turn_only`, `end_marker`, `roles+system`: `chatgrammar.conformance.policies`),",
+        "the expected mask again from the template alone: the case's own reasoning, tool-call",
+        "and content strings located inside each assistant message (see \"Under other mask",
+        "policies\" below).",
         "",
         f"Legend: {MARK['pass']} pass · {MARK['deviation']} pass with a documented deviation "
         f"(listed below) · {MARK['fail']} fail · {MARK['skip']} skipped (the template rejects "
@@ -232,6 +274,8 @@ def markdown(results: list, missing: list[str], formats: list[str],
         for r, c, d in devs:
             lines.append(f"- **{r.format} × {r.template}**, `{c.case}`: {_cell(d)}")
         lines.append("")
+    if policies is not None:
+        lines += policy_lines(policies)
     skips: dict[tuple, list[str]] = {}
     for r in results:
         for c in r.cases:
@@ -270,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="write the markdown report (default file: docs/conformance.md)")
     ap.add_argument("--no-inference", action="store_true",
                     help="leave out the resolution / inference cross-check columns")
+    ap.add_argument("--no-policies", action="store_true",
+                    help="leave out the re-check under the other mask policies")
     ap.add_argument("-v", "--verbose", action="store_true",
                     help="print every failing case with its rendering and marked spans")
     args = ap.parse_args(argv)
@@ -285,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"conformance: error: {exc}", file=sys.stderr)
         return 2
     cells = None if args.no_inference else inference_cells(formats, Path(args.templates))
-    report = markdown(results, missing, formats, cells)
+    pols = None if args.no_policies else policy_results(results)
+    report = markdown(results, missing, formats, cells, pols)
     if args.write:
         Path(args.write).write_text(report, encoding="utf-8")
         print(f"wrote {args.write}", file=sys.stderr)

@@ -25,6 +25,12 @@ Each template is then one of:
 - ``SILENT WRONG``: some case trains something other than the assistant output and nothing
   raised — the outcome that must never happen.
 
+Then every case that passes is re-checked under each non-default mask policy a trainer uses
+(:data:`chatgrammar.conformance.policies.POLICIES`: ``thinking=False``, ``tool_calls=False``,
+``last_turn_only``, ``end_marker``, ``roles+system``), the expected mask again from the
+template alone: per template and policy ``correct`` / ``safe`` / ``warned`` (its default outcome)
+or ``wrong`` (some case trains otherwise under that policy, without an error).
+
 Usage::
 
     python tools/wild.py                          # print the markdown table
@@ -32,7 +38,8 @@ Usage::
     python tools/wild.py -v FILE.jinja …          # some templates, with failure reasons
     python tools/wild.py --json                   # machine-readable
 
-Exit code: 0 when nothing is SILENT WRONG, 1 otherwise.
+Exit code: 0 when nothing is SILENT WRONG and nothing is wrong under a policy but the known
+defects ``expected.yaml`` pins (``policy_wrong``), 1 otherwise.
 """
 from __future__ import annotations
 
@@ -51,6 +58,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 import yaml  # noqa: E402
 
 import chatgrammar as cg  # noqa: E402
+from chatgrammar.conformance.policies import POLICIES, check_policies  # noqa: E402
 from chatgrammar.conformance.templates import check_template  # noqa: E402
 
 WILD = ROOT / "tests" / "data" / "templates" / "wild"
@@ -69,6 +77,11 @@ class WildResult:
             train wrongly instead of raising).
         reason: why it is not fully correct (the first failure or the refusal).
         failures: ``case: reason`` of every failing case.
+        policies: policy name (:data:`chatgrammar.conformance.policies.POLICIES`) ->
+            ``correct`` / ``safe`` / ``warned`` / ``wrong``: the cases that pass under the
+            default policy, re-checked under that policy (``wrong``: some case trains
+            otherwise than the template says, with no error).
+        policy_failures: ``policy: case: problem`` of every case wrong under a policy.
         seconds: time taken.
     """
 
@@ -79,6 +92,8 @@ class WildResult:
     counts: dict = field(default_factory=dict)
     reason: str = ""
     failures: list = field(default_factory=list)
+    policies: dict = field(default_factory=dict)
+    policy_failures: list = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -142,9 +157,27 @@ def classify(path: Path, variables: dict | None = None, *, timeout: float = 10.0
         warnings.simplefilter("always")
         fmt = _resolve(text, vars_, res, t0, variables or {})
     if fmt is None:
+        res.policies = {name: _POLICY_OUTCOME.get(res.outcome, res.outcome) for name in POLICIES}
         return res
     warned = any(issubclass(w.category, cg.DeviationWarning) for w in said)
     return _check(fmt, text, path, variables, vars_, res, t0, warned, timeout)
+
+
+#: A template's outcome under a policy where no case is wrong under it: its default outcome.
+_POLICY_OUTCOME = {"detected": "correct", "inferred": "correct", "safe": "safe",
+                   "warned": "warned", "SILENT WRONG": "wrong", "CRASH": "CRASH"}
+
+
+def _check_policies(fmt, chk, res: WildResult) -> None:
+    """Re-check the passing cases under every policy of POLICIES (``res.policies``)."""
+    try:
+        problems = check_policies(fmt, chk)
+    except Exception as exc:  # a traceback is a bug, never a safe failure
+        problems = {name: [f"policy check raised {type(exc).__name__}: {exc}"[:200]]
+                    for name in POLICIES}
+    for name, found in problems.items():
+        res.policies[name] = "wrong" if found else _POLICY_OUTCOME.get(res.outcome, res.outcome)
+        res.policy_failures += [f"{name}: {f[:220]}" for f in found]
 
 
 def _resolve(text: str, vars_: dict, res: WildResult, t0: float, given: dict):
@@ -195,6 +228,7 @@ def _check(fmt, text: str, path: Path, variables: dict | None, vars_: dict, res:
                          refused=refused)
     if chk.error:
         res.reason = chk.error[:200]
+        res.policies = {name: "safe" for name in POLICIES}
         res.seconds = time.perf_counter() - t0
         return res
     counts = chk.counts()
@@ -215,6 +249,7 @@ def _check(fmt, text: str, path: Path, variables: dict | None, vars_: dict, res:
         res.reason = next(f for f, c in zip(res.failures, fails) if _unsafe(c.reason))
     else:
         res.reason = res.failures[0]
+    _check_policies(fmt, chk, res)
     res.seconds = time.perf_counter() - t0
     return res
 
@@ -231,15 +266,41 @@ def run(paths: list[Path], expected: dict | None = None) -> list[WildResult]:
 
 def expected_entry(r: WildResult) -> dict:
     """What ``expected.yaml`` pins for one result: ``outcome`` is ``bundled <name>``,
-    ``inferred`` or ``refused`` (with the first reason)."""
+    ``inferred`` or ``refused`` (with the first reason); ``policy_wrong``: the policies under
+    which some case is wrong (a known defect, with its first problem)."""
     if r.outcome == "detected":
-        return {"outcome": f"bundled {r.format}"}
-    if r.outcome == "inferred":
-        return {"outcome": "inferred"}
-    if r.outcome == "warned":
-        return {"outcome": "warned", "reason": r.reason[:160]}
-    return {"outcome": "refused" if r.outcome == "safe" else r.outcome,
-            "reason": r.reason[:160]}
+        out = {"outcome": f"bundled {r.format}"}
+    elif r.outcome == "inferred":
+        out = {"outcome": "inferred"}
+    elif r.outcome == "warned":
+        out = {"outcome": "warned", "reason": r.reason[:160]}
+    else:
+        out = {"outcome": "refused" if r.outcome == "safe" else r.outcome,
+               "reason": r.reason[:160]}
+    wrong = {}
+    for f in r.policy_failures:
+        name, _, problem = f.partition(": ")
+        wrong.setdefault(name, problem[:160])
+    if wrong:
+        out["policy_wrong"] = wrong
+    return out
+
+
+def policy_counts(results: list[WildResult]) -> dict:
+    """Policy name -> ``{correct, safe, warned, wrong, untyped}`` counts over the templates
+    (``untyped``: of the wrong ones, those whose every problem is reasoning or a tool call in
+    a message the format types no such block in: plain text, or tags it has no markers for)."""
+    out = {}
+    for name in POLICIES:
+        tally = {"correct": 0, "safe": 0, "warned": 0, "wrong": 0, "untyped": 0}
+        for r in results:
+            v = r.policies.get(name, "safe")
+            tally[v] = tally.get(v, 0) + 1
+            mine = [f for f in r.policy_failures if f.startswith(name + ": ")]
+            if v == "wrong" and all("(untyped:" in f for f in mine):
+                tally["untyped"] += 1
+        out[name] = tally
+    return out
 
 
 def write_expected(results: list[WildResult], wild: Path = WILD) -> None:
@@ -257,9 +318,20 @@ def write_expected(results: list[WildResult], wild: Path = WILD) -> None:
             "# located ParseErrors on the shapes that do not fit; never a wrong mask). vars: what\n"
             "# the model's tokenizer passes to the template (default: tools/wild.py default_vars /\n"
             "# the detected family's).\n")
+    head += ("# policy_wrong: policies (chatgrammar.conformance.policies.POLICIES) under which\n"
+             "# some case trains otherwise than the template says (known defects, first problem).\n"
+             "# policy_counts: per policy, templates correct / safe / warned / wrong.\n")
     (wild / "expected.yaml").write_text(
-        head + yaml.safe_dump({"templates": out}, sort_keys=False, allow_unicode=True, width=100),
+        head + yaml.safe_dump({"policy_counts": policy_counts(results), "templates": out},
+                              sort_keys=False, allow_unicode=True, width=100),
         encoding="utf-8")
+
+
+def load_policy_counts(wild: Path = WILD) -> dict:
+    """The ``policy_counts`` pinned in ``expected.yaml`` (policy -> outcome -> templates)."""
+    p = wild / "expected.yaml"
+    data = yaml.safe_load(p.read_text(encoding="utf-8")) or {} if p.exists() else {}
+    return data.get("policy_counts") or {}
 
 
 def table(results: list[WildResult]) -> str:
@@ -283,8 +355,25 @@ def table(results: list[WildResult]) -> str:
         f"- **SILENT WRONG: {tally.get('SILENT WRONG', 0)}**"
         + (f" · CRASH: {tally['CRASH']}" if tally.get("CRASH") else ""),
         "",
-        "| template | outcome | format | pass | fail | unsafe | skip | reason |",
-        "|---|---|---|---:|---:|---:|---:|---|",
+        "Under the other mask policies a trainer uses (the cases that pass with the default, "
+        "re-checked: `chatgrammar.conformance.policies`), templates:",
+        "",
+        "| policy | correct | safe | warned | wrong | of which untyped |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, t in policy_counts(results).items():
+        lines.append(f"| `{name}` | {t['correct']} | {t['safe']} | {t['warned']} | "
+                     f"**{t['wrong']}** | {t['untyped']} |")
+    lines += ["", "`untyped`: the format types no tool-call (or reasoning) block in that "
+              "message, so the policy cannot drop it: the template writes the call as plain "
+              "text, no marker around it (Llama 3.x JSON and pythonic calls, xLAM, Gemma 3 "
+              "pythonic, Phi-4-mini JSON: no grammar can tell it from the answer), or in tags "
+              "the format does not read as markers (Qwen2.5-Coder's `<tools>`, the inferred "
+              "formats of Granite-20B-FC and kite1.0)."]
+    lines += [
+        "",
+        "| template | outcome | format | pass | fail | unsafe | skip | wrong under | reason |",
+        "|---|---|---|---:|---:|---:|---:|---|---|",
     ]
     order = {"SILENT WRONG": 0, "CRASH": 0, "warned": 1, "safe": 1, "inferred": 2, "detected": 3}
     for r in sorted(results, key=lambda r: (order.get(r.outcome, 9), r.template)):
@@ -292,6 +381,7 @@ def table(results: list[WildResult]) -> str:
         reason = r.reason.replace("|", "\\|").replace("\n", " ")[:220]
         lines.append(f"| {r.template} | {r.outcome} | {r.format or '–'} | {c.get('pass', '')} | "
                      f"{c.get('fail', '')} | {c.get('unsafe', '')} | {c.get('skip', '')} | "
+                     f"{', '.join(k for k, v in r.policies.items() if v == 'wrong')} | "
                      f"{reason} |")
     return "\n".join(lines) + "\n"
 
@@ -310,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     paths = args.templates or sorted(WILD.glob("*.jinja"))
     results = run(paths)
+    pinned = {k: set(v.get("policy_wrong") or ()) for k, v in load_expected().items()}
     if args.write_expected:
         write_expected(results)
     if args.json:
@@ -322,11 +413,15 @@ def main(argv: list[str] | None = None) -> int:
         print(md)
         if args.verbose:
             for r in results:
-                if r.failures:
+                if r.failures or r.policy_failures:
                     print(f"## {r.template} ({r.format})")
-                    for f in r.failures:
+                    for f in r.failures + r.policy_failures:
                         print(f"  - {f}")
-    return 1 if any(r.outcome in ("SILENT WRONG", "CRASH") for r in results) else 0
+    bad = any(r.outcome in ("SILENT WRONG", "CRASH") for r in results)
+    # a policy a template is wrong under that expected.yaml does not pin as a known defect
+    new = any(v == "wrong" and k not in pinned.get(r.template, ()) for r in results
+              for k, v in r.policies.items())
+    return 1 if bad or new else 0
 
 
 if __name__ == "__main__":

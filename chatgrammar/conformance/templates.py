@@ -201,6 +201,12 @@ class CaseResult:
             boundaries inside merged tokens, documented deviations).
         deviations: differences from the assistant output that the format makes on purpose
             and documents (``accepted:`` of its tests.yaml); the case still passes.
+        regions: of a passing case, each assistant message located from the template alone,
+            ``(message, region start, output start, earliest training start, output end)``
+            (what :mod:`chatgrammar.conformance.policies` checks the other policies against).
+        message_starts: of a passing case, message ``k`` -> where it starts in the rendering
+            (the length of the rendering of the first ``k`` messages; None where the template
+            renders them differently once later ones exist).
     """
 
     case: str
@@ -212,6 +218,8 @@ class CaseResult:
     found: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     deviations: list = field(default_factory=list)
+    regions: list = field(default_factory=list)
+    message_starts: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -633,6 +641,7 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
     if conv_ids.boundaries:
         res.notes.extend(str(b) for b in conv_ids.boundaries)
     res.notes = list(dict.fromkeys(res.notes))
+    res.regions, res.message_starts = regions, dict(loc.P)
     return res
 
 

@@ -27,13 +27,17 @@ def rule_name(element: str) -> str:
 
 
 def _element_rule(name: str, el: Element, elements: dict[str, Element],
-                  preamble: bool = False, between: tuple = ()) -> list[str]:
+                  preamble: bool = False, between: tuple = (), lead: bool = False) -> list[str]:
     alts: list[str] = []
     opens = " | ".join(term_name(o) for o in el.open)
     open_part = f"({opens})" if len(el.open) > 1 else opens
     tails = [c for c in el.children if elements[c].ends_with_parent]
+    # a child without an opener starts with the body's text, so it can only open the body
+    # (DeepSeek-V4's reasoning before a lone `</think>`): anywhere else its text could not be
+    # told from the body's own
+    firsts = [c for c in el.children if not elements[c].open]
     body_items = (([TEXT] if el.text else [])
-                  + [rule_name(c) for c in el.children if c not in tails]
+                  + [rule_name(c) for c in el.children if c not in tails and c not in firsts]
                   + [term_name(m) for m in el.inner_markers])
     # leading text of the preamble (no opener; or no opener and no close): never empty, or
     # `start` is ambiguous (an empty one would read nothing before its close or the first turn)
@@ -44,8 +48,14 @@ def _element_rule(name: str, el: Element, elements: dict[str, Element],
         el.open and not el.close and el.header is None and set(el.open) & set(between))
     body = ("(" + " | ".join(body_items) + (")+" if nonempty else ")*")
             if body_items else "")
+    if lead and body_items == [TEXT]:
+        # a child without opener that holds only text: one run of it (a repetition would
+        # compete with the parent body's own text)
+        body = f"{TEXT}?"
     if tails:  # children that run to this element's close can only come last
         body += " (" + " | ".join(rule_name(c) for c in tails) + ")?"
+    if firsts:
+        body = "(" + " | ".join(rule_name(c) for c in firsts) + ")? " + body
     close = ""
     if el.close:
         cm = " | ".join(term_name(c) for c in el.close.markers)
@@ -134,7 +144,9 @@ def build_grammar(spec: FormatSpec) -> str:
         todo.extend(el.children)
         if el.follow:
             todo.append(el.follow)
+    leads = {c for el in spec.elements.values() for c in el.children
+             if not spec.elements[c].open}
     for n in seen:
         lines.extend(_element_rule(n, spec.elements[n], spec.elements, n in spec.preamble,
-                                   tuple(spec.between_markers)))
+                                   tuple(spec.between_markers), n in leads))
     return "\n".join(lines) + "\n"

@@ -142,7 +142,9 @@ class Element(_Model):
 
     open: _OneOrMany = Field(default_factory=list, description=(
         "The opener marker(s): one name or a list of alternatives. Empty: the element starts "
-        "with text (it then needs a close, or is a `follow` or preamble element); with a "
+        "with text (it then needs a close, or is a `follow` or preamble element; a child "
+        "without an opener can only open its parent's body: DeepSeek-V4's reasoning up to a "
+        "lone `</think>`); with a "
         "`header` ending at a marker, that text is its header (GigaChat 3's role before "
         "`<|role_sep|>`), and `between` text can then only end the input."))
     header: Optional[Header] = Field(None, description=(
