@@ -266,6 +266,7 @@ class _Shape:
     call: tuple | None = None                      # (open, close or None, inner markers)
     tool_head: str | None = None
     decl: tuple | None = None                      # a tool-declaration block (open, close)
+    decl_text: tuple | None = None                 # bare declarations: (close, inner markers)
     glue: list = field(default_factory=list)       # markers seen before some headers
     renders: list = field(default_factory=list)    # every probe rendering
     opening: set = field(default_factory=set)      # markers that start a header
@@ -767,6 +768,68 @@ def _declarations(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
         sh.decl = (new[0], _mirror(new[0]))
 
 
+def _decl_text(lex: _Lexicon, text: str, closes: set, opening: set) -> tuple | None:
+    """``(close, inner markers, length)`` when ``text`` (what precedes the first turn's
+    header, BOS excluded) is tool declarations written as bare text and ended with the turns'
+    terminator: it names the probe's function and may hold marker-shaped words, none of them
+    a turn opener or a terminator (vLLM's Hermes tool templates: 'You are a function calling
+    AI model … <tools> … </tool_call><|im_end|>' before '<|im_start|>system'). Else None."""
+    body = text.rstrip()
+    ps = [q for q in lex.pieces(body) if q[1]]
+    if len(ps) < 2 or ps[0][0] or not ps[0][1].strip() or not ps[-1][0] \
+            or ps[-1][1] not in closes or FN not in body:
+        return None
+    inner = [p for m, p in ps[:-1] if m]
+    if any(p in closes or p in opening for p in inner):
+        return None
+    return ps[-1][1], tuple(dict.fromkeys(inner)), len(text)
+
+
+def _declaration_text(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
+    """Tool declarations printed as bare text before the first turn, ended with the turns'
+    terminator (:func:`_decl_text`): from what declaring tools inserts, or, for a template
+    that is always probed with tools, from the first turn's head (the text is then taken out
+    of it, so that the header is read as in later turns). They become an untrained system
+    element of the preamble, with the marker-shaped words as its inner markers."""
+    closes = {p for t in sh.terms.values() for m, p in lex.pieces(t)[:1] if m}
+    # the markers later turns' headers hold (the first turn's head holds the declarations)
+    heads = {p for t in sh.heads.values() for m, p in lex.pieces(t) if m}
+    msgs = [_u(U1), _a(A1)]
+    r0 = probe.render(msgs, shape="tools-declared")
+    r1 = probe.render(msgs, tools=_TOOLS, shape="tools-declared")
+    if r0 is not None and r1 is not None and r0 != r1:
+        cp = _snap(lex, r1, len(os.path.commonprefix([r0, r1])))
+        cs = len(os.path.commonprefix([r0[cp:][::-1], r1[cp:][::-1]]))
+        seg = r1[cp:len(r1) - cs]
+        if not r0[:cp].strip() or all(m for m, p in lex.pieces(r0[:cp]) if p.strip()):
+            found = _decl_text(lex, seg, closes, heads)
+            if found:
+                sh.decl_text = found[:2]
+        return
+    user = (sh.heads.get("user") or "").lstrip()
+    first = sh.first.get("user")
+    if probe.tools is None or not user or first is None or not first.endswith(user):
+        return
+    pre = first[:len(first) - len(user)]
+    ps = lex.pieces(pre)
+    k = 0
+    while k < len(ps) and (ps[k][0] and ps[k][1] not in heads or not ps[k][1].strip()):
+        k += 1   # the BOS and whitespace before the declarations
+    lead = "".join(p for _, p in ps[:k])
+    found = _decl_text(lex, pre[len(lead):], closes, heads)
+    if not found:
+        return
+    sh.decl_text = found[:2]
+    cut = len(lead) + found[2]
+    decl = pre[len(lead):cut]
+    for role, head in list(sh.first.items()):
+        if head.startswith(lead + decl):
+            sh.first[role] = lead + head[cut:]
+    if sh.first_sys is not None and sh.first_sys.startswith(lead + decl):
+        sh.first_sys = lead + sh.first_sys[cut:]
+    sh.notes.append("tool declarations are printed as bare text before the first turn")
+
+
 # -------------------------------------------------------------------------------- design
 class _Names:
     """Marker names for the spec, readable and unique."""
@@ -1014,6 +1077,8 @@ def _close(plan: _Plan, lex: _Lexicon, sh: _Shape, roles: list[str]) -> dict | N
             # Hermes' tool turn ends '</tool_response>\n<|im_end|>': the others' close, further
             # on after whitespace, closes it too (the wrapper is text of its body)
             ps = [q for q in lex.pieces(term) if q[0] or q[1].strip()]
+            if len(ps) > 1 and not ps[0][0]:
+                ps = ps[1:]   # text before the close is body (a quoted result's '"}')
             names = [p for _, p in ps]
             if primary in names and all(m for m, _ in ps[:names.index(primary)]):
                 marks = names[names.index(primary):]
@@ -1073,6 +1138,23 @@ def _turn_element(plan: _Plan, lex: _Lexicon, sh: _Shape, opener: str,
     if close:
         el["close"] = close
     return name, el
+
+
+def _turn_element_or_merged(plan: _Plan, lex: _Lexicon, sh: _Shape, opener: str,
+                            roles: dict) -> tuple[str, dict]:
+    """:func:`_turn_element`; where tool results share another untrained role's opener with a
+    header the role-name forms cannot read (sglang's Phi-4-mini writes a tool result as
+    ``<|user|>\\nTool response for NAME:\\n…``), the tool turn is a turn of that role: its text
+    is that role's body, which never trains (verification then checks the masks)."""
+    try:
+        return _turn_element(plan, lex, sh, opener, roles)
+    except InferenceError:
+        if "tool" not in roles or "assistant" in roles or len(roles) < 2:
+            raise
+    others = {r: c for r, c in roles.items() if r != "tool"}
+    sh.notes.append(f"tool results are rendered as {'/'.join(others)} turns (opener "
+                    f"{opener!r}): they parse as such, never trained")
+    return _turn_element(plan, lex, sh, opener, others)
 
 
 def _blocks(plan: _Plan, sh: _Shape) -> list[str]:
@@ -1178,7 +1260,7 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
             sh.notes.append("tool results are rendered with the assistant's header")
             roles = {r: c for r, c in roles.items() if r != "tool"}
         if opener is not None:
-            ename, el = _turn_element(plan, lex, sh, opener, roles)
+            ename, el = _turn_element_or_merged(plan, lex, sh, opener, roles)
             plan.elements[ename] = el
             plan.top.append(ename)
             continue
@@ -1195,6 +1277,12 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
         plan.elements["tool_declarations"] = {"open": plan.m(sh.decl[0]), "role": "system",
                                               "close": {"markers": [plan.m(sh.decl[1])]}}
         plan.top.append("tool_declarations")
+    if sh.decl_text:
+        close, inner = sh.decl_text
+        el = {"role": "system", "close": {"markers": [plan.m(close)]}}
+        if inner:
+            el["inner_markers"] = [plan.m(x) for x in inner]
+        plan.elements["tool_declarations_text"] = el
     children = _blocks(plan, sh)
     for ename, el in plan.elements.items():
         if ename in plan.top or ename in _REPLIES:
@@ -1226,7 +1314,8 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
         "elements": plan.elements,
         "top": plan.top,
     }
-    pre = [plan.m(p) for p in preamble] + (["system_text"] if bare else [])
+    pre = [plan.m(p) for p in preamble] + (["tool_declarations_text"] if sh.decl_text else []) \
+        + (["system_text"] if bare else [])
     if pre:
         spec["preamble"] = pre
     if plan.between or "reply" not in plan.elements:
@@ -1433,6 +1522,7 @@ def _shape(probe: _Probe, lex: _Lexicon) -> tuple[_Shape, str]:
     h_a = _assistant_header(lex, sh, g)
     _reasoning(probe, lex, sh, h_a)
     _tools(probe, lex, sh, h_a)
+    _declaration_text(probe, lex, sh)
     sh.renders = [t for t in probe.cache.values() if t]
     if sh.after_tool_head is not None and sh.after_tool_head.strip() != h_a.strip() \
             and sh.heads.get("assistant", "").strip() != sh.after_tool_head.strip():

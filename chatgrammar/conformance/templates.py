@@ -743,6 +743,17 @@ class _Locator:
             # the rendering of the previous messages)
             while s < e and R[s].isspace() and not R.startswith(g, s):
                 s += 1
+        elif g.strip() and not R.startswith(g, s) and R[s:e].lstrip().startswith(
+                g.lstrip()[:1]):
+            # the prompt's leading whitespace differs from what the history writes before the
+            # header (templates indented in Jinja: AmberChat writes "\n    ###Assistant:" as
+            # its prompt and "\n        ###Assistant: " in history, qwen2-audio's prompt
+            # starts with the newline the rendering without it ends with): that whitespace is
+            # between-turn text either way, and the header is compared from its first
+            # non-space character
+            g = g.lstrip()
+            while s < e and R[s].isspace():
+                s += 1
         if not R.startswith(g, s):
             # The template prompts with more than it renders for this message (a prefilled
             # "<think>\n" that history turns do not repeat): the header is the common part.
