@@ -88,6 +88,7 @@ class _Probe:
         self.parts = False  # content given as a list of text parts
         self.tools: list | None = None  # tools always declared (a template that needs them)
         self.unsplit: dict[str, tuple[str, str]] = {}  # role -> text only the shorter render has
+        self.prefills: list = []  # (whitespace before, text) a forced prompt adds to the header
         self.folded: set = set()  # roles whose message renders only once a later one exists
         self.forced = ""  # a suffix every rendering ends with (a forced generation prompt)
 
@@ -184,6 +185,16 @@ def _locate(probe: _Probe, msgs: list[dict], R: str, shape: str, **kw: Any) -> l
             if not t[split:].strip() or _MARKERISH.fullmatch(t[split:].strip()) or \
                     _SPECIAL_SHAPE.fullmatch(t[split:].strip()):
                 prev.term, cur.head = gap[:split], gap[split:]
+            elif cur.role == "assistant" and split == len(gap) and gap.strip() and \
+                    _PLAIN.pieces(gap.lstrip())[0][0] and \
+                    own == probe.render(msgs[:cur.index], agp=True, shape=shape, **kw):
+                # the template always ends a conversation before a reply with the generation
+                # prompt, which prefills text the reply's own rendering lacks (Apriel 1.6's
+                # '<|begin_assistant|>\nHere are my reasoning steps:\n'; history replies are
+                # written without it): what both have is the reply's header, the rest is a
+                # prefill of the prompt only (listed in generation_prompt, never trained)
+                prev.term, cur.head = "", gap
+                probe.prefills.append((gap[:len(gap) - len(gap.lstrip())], t[split:]))
             else:  # for the refusal's message: what only the shorter rendering has
                 probe.unsplit.setdefault(cur.role, (t[split:], gap[split:]))
         # else: the earlier messages render differently once this one exists (Qwen3's last
@@ -470,30 +481,33 @@ def _lazy_terminator(lex: _Lexicon, runs: list, opening: set) -> None:
     later = [m for _, located in runs for m in located[1:] if m.head is not None]
     if not later or any((m.term or "").strip() for _, located in runs for m in located[:-1]):
         return
-    firsts = set()
+    # per role: Apriel 1.6 writes '<|end|>' before each later user header only (its user turns
+    # have no terminator, its assistant turns one printed only once a user message follows)
+    firsts: dict = {}
     for m in later:
         ps = [q for q in lex.pieces(m.head) if q[0] or q[1].strip()]
-        if len(ps) < 2 or not ps[0][0] or not ps[1][0]:
-            return
-        firsts.add(ps[0][1])
-    if len(firsts) != 1:
-        return
-    marker = firsts.pop()
-    if any(marker in (located[0].head or "") .split(marker, 1)[0] for _, located in runs
-           if located) or marker in opening and all(
-               (located[0].head or "").lstrip().startswith(marker) for _, located in runs
-               if located):
+        ok = len(ps) >= 2 and ps[0][0] and ps[1][0]
+        firsts.setdefault(m.role, set()).add(ps[0][1] if ok else None)
+    lazy = {r: next(iter(f)) for r, f in firsts.items() if len(f) == 1 and None not in f}
+    heads0 = [(located[0].head or "") for _, located in runs if located]
+    for role, marker in list(lazy.items()):
+        if marker in opening and all(h.lstrip().startswith(marker) for h in heads0):
+            del lazy[role]   # the marker opens every first turn too: it is a header's
+    if not lazy:
         return
     for _, located in runs:
         for prev, cur in zip(located, located[1:]):
-            if cur.head is None or prev.term is None:
+            if cur.head is None or prev.term is None or cur.role not in lazy:
                 continue
+            marker = lazy[cur.role]
             at = cur.head.find(marker)
             rest = cur.head[at + len(marker):]
             ws = rest[:len(rest) - len(rest.lstrip())]
             cut = at + len(marker) + len(ws)
             prev.term, cur.head = prev.term + cur.head[:cut], cur.head[cut:]
-    opening.discard(marker)
+    for marker in set(lazy.values()):
+        if not any(h.lstrip().startswith(marker) for h in heads0):
+            opening.discard(marker)
 
 
 def _header_in_terminator(lex: _Lexicon, sh: _Shape) -> None:
@@ -984,6 +998,7 @@ class _Plan:
     between: bool = False
     follow_from: list = field(default_factory=list)   # elements the headerless reply follows
     ws_after: dict = field(default_factory=dict)      # close marker -> whitespace after it
+    ws_before: dict = field(default_factory=dict)     # close marker -> whitespace before it
 
     def m(self, text: str) -> str:
         return self.names(text)
@@ -1086,6 +1101,9 @@ def _close(plan: _Plan, lex: _Lexicon, sh: _Shape, roles: list[str]) -> dict | N
                                      if not m), len(marks))]
         if primary in marks:
             marks = marks[marks.index(primary):]
+        if marks and term[:1].isspace() and term.lstrip().startswith(marks[0]):
+            # Apriel 1.6's '\n<|end|>': the newline is the close's, not the reply's
+            plan.ws_before.setdefault(marks[0], set()).add(term[:len(term) - len(term.lstrip())])
         if marks:
             closes.append(marks[0])
             after.extend(marks[1:])
@@ -1149,11 +1167,22 @@ def _turn_element_or_merged(plan: _Plan, lex: _Lexicon, sh: _Shape, opener: str,
     try:
         return _turn_element(plan, lex, sh, opener, roles)
     except InferenceError:
-        if "tool" not in roles or "assistant" in roles or len(roles) < 2:
+        if "assistant" in roles or len(roles) < 2:
             raise
     others = {r: c for r, c in roles.items() if r != "tool"}
-    sh.notes.append(f"tool results are rendered as {'/'.join(others)} turns (opener "
-                    f"{opener!r}): they parse as such, never trained")
+    if len(others) > 1 and len({"".join(p for _, p in c.rest) for c in others.values()}) == 1:
+        # untrained roles written exactly alike (FairMind's Phi-3 prints a system message as
+        # a user turn): one of them, the user's, stands for all
+        keep = "user" if "user" in others else next(iter(others))
+        sh.notes.append(f"{', '.join(r for r in others if r != keep)} messages are rendered "
+                        f"as {keep} turns: they parse as such, never trained")
+        others = {keep: others[keep]}
+    elif len(others) == len(roles):
+        raise InferenceError(f"the headers of roles {', '.join(roles)} after {opener!r} "
+                             "cannot be told apart and have no common form", where="role headers")
+    if "tool" in roles:
+        sh.notes.append(f"tool results are rendered as {'/'.join(others)} turns (opener "
+                        f"{opener!r}): they parse as such, never trained")
     return _turn_element(plan, lex, sh, opener, others)
 
 
@@ -1335,6 +1364,8 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
         spec["_alternate"] = True
     spec["_ws_after"] = {plan.m(t): next(iter(w)) for t, w in plan.ws_after.items()
                          if len(w) == 1}
+    spec["_lstrip_close"] = {plan.m(t): next(iter(w)) for t, w in plan.ws_before.items()
+                             if len(w) == 1}
     spec["markers"] = {n: {"text": t, "special": lex.special(t, tokenizer)}
                        for t, n in plan.names.by_text.items()}
     return spec
@@ -1520,6 +1551,11 @@ def _shape(probe: _Probe, lex: _Lexicon) -> tuple[_Shape, str]:
     _basic(probe, lex, sh)
     g = _generation(probe, lex, sh)
     h_a = _assistant_header(lex, sh, g)
+    for ws, extra in dict.fromkeys(probe.prefills):
+        # also with the whitespace before it, which an lstrip opener takes into the last turn
+        sh.gens += [h_a.lstrip() + extra] + ([ws + h_a.lstrip() + extra] if ws else [])
+        sh.notes.append(f"the generation prompt is always printed and prefills {extra!r}, "
+                        "which history replies lack")
     _reasoning(probe, lex, sh, h_a)
     _tools(probe, lex, sh, h_a)
     _declaration_text(probe, lex, sh)
@@ -1582,6 +1618,7 @@ def _variants(spec: dict) -> list[dict]:
     closing = spec.pop("_closing", [])
     nolead = spec.pop("_nolead", False)
     alternate = spec.pop("_alternate", False)
+    ws_before = spec.pop("_lstrip_close", {})
     out = [spec]
     alt = _copy(spec)
     if "between" in alt:
@@ -1590,6 +1627,8 @@ def _variants(spec: dict) -> list[dict]:
         alt["between"] = "\\s*"
     out.append(alt)
     out.append(_lstrip_variant(spec))
+    if ws_before:   # whitespace before a terminator marker belongs to it, not to the body
+        out += _each(out, lambda cand: _ws_joined_close(cand, ws_before))
     if alternate:   # tool results with the assistant's header: answers only after questions
         out[:0] = _closed_by_next(spec, _lstrip_variant(spec), alternate=alternate)
     lstripped = _lstrip_variant(spec)
@@ -1607,8 +1646,10 @@ def _variants(spec: dict) -> list[dict]:
             out.append(alt)
     out += _joined_terminators(spec, lstripped, ws_after, bool(closing))
     out += _eos_variants(spec, lstripped, eos)
+    out += [c for c in (_trimmed(spec), _trimmed(lstripped)) if c is not None]
     if nolead:
         out += _each(out, _without_lead)
+        out += _each(out, _trained_role_line)
     if closing:
         out += _each(out, lambda cand: _closing_after(cand, closing))
     blocks = [n for n, el in spec["elements"].items() if el.get("kind") == "tool_call"]
@@ -1628,6 +1669,27 @@ def _variants(spec: dict) -> list[dict]:
             seen.add(key)
             uniq.append(cand)
     return uniq[:_MAX_CANDIDATES]
+
+
+def _ws_joined_close(cand: dict, ws_before: dict) -> dict:
+    """``cand`` with each close marker of ``ws_before`` (name -> the whitespace a terminator
+    always has before it) joined with that whitespace into one soft marker: Apriel 1.6 ends a
+    reply with '\n<|end|>', and a reply's text ending in that newline (lstrip takes only a
+    whitespace-only run) is not the model's output."""
+    alt = _copy(cand)
+    for name, ws in ws_before.items():
+        new = name + "_ws_before"
+        alt["markers"][new] = {"text": ws + alt["markers"][name]["text"], "special": False}
+        for el in alt["elements"].values():
+            close = el.get("close") or {}
+            if name in close.get("markers", []):
+                close["markers"] = [new if n == name else n for n in close["markers"]]
+        # an input ending in that whitespace ends inside the joined marker, which text mode
+        # leaves out of the parse: a generation prompt ending with it is seen without it
+        gens = alt.get("generation_prompt", [])
+        alt["generation_prompt"] = list(dict.fromkeys(
+            gens + [g[:len(g) - len(ws)] for g in gens if g.endswith(ws) and g[:-len(ws)]]))
+    return alt
 
 
 def _without_reply_after_reply(cand: dict) -> dict:
@@ -1844,6 +1906,21 @@ def _eos_variants(spec: dict, lstripped: dict, eos: dict | None) -> list:
     return out
 
 
+def _trimmed(cand: dict) -> dict | None:
+    """Assistant turns without a terminator that do not keep the whitespace they end with
+    (``trim_end``): OpenBuddy writes an empty tool-calling reply as 'Assistant: </s>', and
+    the space is the header's, not the model's output. None when no such turn."""
+    alt = _copy(cand)
+    hit = False
+    for name in _turn_names(alt):
+        el = alt["elements"].get(name)
+        if el is not None and el.get("role") == "assistant" and "close" not in el \
+                and not el.get("trim_end"):
+            el["trim_end"] = True
+            hit = True
+    return alt if hit else None
+
+
 def _without_lead(cand: dict) -> dict | None:
     """A template without a generation prompt (aanaphi2's '### Assistant: A\n'): the space
     after the role word is the reply's first character, not a header lead."""
@@ -1853,6 +1930,24 @@ def _without_lead(cand: dict) -> dict | None:
         if el.get("role") == "assistant" and el.get("lead") is not None \
                 and not el["lead"].strip():
             del el["lead"]
+            hit = True
+    return alt if hit else None
+
+
+def _trained_role_line(cand: dict) -> dict | None:
+    """A template without a generation prompt whose turns share an opener and name the role
+    as text (NLPark AnFeng's ChatML: ``<|im_start|>assistant\n…`` with nothing for
+    ``add_generation_prompt``): the prompt ends at the opener, so the role line is the model's
+    output and trains with the reply (``trained_after`` an empty group at the start of the
+    header; only the assistant's turns train, the role still picks the turn)."""
+    alt = _copy(cand)
+    hit = False
+    for el in alt["elements"].values():
+        h = el.get("header") or {}
+        if h.get("until_text") and "(?P<role>" in h.get("pattern", "") \
+                and "trained_after" not in h:
+            h["pattern"] = "(?P<out>)" + h["pattern"]
+            h["trained_after"] = "out"
             hit = True
     return alt if hit else None
 

@@ -743,17 +743,21 @@ class _Locator:
             # the rendering of the previous messages)
             while s < e and R[s].isspace() and not R.startswith(g, s):
                 s += 1
-        elif g.strip() and not R.startswith(g, s) and R[s:e].lstrip().startswith(
-                g.lstrip()[:1]):
+        elif g.strip() and not R.startswith(g, s):
             # the prompt's leading whitespace differs from what the history writes before the
             # header (templates indented in Jinja: AmberChat writes "\n    ###Assistant:" as
             # its prompt and "\n        ###Assistant: " in history, qwen2-audio's prompt
             # starts with the newline the rendering without it ends with): that whitespace is
             # between-turn text either way, and the header is compared from its first
-            # non-space character
-            g = g.lstrip()
-            while s < e and R[s].isspace():
-                s += 1
+            # non-space character — where that shares more of the header than the whitespace
+            # did (DeepSeek-V3.2's "\n\n<think></think>" prompt before a "\n\n</think>" reply
+            # shares only the whitespace: the reply starts there)
+            g2, s2 = g.lstrip(), s + len(R[s:e]) - len(R[s:e].lstrip())
+            was = _snap_into_marker(g, len(os.path.commonprefix([R[s:s + len(g)], g])), rx)
+            now = _snap_into_marker(g2, len(os.path.commonprefix([R[s2:s2 + len(g2)], g2])),
+                                    rx)
+            if now > was:
+                g, s = g2, s2
         if not R.startswith(g, s):
             # The template prompts with more than it renders for this message (a prefilled
             # "<think>\n" that history turns do not repeat): the header is the common part.
