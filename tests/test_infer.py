@@ -777,6 +777,12 @@ def test_tool_declarations_written_as_bare_text():
     trained = fmt.parse(text).trained_text(OUTPUT_POLICY)
     assert any("get_weather" in t and "<tool_call>" in t for t in trained)
     assert not any("function calling AI model" in t or "temperature" in t for t in trained)
+    # its call writes the arguments before the name: still one tool_call block
+    conv = fmt.parse(text)
+    calls = [s for s in conv.spans(OUTPUT_POLICY) if s.kind == "tool_call"]
+    assert calls and "get_weather" in text[calls[0].start:calls[0].end]
+    assert not any("get_weather" in t for t in conv.trained_text(
+        OUTPUT_POLICY.replace(tool_calls=False)))
 
 
 def test_forced_prompt_prefill_is_a_generation_prompt():

@@ -731,9 +731,14 @@ def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
     if heads.get("assistant"):
         sh.after_tool_head = heads["assistant"][-1][0]
     u_end = R.find(U1) + len(U1)
-    f = R.find(FN, u_end)
-    v = R.rfind(ARGV, 0, R.find(TR1))
     t = R.find(TR1)
+    f = R.find(FN, u_end)
+    v = R.rfind(ARGV, 0, t)
+    k = R.find(ARGK, u_end)
+    if 0 <= k < v < f < t:
+        # the arguments before the name (vLLM's Hermes template writes '{ "arguments": {…},
+        # "name": "NAME"}'): the call runs from the first argument to after the name
+        f, v = k, f + len(FN) - len(ARGV)
     if 0 <= f < v < t:
         start = R.find(h_a, u_end) + len(h_a) if h_a and R.find(h_a, u_end) >= 0 else u_end
         struct = {p for t in list(sh.heads.values()) + list(sh.terms.values())
