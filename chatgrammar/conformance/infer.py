@@ -483,13 +483,16 @@ def _lazy_terminator(lex: _Lexicon, runs: list, opening: set) -> None:
         return
     # per role: Apriel 1.6 writes '<|end|>' before each later user header only (its user turns
     # have no terminator, its assistant turns one printed only once a user message follows)
+    heads0 = [(located[0].head or "") for _, located in runs if located]
+    # the marker after it must open a header where no terminator precedes it (a first turn's
+    # head): GLM-4.5's '<|assistant|>\n<think></think>' is a header, not a lazy terminator
+    first_marks = {p for h in heads0 for m, p in lex.pieces(h) if m}
     firsts: dict = {}
     for m in later:
         ps = [q for q in lex.pieces(m.head) if q[0] or q[1].strip()]
-        ok = len(ps) >= 2 and ps[0][0] and ps[1][0]
+        ok = len(ps) >= 2 and ps[0][0] and ps[1][0] and ps[1][1] in first_marks
         firsts.setdefault(m.role, set()).add(ps[0][1] if ok else None)
     lazy = {r: next(iter(f)) for r, f in firsts.items() if len(f) == 1 and None not in f}
-    heads0 = [(located[0].head or "") for _, located in runs if located]
     for role, marker in list(lazy.items()):
         if marker in opening and all(h.lstrip().startswith(marker) for h in heads0):
             del lazy[role]   # the marker opens every first turn too: it is a header's
