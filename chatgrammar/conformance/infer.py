@@ -1950,11 +1950,18 @@ def _trained_role_line(cand: dict) -> dict | None:
     header; only the assistant's turns train, the role still picks the turn)."""
     alt = _copy(cand)
     hit = False
+    names = [n for n, r in (alt.get("role_aliases") or {}).items() if r == "assistant"]
+    if "assistant" not in (alt.get("role_aliases") or {}):
+        names.append("assistant")
+    ahead = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
     for el in alt["elements"].values():
         h = el.get("header") or {}
         if h.get("until_text") and "(?P<role>" in h.get("pattern", "") \
                 and "trained_after" not in h:
-            h["pattern"] = "(?P<out>)" + h["pattern"]
+            # only an assistant's role line is output (the group takes no part in another
+            # role's header, which then stays untrained under any policy)
+            h["pattern"] = (f"(?:(?P<out>)(?=(?:{ahead}){re.escape(h['until_text'])}))?"
+                            + h["pattern"])
             h["trained_after"] = "out"
             hit = True
     return alt if hit else None
