@@ -733,6 +733,14 @@ def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
         sh.terms.setdefault("tool", terms["tool"][0][0])
     if heads.get("assistant"):
         sh.after_tool_head = heads["assistant"][-1][0]
+    _call_block(lex, sh, R, h_a)
+    _declarations(probe, lex, sh)
+
+
+def _call_block(lex: _Lexicon, sh: _Shape, R: str, h_a: str) -> None:
+    """The tool-call element's markers, from a rendering of a call, its result, an answer:
+    the markers before the call's function name (or first argument) and after its last
+    argument (or name) that no turn uses."""
     u_end = R.find(U1) + len(U1)
     t = R.find(TR1)
     f = R.find(FN, u_end)
@@ -764,7 +772,6 @@ def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
             ends = mirror if mirror in y else y[-1] if y else None
             sh.call = (x[0], ends, tuple(dict.fromkeys(x[1:] + inner
                                                        + [q for q in y if q != ends])))
-    _declarations(probe, lex, sh)
 
 
 def _declarations(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
