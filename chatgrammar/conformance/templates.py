@@ -737,13 +737,7 @@ class _Locator:
             g = R[s:s + openers.leading_glue(R[s:e], rx)].rstrip()
             if R.startswith("\n", s + len(g)):
                 g += "\n"  # the header's own line end, not the body's leading whitespace
-        if g and not g[0].isspace():
-            # whitespace before the message's header is between-turn text, not the message
-            # (Unsloth's one-line templates write "  " before a turn, one " " of which ends
-            # the rendering of the previous messages)
-            while s < e and R[s].isspace() and not R.startswith(g, s):
-                s += 1
-        elif g.strip() and not R.startswith(g, s):
+        if g[:1].isspace() and g.strip() and not R.startswith(g, s):
             # the prompt's leading whitespace differs from what the history writes before the
             # header (templates indented in Jinja: AmberChat writes "\n    ###Assistant:" as
             # its prompt and "\n        ###Assistant: " in history, qwen2-audio's prompt
@@ -758,6 +752,12 @@ class _Locator:
                                     rx)
             if now > was:
                 g, s = g2, s2
+        if g and not g[0].isspace():
+            # whitespace before the message's header is between-turn text, not the message
+            # (Unsloth's one-line templates write "  " before a turn, one " " of which ends
+            # the rendering of the previous messages)
+            while s < e and R[s].isspace() and not R.startswith(g, s):
+                s += 1
         if not R.startswith(g, s):
             # The template prompts with more than it renders for this message (a prefilled
             # "<think>\n" that history turns do not repeat): the header is the common part.
