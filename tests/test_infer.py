@@ -264,11 +264,13 @@ def test_closeless_layout_reports_its_whitespace_deviation():
     text = render_chat(_read("Deci-DeciLM-7B.jinja"), TWO_EXCHANGES, bos_token="<s>",
                        eos_token="</s>")
     assert fmt.parse(text).trained_text() == ["Hello there", "Later"]
-    # without an EOS to end a reply at, no such spec is tried: refused as before
-    with pytest.raises(cg.InferenceError, match="trains text outside"):
-        cg.infer_format(_read("derived/llama-cpp-rwkv-world.jinja"))
-    fmt = cg.infer_format(_read("derived/llama-cpp-rwkv-world.jinja"), eos_token="<|endoftext|>")
-    assert not fmt.verification.deviations
+    # without an EOS to end a reply at, the reply ends where the next turn opens and does not
+    # keep the whitespace it ends with (trim_end): the same masks, no deviation
+    for kw in ({}, {"eos_token": "<|endoftext|>"}):
+        fmt = cg.infer_format(_read("derived/llama-cpp-rwkv-world.jinja"), **kw)
+        assert not fmt.verification.deviations
+        text = render_chat(_read("derived/llama-cpp-rwkv-world.jinja"), TWO_EXCHANGES, **kw)
+        assert [t.strip() for t in fmt.parse(text).trained_text()] == ["Hello there", "Later"]
 
 
 def test_tool_markers_written_as_text_in_the_system_prompt():
@@ -443,16 +445,11 @@ def test_bad_templates_raise_inference_error(template, message):
 #: Templates no bundled format takes, that inference refuses on purpose (docs/inference.md,
 #: "Families without a bundled format"): template -> (variables, the reason it must give).
 REFUSED_UNBUNDLED = {
-    # the forced generation prompt prefills 'Here are my reasoning steps:' that history lacks
-    "derived/Apriel-1.6-15b-Thinker-fixed.jinja": ({}, "which is not there once the assistant"),
     # the last assistant message of a conversation is never rendered
     "infer/yandexgpt5.jinja": ({}, "rendered only once a later message follows it"),
     # additional_special_tokens[i] is read: a tokenizer variable, named as bos_token is
     "infer/gigachat-20b.jinja": ({"bos_token": "", "eos_token": ""},
                                  "needs the variable 'additional_special_tokens'"),
-    # no terminators, turns separated by '\n\n' that content holds too: where a reply ends
-    # cannot be told, the separator would train
-    "derived/llama-cpp-rwkv-world.jinja": ({}, "trains text outside the assistant messages"),
 }
 
 
@@ -717,3 +714,83 @@ def test_an_accepted_deviation_is_never_silent():
         text = "USER: Hi ASSISTANT: Hello there USER: Bye ASSISTANT: Later "
         assert [t.strip() for t in fmt.parse(text).trained_text()] == ["Hello there", "Later"]
         assert not any(t.endswith(" ") for t in fmt.parse(text).trained_text())
+
+
+#: Real templates of the wild set captured by a general rule (docs/inference.md): template ->
+#: (variables, what a two-exchange rendering trains).
+WILD_CLASSES = {
+    # Jinja indentation: the generation prompt's leading whitespace differs from the history's
+    "wild/LLM360-AmberChat.jinja": ({"bos_token": "<s>", "eos_token": "</s>"},
+                                    [" Hello there", " Later"]),
+    "wild/nvidia-ChatQA.jinja": ({"bos_token": "<s>", "eos_token": "</s>"},
+                                 [" Hello there", " Later"]),
+    "wild/vllm-template_llava.jinja": ({"bos_token": "<s>", "eos_token": "</s>"},
+                                       [" Hello there", " Later"]),
+    "wild/vllm-template_qwen2_audio.jinja": ({"eos_token": "<|im_end|>"},
+                                             ["Hello there", "Later"]),
+    # no generation prompt at all: the prompt ends at <|im_start|>, the role line is output
+    "wild/NLPark-AnFeng_v3_Avocet.jinja": ({}, ["assistant\nHello there", "assistant\nLater"]),
+    # tool results written as user turns ('<|user|>\nTool response for NAME:\n…')
+    "wild/sglang-tool_chat_template_phi4mini.jinja": ({}, ["\nHello there", "\nLater"]),
+    # a system message written exactly as a user turn
+    "wild/FairMind-Phi-3-mini-4k-instruct-bnb-4bit-Ita.jinja": ({"bos_token": "<s>"},
+                                                                ["Hello there", "Later"]),
+    # tool declarations as bare text before the first turn, ended with <|im_end|>
+    "wild/vllm-tool_chat_template_hermes.jinja": ({"eos_token": "<|im_end|>"},
+                                                  ["Hello there", "Later"]),
+    # a generation prompt always printed, prefilling text history replies lack
+    "wild/ServiceNow-AI-Apriel-1.6-15b-Thinker-fixed.jinja": ({"bos_token": "<s>"},
+                                                              ["Hello there", "Later"]),
+    # an empty reply written 'Assistant: </s>': the space is no output (trim_end)
+    "wild/OpenBuddy-openbuddy-mistral2-7b-v20.3-32k.jinja": ({"eos_token": "</s>"},
+                                                            [" Hello there", " Later"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WILD_CLASSES))
+def test_wild_template_classes_are_captured(name):
+    kw, want = WILD_CLASSES[name]
+    tpl = _read(name)
+    fmt = cg.infer_format(tpl, **kw)
+    v = fmt.verification
+    assert len(v.checked) >= 14 and not v.deviations, v.summary()
+    assert fmt.parse(render_chat(tpl, TWO_EXCHANGES, **kw)).trained_text() == want
+    # a turn of another family is never assistant text: a ParseError, or nothing trained
+    try:
+        conv = fmt.parse("<s>[INST] Hi [/INST] Hello there</s>")
+    except cg.ParseError:
+        return
+    assert not conv.trained_text(OUTPUT_POLICY)
+
+
+def test_tool_declarations_written_as_bare_text():
+    # vLLM's Hermes tool template: 'You are a function calling AI model … <tools> … </tools>
+    # … <tool_call>…</tool_call><|im_end|>' before the first '<|im_start|>' turn, only when
+    # tools are declared: an untrained system element of the preamble, closed by <|im_end|>,
+    # whose marker-shaped words are its inner markers; the call trains, the result does not
+    tpl, kw = _read("wild/vllm-tool_chat_template_hermes.jinja"), {"eos_token": "<|im_end|>"}
+    fmt = cg.infer_format(tpl, **kw)
+    el = fmt.spec.elements["tool_declarations_text"]
+    assert el.role == "system" and "tool_declarations_text" in fmt.spec.preamble
+    c = next(x for x in default_matrix() if x.name == "tool-call")
+    text = render_case(tpl, c, **kw).text
+    trained = fmt.parse(text).trained_text(OUTPUT_POLICY)
+    assert any("get_weather" in t and "<tool_call>" in t for t in trained)
+    assert not any("function calling AI model" in t or "temperature" in t for t in trained)
+    # its call writes the arguments before the name: still one tool_call block
+    conv = fmt.parse(text)
+    calls = [s for s in conv.spans(OUTPUT_POLICY) if s.kind == "tool_call"]
+    assert calls and "get_weather" in text[calls[0].start:calls[0].end]
+    assert not any("get_weather" in t for t in conv.trained_text(
+        OUTPUT_POLICY.replace(tool_calls=False)))
+
+
+def test_forced_prompt_prefill_is_a_generation_prompt():
+    # Apriel 1.6 ends every conversation before a reply with '<|begin_assistant|>\nHere are my
+    # reasoning steps:\n', which history replies lack: the header is what both have, the
+    # prefill is one of the generation prompts (a final one trains nothing)
+    tpl = _read("derived/Apriel-1.6-15b-Thinker-fixed.jinja")
+    fmt = cg.infer_format(tpl, bos_token="<s>")
+    assert any(g.endswith("Here are my reasoning steps:\n") for g in fmt.spec.generation_prompt)
+    text = render_chat(tpl, TWO_EXCHANGES[:3], bos_token="<s>", add_generation_prompt=True)
+    assert fmt.parse(text).trained_text() == ["Hello there"]

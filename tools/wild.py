@@ -189,6 +189,13 @@ def _resolve(text: str, vars_: dict, res: WildResult, t0: float, given: dict):
         # what `chatgrammar mask -f auto` / hf.map_fn("auto") use: the detected format, or an
         # inferred one where nothing is detected or the detected one only partly parses
         fmt, res.how = resolve_format(chat_template=text, **given)
+        if res.how == "inferred" and not given and vars_:
+            # the check renders with the variables a tokenizer of the family passes
+            # (default_vars); the user's tokenizer passes the same ones to inference
+            try:
+                fmt = cg.infer_format(text, **vars_)
+            except cg.InferenceError:
+                pass
         return fmt
     except cg.InferenceError:
         pass

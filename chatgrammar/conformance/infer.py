@@ -88,6 +88,7 @@ class _Probe:
         self.parts = False  # content given as a list of text parts
         self.tools: list | None = None  # tools always declared (a template that needs them)
         self.unsplit: dict[str, tuple[str, str]] = {}  # role -> text only the shorter render has
+        self.prefills: list = []  # (whitespace before, text) a forced prompt adds to the header
         self.folded: set = set()  # roles whose message renders only once a later one exists
         self.forced = ""  # a suffix every rendering ends with (a forced generation prompt)
 
@@ -184,6 +185,16 @@ def _locate(probe: _Probe, msgs: list[dict], R: str, shape: str, **kw: Any) -> l
             if not t[split:].strip() or _MARKERISH.fullmatch(t[split:].strip()) or \
                     _SPECIAL_SHAPE.fullmatch(t[split:].strip()):
                 prev.term, cur.head = gap[:split], gap[split:]
+            elif cur.role == "assistant" and split == len(gap) and gap.strip() and \
+                    _PLAIN.pieces(gap.lstrip())[0][0] and \
+                    own == probe.render(msgs[:cur.index], agp=True, shape=shape, **kw):
+                # the template always ends a conversation before a reply with the generation
+                # prompt, which prefills text the reply's own rendering lacks (Apriel 1.6's
+                # '<|begin_assistant|>\nHere are my reasoning steps:\n'; history replies are
+                # written without it): what both have is the reply's header, the rest is a
+                # prefill of the prompt only (listed in generation_prompt, never trained)
+                prev.term, cur.head = "", gap
+                probe.prefills.append((gap[:len(gap) - len(gap.lstrip())], t[split:]))
             else:  # for the refusal's message: what only the shorter rendering has
                 probe.unsplit.setdefault(cur.role, (t[split:], gap[split:]))
         # else: the earlier messages render differently once this one exists (Qwen3's last
@@ -266,6 +277,7 @@ class _Shape:
     call: tuple | None = None                      # (open, close or None, inner markers)
     tool_head: str | None = None
     decl: tuple | None = None                      # a tool-declaration block (open, close)
+    decl_text: tuple | None = None                 # bare declarations: (close, inner markers)
     glue: list = field(default_factory=list)       # markers seen before some headers
     renders: list = field(default_factory=list)    # every probe rendering
     opening: set = field(default_factory=set)      # markers that start a header
@@ -469,30 +481,36 @@ def _lazy_terminator(lex: _Lexicon, runs: list, opening: set) -> None:
     later = [m for _, located in runs for m in located[1:] if m.head is not None]
     if not later or any((m.term or "").strip() for _, located in runs for m in located[:-1]):
         return
-    firsts = set()
+    # per role: Apriel 1.6 writes '<|end|>' before each later user header only (its user turns
+    # have no terminator, its assistant turns one printed only once a user message follows)
+    heads0 = [(located[0].head or "") for _, located in runs if located]
+    # the marker after it must open a header where no terminator precedes it (a first turn's
+    # head): GLM-4.5's '<|assistant|>\n<think></think>' is a header, not a lazy terminator
+    first_marks = {p for h in heads0 for m, p in lex.pieces(h) if m}
+    firsts: dict = {}
     for m in later:
         ps = [q for q in lex.pieces(m.head) if q[0] or q[1].strip()]
-        if len(ps) < 2 or not ps[0][0] or not ps[1][0]:
-            return
-        firsts.add(ps[0][1])
-    if len(firsts) != 1:
-        return
-    marker = firsts.pop()
-    if any(marker in (located[0].head or "") .split(marker, 1)[0] for _, located in runs
-           if located) or marker in opening and all(
-               (located[0].head or "").lstrip().startswith(marker) for _, located in runs
-               if located):
+        ok = len(ps) >= 2 and ps[0][0] and ps[1][0] and ps[1][1] in first_marks
+        firsts.setdefault(m.role, set()).add(ps[0][1] if ok else None)
+    lazy = {r: next(iter(f)) for r, f in firsts.items() if len(f) == 1 and None not in f}
+    for role, marker in list(lazy.items()):
+        if marker in opening and all(h.lstrip().startswith(marker) for h in heads0):
+            del lazy[role]   # the marker opens every first turn too: it is a header's
+    if not lazy:
         return
     for _, located in runs:
         for prev, cur in zip(located, located[1:]):
-            if cur.head is None or prev.term is None:
+            if cur.head is None or prev.term is None or cur.role not in lazy:
                 continue
+            marker = lazy[cur.role]
             at = cur.head.find(marker)
             rest = cur.head[at + len(marker):]
             ws = rest[:len(rest) - len(rest.lstrip())]
             cut = at + len(marker) + len(ws)
             prev.term, cur.head = prev.term + cur.head[:cut], cur.head[cut:]
-    opening.discard(marker)
+    for marker in set(lazy.values()):
+        if not any(h.lstrip().startswith(marker) for h in heads0):
+            opening.discard(marker)
 
 
 def _header_in_terminator(lex: _Lexicon, sh: _Shape) -> None:
@@ -715,10 +733,23 @@ def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
         sh.terms.setdefault("tool", terms["tool"][0][0])
     if heads.get("assistant"):
         sh.after_tool_head = heads["assistant"][-1][0]
+    _call_block(lex, sh, R, h_a)
+    _declarations(probe, lex, sh)
+
+
+def _call_block(lex: _Lexicon, sh: _Shape, R: str, h_a: str) -> None:
+    """The tool-call element's markers, from a rendering of a call, its result, an answer:
+    the markers before the call's function name (or first argument) and after its last
+    argument (or name) that no turn uses."""
     u_end = R.find(U1) + len(U1)
-    f = R.find(FN, u_end)
-    v = R.rfind(ARGV, 0, R.find(TR1))
     t = R.find(TR1)
+    f = R.find(FN, u_end)
+    v = R.rfind(ARGV, 0, t)
+    k = R.find(ARGK, u_end)
+    if 0 <= k < v < f < t:
+        # the arguments before the name (vLLM's Hermes template writes '{ "arguments": {…},
+        # "name": "NAME"}'): the call runs from the first argument to after the name
+        f, v = k, f + len(FN) - len(ARGV)
     if 0 <= f < v < t:
         start = R.find(h_a, u_end) + len(h_a) if h_a and R.find(h_a, u_end) >= 0 else u_end
         struct = {p for t in list(sh.heads.values()) + list(sh.terms.values())
@@ -741,7 +772,6 @@ def _tools(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
             ends = mirror if mirror in y else y[-1] if y else None
             sh.call = (x[0], ends, tuple(dict.fromkeys(x[1:] + inner
                                                        + [q for q in y if q != ends])))
-    _declarations(probe, lex, sh)
 
 
 def _declarations(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
@@ -765,6 +795,68 @@ def _declarations(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
     lead = [q for q in ps if q[1].strip()]
     if len(new) >= 2 and _mirror(new[0]) in new and lead and lead[0] == (True, new[0]):
         sh.decl = (new[0], _mirror(new[0]))
+
+
+def _decl_text(lex: _Lexicon, text: str, closes: set, opening: set) -> tuple | None:
+    """``(close, inner markers, length)`` when ``text`` (what precedes the first turn's
+    header, BOS excluded) is tool declarations written as bare text and ended with the turns'
+    terminator: it names the probe's function and may hold marker-shaped words, none of them
+    a turn opener or a terminator (vLLM's Hermes tool templates: 'You are a function calling
+    AI model … <tools> … </tool_call><|im_end|>' before '<|im_start|>system'). Else None."""
+    body = text.rstrip()
+    ps = [q for q in lex.pieces(body) if q[1]]
+    if len(ps) < 2 or ps[0][0] or not ps[0][1].strip() or not ps[-1][0] \
+            or ps[-1][1] not in closes or FN not in body:
+        return None
+    inner = [p for m, p in ps[:-1] if m]
+    if any(p in closes or p in opening for p in inner):
+        return None
+    return ps[-1][1], tuple(dict.fromkeys(inner)), len(text)
+
+
+def _declaration_text(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
+    """Tool declarations printed as bare text before the first turn, ended with the turns'
+    terminator (:func:`_decl_text`): from what declaring tools inserts, or, for a template
+    that is always probed with tools, from the first turn's head (the text is then taken out
+    of it, so that the header is read as in later turns). They become an untrained system
+    element of the preamble, with the marker-shaped words as its inner markers."""
+    closes = {p for t in sh.terms.values() for m, p in lex.pieces(t)[:1] if m}
+    # the markers later turns' headers hold (the first turn's head holds the declarations)
+    heads = {p for t in sh.heads.values() for m, p in lex.pieces(t) if m}
+    msgs = [_u(U1), _a(A1)]
+    r0 = probe.render(msgs, shape="tools-declared")
+    r1 = probe.render(msgs, tools=_TOOLS, shape="tools-declared")
+    if r0 is not None and r1 is not None and r0 != r1:
+        cp = _snap(lex, r1, len(os.path.commonprefix([r0, r1])))
+        cs = len(os.path.commonprefix([r0[cp:][::-1], r1[cp:][::-1]]))
+        seg = r1[cp:len(r1) - cs]
+        if not r0[:cp].strip() or all(m for m, p in lex.pieces(r0[:cp]) if p.strip()):
+            found = _decl_text(lex, seg, closes, heads)
+            if found:
+                sh.decl_text = found[:2]
+        return
+    user = (sh.heads.get("user") or "").lstrip()
+    first = sh.first.get("user")
+    if probe.tools is None or not user or first is None or not first.endswith(user):
+        return
+    pre = first[:len(first) - len(user)]
+    ps = lex.pieces(pre)
+    k = 0
+    while k < len(ps) and (ps[k][0] and ps[k][1] not in heads or not ps[k][1].strip()):
+        k += 1   # the BOS and whitespace before the declarations
+    lead = "".join(p for _, p in ps[:k])
+    found = _decl_text(lex, pre[len(lead):], closes, heads)
+    if not found:
+        return
+    sh.decl_text = found[:2]
+    cut = len(lead) + found[2]
+    decl = pre[len(lead):cut]
+    for role, head in list(sh.first.items()):
+        if head.startswith(lead + decl):
+            sh.first[role] = lead + head[cut:]
+    if sh.first_sys is not None and sh.first_sys.startswith(lead + decl):
+        sh.first_sys = lead + sh.first_sys[cut:]
+    sh.notes.append("tool declarations are printed as bare text before the first turn")
 
 
 # -------------------------------------------------------------------------------- design
@@ -921,6 +1013,7 @@ class _Plan:
     between: bool = False
     follow_from: list = field(default_factory=list)   # elements the headerless reply follows
     ws_after: dict = field(default_factory=dict)      # close marker -> whitespace after it
+    ws_before: dict = field(default_factory=dict)     # close marker -> whitespace before it
 
     def m(self, text: str) -> str:
         return self.names(text)
@@ -1014,6 +1107,8 @@ def _close(plan: _Plan, lex: _Lexicon, sh: _Shape, roles: list[str]) -> dict | N
             # Hermes' tool turn ends '</tool_response>\n<|im_end|>': the others' close, further
             # on after whitespace, closes it too (the wrapper is text of its body)
             ps = [q for q in lex.pieces(term) if q[0] or q[1].strip()]
+            if len(ps) > 1 and not ps[0][0]:
+                ps = ps[1:]   # text before the close is body (a quoted result's '"}')
             names = [p for _, p in ps]
             if primary in names and all(m for m, _ in ps[:names.index(primary)]):
                 marks = names[names.index(primary):]
@@ -1021,6 +1116,9 @@ def _close(plan: _Plan, lex: _Lexicon, sh: _Shape, roles: list[str]) -> dict | N
                                      if not m), len(marks))]
         if primary in marks:
             marks = marks[marks.index(primary):]
+        if marks and term[:1].isspace() and term.lstrip().startswith(marks[0]):
+            # Apriel 1.6's '\n<|end|>': the newline is the close's, not the reply's
+            plan.ws_before.setdefault(marks[0], set()).add(term[:len(term) - len(term.lstrip())])
         if marks:
             closes.append(marks[0])
             after.extend(marks[1:])
@@ -1073,6 +1171,34 @@ def _turn_element(plan: _Plan, lex: _Lexicon, sh: _Shape, opener: str,
     if close:
         el["close"] = close
     return name, el
+
+
+def _turn_element_or_merged(plan: _Plan, lex: _Lexicon, sh: _Shape, opener: str,
+                            roles: dict) -> tuple[str, dict]:
+    """:func:`_turn_element`; where tool results share another untrained role's opener with a
+    header the role-name forms cannot read (sglang's Phi-4-mini writes a tool result as
+    ``<|user|>\\nTool response for NAME:\\n…``), the tool turn is a turn of that role: its text
+    is that role's body, which never trains (verification then checks the masks)."""
+    try:
+        return _turn_element(plan, lex, sh, opener, roles)
+    except InferenceError:
+        if "assistant" in roles or len(roles) < 2:
+            raise
+    others = {r: c for r, c in roles.items() if r != "tool"}
+    if len(others) > 1 and len({"".join(p for _, p in c.rest) for c in others.values()}) == 1:
+        # untrained roles written exactly alike (FairMind's Phi-3 prints a system message as
+        # a user turn): one of them, the user's, stands for all
+        keep = "user" if "user" in others else next(iter(others))
+        sh.notes.append(f"{', '.join(r for r in others if r != keep)} messages are rendered "
+                        f"as {keep} turns: they parse as such, never trained")
+        others = {keep: others[keep]}
+    elif len(others) == len(roles):
+        raise InferenceError(f"the headers of roles {', '.join(roles)} after {opener!r} "
+                             "cannot be told apart and have no common form", where="role headers")
+    if "tool" in roles:
+        sh.notes.append(f"tool results are rendered as {'/'.join(others)} turns (opener "
+                        f"{opener!r}): they parse as such, never trained")
+    return _turn_element(plan, lex, sh, opener, others)
 
 
 def _blocks(plan: _Plan, sh: _Shape) -> list[str]:
@@ -1178,7 +1304,7 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
             sh.notes.append("tool results are rendered with the assistant's header")
             roles = {r: c for r, c in roles.items() if r != "tool"}
         if opener is not None:
-            ename, el = _turn_element(plan, lex, sh, opener, roles)
+            ename, el = _turn_element_or_merged(plan, lex, sh, opener, roles)
             plan.elements[ename] = el
             plan.top.append(ename)
             continue
@@ -1195,6 +1321,12 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
         plan.elements["tool_declarations"] = {"open": plan.m(sh.decl[0]), "role": "system",
                                               "close": {"markers": [plan.m(sh.decl[1])]}}
         plan.top.append("tool_declarations")
+    if sh.decl_text:
+        close, inner = sh.decl_text
+        el = {"role": "system", "close": {"markers": [plan.m(close)]}}
+        if inner:
+            el["inner_markers"] = [plan.m(x) for x in inner]
+        plan.elements["tool_declarations_text"] = el
     children = _blocks(plan, sh)
     for ename, el in plan.elements.items():
         if ename in plan.top or ename in _REPLIES:
@@ -1226,7 +1358,8 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
         "elements": plan.elements,
         "top": plan.top,
     }
-    pre = [plan.m(p) for p in preamble] + (["system_text"] if bare else [])
+    pre = [plan.m(p) for p in preamble] + (["tool_declarations_text"] if sh.decl_text else []) \
+        + (["system_text"] if bare else [])
     if pre:
         spec["preamble"] = pre
     if plan.between or "reply" not in plan.elements:
@@ -1246,6 +1379,8 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
         spec["_alternate"] = True
     spec["_ws_after"] = {plan.m(t): next(iter(w)) for t, w in plan.ws_after.items()
                          if len(w) == 1}
+    spec["_lstrip_close"] = {plan.m(t): next(iter(w)) for t, w in plan.ws_before.items()
+                             if len(w) == 1}
     spec["markers"] = {n: {"text": t, "special": lex.special(t, tokenizer)}
                        for t, n in plan.names.by_text.items()}
     return spec
@@ -1431,8 +1566,14 @@ def _shape(probe: _Probe, lex: _Lexicon) -> tuple[_Shape, str]:
     _basic(probe, lex, sh)
     g = _generation(probe, lex, sh)
     h_a = _assistant_header(lex, sh, g)
+    for ws, extra in dict.fromkeys(probe.prefills):
+        # also with the whitespace before it, which an lstrip opener takes into the last turn
+        sh.gens += [h_a.lstrip() + extra] + ([ws + h_a.lstrip() + extra] if ws else [])
+        sh.notes.append(f"the generation prompt is always printed and prefills {extra!r}, "
+                        "which history replies lack")
     _reasoning(probe, lex, sh, h_a)
     _tools(probe, lex, sh, h_a)
+    _declaration_text(probe, lex, sh)
     sh.renders = [t for t in probe.cache.values() if t]
     if sh.after_tool_head is not None and sh.after_tool_head.strip() != h_a.strip() \
             and sh.heads.get("assistant", "").strip() != sh.after_tool_head.strip():
@@ -1492,6 +1633,7 @@ def _variants(spec: dict) -> list[dict]:
     closing = spec.pop("_closing", [])
     nolead = spec.pop("_nolead", False)
     alternate = spec.pop("_alternate", False)
+    ws_before = spec.pop("_lstrip_close", {})
     out = [spec]
     alt = _copy(spec)
     if "between" in alt:
@@ -1500,6 +1642,8 @@ def _variants(spec: dict) -> list[dict]:
         alt["between"] = "\\s*"
     out.append(alt)
     out.append(_lstrip_variant(spec))
+    if ws_before:   # whitespace before a terminator marker belongs to it, not to the body
+        out += _each(out, lambda cand: _ws_joined_close(cand, ws_before))
     if alternate:   # tool results with the assistant's header: answers only after questions
         out[:0] = _closed_by_next(spec, _lstrip_variant(spec), alternate=alternate)
     lstripped = _lstrip_variant(spec)
@@ -1517,8 +1661,10 @@ def _variants(spec: dict) -> list[dict]:
             out.append(alt)
     out += _joined_terminators(spec, lstripped, ws_after, bool(closing))
     out += _eos_variants(spec, lstripped, eos)
+    out += [c for c in (_trimmed(spec), _trimmed(lstripped)) if c is not None]
     if nolead:
         out += _each(out, _without_lead)
+        out += _each(out, _trained_role_line)
     if closing:
         out += _each(out, lambda cand: _closing_after(cand, closing))
     blocks = [n for n, el in spec["elements"].items() if el.get("kind") == "tool_call"]
@@ -1538,6 +1684,27 @@ def _variants(spec: dict) -> list[dict]:
             seen.add(key)
             uniq.append(cand)
     return uniq[:_MAX_CANDIDATES]
+
+
+def _ws_joined_close(cand: dict, ws_before: dict) -> dict:
+    """``cand`` with each close marker of ``ws_before`` (name -> the whitespace a terminator
+    always has before it) joined with that whitespace into one soft marker: Apriel 1.6 ends a
+    reply with '\n<|end|>', and a reply's text ending in that newline (lstrip takes only a
+    whitespace-only run) is not the model's output."""
+    alt = _copy(cand)
+    for name, ws in ws_before.items():
+        new = name + "_ws_before"
+        alt["markers"][new] = {"text": ws + alt["markers"][name]["text"], "special": False}
+        for el in alt["elements"].values():
+            close = el.get("close") or {}
+            if name in close.get("markers", []):
+                close["markers"] = [new if n == name else n for n in close["markers"]]
+        # an input ending in that whitespace ends inside the joined marker, which text mode
+        # leaves out of the parse: a generation prompt ending with it is seen without it
+        gens = alt.get("generation_prompt", [])
+        alt["generation_prompt"] = list(dict.fromkeys(
+            gens + [g[:len(g) - len(ws)] for g in gens if g.endswith(ws) and g[:-len(ws)]]))
+    return alt
 
 
 def _without_reply_after_reply(cand: dict) -> dict:
@@ -1754,6 +1921,21 @@ def _eos_variants(spec: dict, lstripped: dict, eos: dict | None) -> list:
     return out
 
 
+def _trimmed(cand: dict) -> dict | None:
+    """Assistant turns without a terminator that do not keep the whitespace they end with
+    (``trim_end``): OpenBuddy writes an empty tool-calling reply as 'Assistant: </s>', and
+    the space is the header's, not the model's output. None when no such turn."""
+    alt = _copy(cand)
+    hit = False
+    for name in _turn_names(alt):
+        el = alt["elements"].get(name)
+        if el is not None and el.get("role") == "assistant" and "close" not in el \
+                and not el.get("trim_end"):
+            el["trim_end"] = True
+            hit = True
+    return alt if hit else None
+
+
 def _without_lead(cand: dict) -> dict | None:
     """A template without a generation prompt (aanaphi2's '### Assistant: A\n'): the space
     after the role word is the reply's first character, not a header lead."""
@@ -1763,6 +1945,31 @@ def _without_lead(cand: dict) -> dict | None:
         if el.get("role") == "assistant" and el.get("lead") is not None \
                 and not el["lead"].strip():
             del el["lead"]
+            hit = True
+    return alt if hit else None
+
+
+def _trained_role_line(cand: dict) -> dict | None:
+    """A template without a generation prompt whose turns share an opener and name the role
+    as text (NLPark AnFeng's ChatML: ``<|im_start|>assistant\n…`` with nothing for
+    ``add_generation_prompt``): the prompt ends at the opener, so the role line is the model's
+    output and trains with the reply (``trained_after`` an empty group at the start of the
+    header; only the assistant's turns train, the role still picks the turn)."""
+    alt = _copy(cand)
+    hit = False
+    names = [n for n, r in (alt.get("role_aliases") or {}).items() if r == "assistant"]
+    if "assistant" not in (alt.get("role_aliases") or {}):
+        names.append("assistant")
+    ahead = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+    for el in alt["elements"].values():
+        h = el.get("header") or {}
+        if h.get("until_text") and "(?P<role>" in h.get("pattern", "") \
+                and "trained_after" not in h:
+            # only an assistant's role line is output (the group takes no part in another
+            # role's header, which then stays untrained under any policy)
+            h["pattern"] = (f"(?:(?P<out>)(?=(?:{ahead}){re.escape(h['until_text'])}))?"
+                            + h["pattern"])
+            h["trained_after"] = "out"
             hit = True
     return alt if hit else None
 

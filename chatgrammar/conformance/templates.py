@@ -746,6 +746,21 @@ class _Locator:
             g = R[s:s + openers.leading_glue(R[s:e], rx)].rstrip()
             if R.startswith("\n", s + len(g)):
                 g += "\n"  # the header's own line end, not the body's leading whitespace
+        if g[:1].isspace() and g.strip() and not R.startswith(g, s):
+            # the prompt's leading whitespace differs from what the history writes before the
+            # header (templates indented in Jinja: AmberChat writes "\n    ###Assistant:" as
+            # its prompt and "\n        ###Assistant: " in history, qwen2-audio's prompt
+            # starts with the newline the rendering without it ends with): that whitespace is
+            # between-turn text either way, and the header is compared from its first
+            # non-space character — where that shares more of the header than the whitespace
+            # did (DeepSeek-V3.2's "\n\n<think></think>" prompt before a "\n\n</think>" reply
+            # shares only the whitespace: the reply starts there)
+            g2, s2 = g.lstrip(), s + len(R[s:e]) - len(R[s:e].lstrip())
+            was = _snap_into_marker(g, len(os.path.commonprefix([R[s:s + len(g)], g])), rx)
+            now = _snap_into_marker(g2, len(os.path.commonprefix([R[s2:s2 + len(g2)], g2])),
+                                    rx)
+            if now > was:
+                g, s = g2, s2
         if g and not g[0].isspace():
             # whitespace before the message's header is between-turn text, not the message
             # (Unsloth's one-line templates write "  " before a turn, one " " of which ends
