@@ -185,12 +185,42 @@ POLICIES = (cg.MaskPolicy(thinking=False, tool_calls=False), cg.MaskPolicy(end_m
             cg.MaskPolicy(roles=("assistant", "user", "system", "tool")))
 
 
-def _compare_ids(fmt, tok, ids, ref_masks, real, tname, label) -> None:
+def _typed_whitespace_tails(fmt, masked: str, back: dict[str, str]) -> set[int]:
+    """Chars (of the real text) of the whitespace a typed marker ends with ("System: "),
+    in a format whose bodies drop their trailing whitespace (`trim_end`). The reference holds
+    a typed marker as one placeholder character, so it cannot trim inside it; the engine, on
+    the real text or ids, trims that whitespace when the body ends there. Only there may the
+    two differ."""
+    if not any(getattr(el, "trim_end", False) for el in fmt.spec.elements.values()):
+        return set()
+    out: set[int] = set()
+    pos = 0
+    for ch in masked:
+        m = back.get(ch, ch)
+        ws = len(m) - len(m.rstrip())
+        if ch in back and ws:
+            out.update(range(pos + len(m) - ws, pos + len(m)))
+        pos += len(m)
+    return out
+
+
+def _allow_tails(got, want, starts, n, tails) -> None:
+    """Take the engine's value on tokens made only of `_typed_whitespace_tails` chars."""
+    if not tails:
+        return
+    ends = list(starts[1:]) + [n]
+    for i, (a, b) in enumerate(zip(starts, ends)):
+        if a < b and all(c in tails for c in range(a, b)):
+            want[i] = got[i]
+
+
+def _compare_ids(fmt, tok, ids, ref_masks, real, tname, label, tails=frozenset()) -> None:
     _, starts = token_char_starts(tok, ids)
     for pol, ref_mask in ref_masks.items():
         want = expected_token_mask(ref_mask, starts, len(real))
         conv = fmt.parse_ids(ids, tok)
         got = conv.mask(pol)
+        _allow_tails(got, want, starts, len(real), tails)
         # A token holding a marker boundary (a soft marker's end merged with what follows it:
         # Nemotron's ">\n" after </TOOLCALL>) holds chars of two constructs; the parse reports
         # it on `boundaries`, and only there may the token's value differ from the per-char
@@ -271,11 +301,13 @@ def test_rendered_conversations_roundtrip(name, template_name):
         conv_ids = fmt.parse_ids(ids, enc)
         got = conv_ids.mask()
         assert len(got) == len(ids)
+        tails = _typed_whitespace_tails(fmt, masked, back)
+        _allow_tails(got, want, starts, len(real), tails)
         if got != want:
             raise AssertionError(f"{tname}: id-mode mask differs from the reference\n"
                                  + _mismatch(enc, ids, got, want) + f"\n{real!r}")
         check_contract(fmt, ids, "ids", enc)
-        _compare_ids(fmt, enc, ids, ref_masks, real, tname, "fuzz")
+        _compare_ids(fmt, enc, ids, ref_masks, real, tname, "fuzz", tails)
 
         # soft markers (<think>) without ids of their own: found in decoded runs, across
         # merged tokens — unless one was typed (then it is a marker in the text, by definition),
@@ -285,7 +317,7 @@ def test_rendered_conversations_roundtrip(name, template_name):
                       or any(real.count(m) != masked.count(m) for m in soft))
         if hard is not None and not typed_soft:
             ids_h = encode_rendered(hard, masked, table)
-            _compare_ids(fmt, hard, ids_h, ref_masks, real, tname, "fuzz-hard")
+            _compare_ids(fmt, hard, ids_h, ref_masks, real, tname, "fuzz-hard", tails)
             check_contract(fmt, ids_h, "ids", hard, tokenizer="fuzz-hard")
 
         # text mode on the real text
