@@ -310,15 +310,10 @@ class FastMasker:
             mlut = np.zeros(max(len(lx.lut), int(unk.max()) + 3), dtype=lx.lut.dtype)
             mlut[:len(lx.lut)] = lx.lut
             mlut[unk + 1] = self.unk_code
-        ids = [int(t) for t in np.flatnonzero(mlut)] if len(mlut) else []
-        # lut is indexed by id + 1; marker ids are [lo, hi]
-        self.lo = (min(ids) - 1) if ids else 0
-        self.hi = (max(ids) - 1) if ids else -1
+        # (lut is indexed by id + 1; marker ids are [lo, hi])
+        self.lo, self.hi, self.lutr = plan.restrict(mlut)
         self.lut = lx.lut
         self.auto = _Automaton(self.drv, lx.terms, self.nsym)
-        # lut restricted to [lo, hi] (+ a 0 slot for ids above hi): code per id
-        self.lutr = (np.concatenate([mlut[self.lo + 1:self.hi + 2], [0]]).astype(np.int64)
-                     if self.hi >= 0 else np.zeros(1, dtype=np.int64))
         # what the item key holds of a header run: its first `budget` ids, and whether it
         # is longer (the plan's header_value reads exactly that)
         self.budget1 = np.where(gclass == DECODE, budget + 1, 0)
@@ -801,23 +796,7 @@ class FastMasker:
         """Vectorised lexing of all samples at once. Per marker (each sample's begin-of-input
         included): its symbol, its header ids (the key), its slot positions."""
         S = len(starts) - 1
-        if self.hi >= 0 and _speedups is not None and arr.flags.c_contiguous:
-            pos_b, code_b = _speedups.find_markers(arr, self.lo, self.lutr)
-            cand = np.frombuffer(pos_b, dtype=np.int64)
-            codes = np.frombuffer(code_b, dtype=np.int64)
-        elif self.hi >= 0:
-            # (negative ids are never markers: the lexer's lut slot 0)
-            cand = np.flatnonzero(arr >= self.lo)
-            if len(cand):
-                codes = self.lutr.take(arr[cand] - self.lo, mode="clip")
-                nz = np.flatnonzero(codes)
-                if len(nz) != len(cand):
-                    cand = cand[nz]
-                    codes = codes[nz]
-            else:
-                codes = cand
-        else:
-            cand = codes = np.empty(0, dtype=np.int64)
+        cand, codes = self.lexplan.find(arr, self.lo, self.hi, self.lutr, _speedups)
         slow: list = [None] * S  # per sample: None, or why it needs the full pipeline
         if self.unk_code and len(codes):
             unk = codes == self.unk_code

@@ -234,6 +234,7 @@ class IdPlan:
             gclass[i], budget[i] = self.rule(term)
         self.gclass = np.asarray(gclass, dtype=np.int64)
         self.budget = np.asarray(budget, dtype=np.int64)
+        self.by_code = list(zip(gclass, budget))  # the same, as Python ints (per marker)
         self.delim = {i: cfg.split_after[t] for i, t in enumerate(self.terms, start=1)
                       if t in cfg.split_after}
         lcodes = [False] + [t in cfg.lstrip for t in self.terms]
@@ -268,6 +269,7 @@ class IdPlan:
         for tid, term in id_to_term.items():
             self.terms.append(term)
             self.lut[tid + 1] = len(self.terms)
+        self.marker_range = self.restrict(self.lut)
         self.soft_regex = (re.compile("|".join(re.escape(t) for t in
                                                sorted(soft_unmapped, key=len, reverse=True)))
                            if soft_unmapped else None)
@@ -290,6 +292,36 @@ class IdPlan:
         np.clip(idx, 0, len(self.lut) - 1, out=idx)
         return self.lut[idx]
 
+    @staticmethod
+    def restrict(lut: np.ndarray) -> tuple[int, int, np.ndarray]:
+        """``(lo, hi, lutr)``: a code table indexed by ``id + 1`` restricted to the ids that
+        have a code, ``[lo, hi]`` (``lutr[id - lo]``, and a last 0 slot for ids above
+        ``hi``): the form :meth:`find` and the C marker passes take."""
+        ids = np.flatnonzero(lut)
+        if not len(ids):
+            return 0, -1, np.zeros(1, dtype=np.int64)
+        lo, hi = int(ids.min()) - 1, int(ids.max()) - 1
+        return lo, hi, np.concatenate([lut[lo + 1:hi + 2], [0]]).astype(np.int64)
+
+    @staticmethod
+    def find(arr: np.ndarray, lo: int, hi: int, lutr: np.ndarray, accel: Any = None):
+        """THE marker search: ``(positions, codes)`` of the ids of ``arr`` that have a code in
+        ``lutr`` (see :meth:`restrict`), in numpy, or in one C pass when ``accel`` (the
+        ``_speedups`` module) is given. Negative ids are never markers."""
+        if hi < 0:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        if accel is not None and arr.flags.c_contiguous:
+            pos_b, code_b = accel.find_markers(arr, lo, lutr)
+            return np.frombuffer(pos_b, dtype=np.int64), np.frombuffer(code_b, dtype=np.int64)
+        cand = np.flatnonzero(arr >= lo)
+        if not len(cand):
+            return cand, cand
+        codes = lutr.take(arr[cand] - lo, mode="clip")
+        nz = np.flatnonzero(codes)
+        if len(nz) != len(cand):
+            cand, codes = cand[nz], codes[nz]
+        return cand, codes
+
     def header_value(self, arr, s: int, e: int, budget: int) -> str:
         """The text of a header run ``[s, e)`` read within ``budget`` ids: an over-long one
         is cut there and marked ``…`` (its checks then reject it)."""
@@ -303,7 +335,7 @@ class IdPlan:
         literal, as ``(k, 1)`` when the text ends with it, ``(k, -1)`` when the literal ends
         inside the last id (a straddle); ``(limit, 0)`` when no prefix holds it. Memoised
         on the prefix ids."""
-        limit = min(e, s + self.budget[code])
+        limit = min(e, s + self.by_code[code][1])
         memo = self.split_memo
         for k in range(s + 1, limit + 1):
             key = (code, arr[s:k].tobytes())
@@ -378,9 +410,7 @@ class IdLexer:
         (token index, note) for span boundaries that fall inside a merged token."""
         plan = self.plan
         n = len(arr)
-        codes = plan.codes(arr)
-        pos = np.flatnonzero(codes)
-        kinds = codes[pos]
+        pos, kinds = plan.find(arr, *plan.marker_range)  # (numpy: the reference's own)
         terms = plan.terms
         toks: list[Tok] = []
         append = toks.append
@@ -401,12 +431,11 @@ class IdLexer:
         return toks
 
     def _gap(self, arr, s, e, code, toks, boundary, soft) -> None:
-        plan = self.plan
-        cls = plan.gclass[code]
+        cls, budget = self.plan.by_code[code]
         if cls == SPLIT:
             self._split_gap(arr, s, e, code, toks, boundary, soft)
         elif cls == DECODE:
-            self._decode_gap(arr, s, e, int(plan.budget[code]), toks, boundary, soft)
+            self._decode_gap(arr, s, e, budget, toks, boundary, soft)
         else:
             self._body(arr, s, e, toks, boundary, soft)
 
