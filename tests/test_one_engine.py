@@ -74,3 +74,29 @@ def test_one_lalr_core_per_format():
     enc = next(iter(_samples(fmt)))[0]
     assert fmt._fast_masker(enc).auto.core is drv.core
     assert drv._can_feed == drv.core.can_feed
+
+
+@pytest.mark.parametrize("accel", [True, False])
+def test_verify_mode_checks_the_lexing_of_every_fast_answer(accel, monkeypatch):
+    if accel and fastpath._speedups is None:
+        pytest.skip("accelerator not built")
+    if not accel:
+        monkeypatch.setattr(fastpath, "_speedups", None)
+    fmt = cg.load_format("chatml")
+    samples = _samples(fmt)[:6]
+    for enc, ids in samples:  # the memo learns them (no verify mode yet)
+        fmt.loss_mask(ids, enc)
+    monkeypatch.setenv("CHATGRAMMAR_VERIFY", "1")
+    calls = []
+    real = fastpath.FastMasker.verify_lex
+    monkeypatch.setattr(fastpath.FastMasker, "verify_lex",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    for enc, ids in samples:
+        fmt.loss_mask(ids, enc)
+        fmt.loss_masks([ids, ids], enc)
+    assert calls
+    # a lexing executor that disagrees with the reference is an error in verify mode
+    monkeypatch.setattr(fastpath.FastMasker, "_same_tokens", lambda self, *a: False)
+    with pytest.raises(VerifyError):
+        for enc, ids in samples:
+            fmt.loss_mask(ids, enc)

@@ -6,9 +6,12 @@ sequence of *items* (turns) whose shapes recur — "user turn", "assistant turn 
 a response", "assistant turn with one tool call" — so this module memoises the work at the item
 level, keyed by everything the item's parse can depend on:
 
-1. **Lexing, vectorised.** Marker ids are found with numpy, or in one C pass by the optional
-   accelerator (``chatgrammar/runtime/_speedups.c``: list conversion, marker search, symbol tables and
-   list masks; the numpy code here is the reference it is tested against). No Python code looks
+1. **Lexing, vectorised.** The rules are the lexing plan's (:class:`~chatgrammar.runtime.
+   lexers.IdPlan`, which the reference ``IdLexer`` executes too); this module and the C
+   accelerator are executors of it. Marker ids are found with numpy, or in one C pass by the
+   optional accelerator (``chatgrammar/runtime/_speedups.c``: list conversion, marker search,
+   symbol tables and list masks; the numpy code here is what it is tested against, and
+   :meth:`FastMasker.verify_lex` checks both against the reference). No Python code looks
    at ordinary ids one by one. Each marker and the run of ordinary ids after it form one *symbol*: the marker's
    kind and the run's shape (none / text / header / header + text). The runs the lexer decodes
    (headers) contribute their ids to the key; content runs contribute only their presence.
