@@ -6,9 +6,12 @@ sequence of *items* (turns) whose shapes recur — "user turn", "assistant turn 
 a response", "assistant turn with one tool call" — so this module memoises the work at the item
 level, keyed by everything the item's parse can depend on:
 
-1. **Lexing, vectorised.** Marker ids are found with numpy, or in one C pass by the optional
-   accelerator (``chatgrammar/runtime/_speedups.c``: list conversion, marker search, symbol tables and
-   list masks; the numpy code here is the reference it is tested against). No Python code looks
+1. **Lexing, vectorised.** The rules are the lexing plan's (:class:`~chatgrammar.runtime.
+   lexers.IdPlan`, which the reference ``IdLexer`` executes too); this module and the C
+   accelerator are executors of it. Marker ids are found with numpy, or in one C pass by the
+   optional accelerator (``chatgrammar/runtime/_speedups.c``: list conversion, marker search,
+   symbol tables and list masks; the numpy code here is what it is tested against, and
+   :meth:`FastMasker.verify_lex` checks both against the reference). No Python code looks
    at ordinary ids one by one. Each marker and the run of ordinary ids after it form one *symbol*: the marker's
    kind and the run's shape (none / text / header / header + text). The runs the lexer decodes
    (headers) contribute their ids to the key; content runs contribute only their presence.
@@ -72,15 +75,13 @@ if os.environ.get("CHATGRAMMAR_PURE"):
 from ..core.compile import HEADER, TEXT
 from .parse import unknown_marker_ids
 from ..errors import ParseError, VerifyError
-from .lexers import IdLexer, as_id_array
-from .parse import ACCEPT, Source, lalr_step, plain_reduce
+from .lexers import BODY, DECODE, LSTRIP_MAX, SPLIT, IdLexer, as_id_array
+from .parse import Source, plain_reduce
 from .policy import MaskPolicy
 from .spans import Conversation, Issue
 
 # run shapes after a marker (low two bits of a symbol)
 NONE, RUN, HEAD, HEAD_RUN = 0, 1, 2, 3
-# gap classes: what the lexer does with the run after a marker
-BODY, DECODE, SPLIT = 0, 1, 2
 _MAX_STACKS = 200_000
 # Memo size bounds: a long run over data with free-text headers (K2's message names) or varying
 # between-text learns a new item / variant per sample; unbounded, that is a memory leak
@@ -115,12 +116,9 @@ class _Automaton:
 
     def __init__(self, drv, terms: list[str], nsym: int):
         self.states = drv.states
-        self.shift = drv.shift
+        self.core = drv.core
         self.item_rules = frozenset({"_item"} | set(drv.preamble_rules))
-        # the driver's rule: a top-level element whose close may be missing ends where the
-        # next one opens (the memo only holds items whose parse had no warning)
-        self.implicit = drv.implicit_closes
-        self.starters = drv.tables.starters
+        # (the core's implicit close: the memo only holds items whose parse had no warning)
         self.terms = terms          # code k (1-based) -> terminal; code 0 is begin-of-input
         self.nsym = nsym
         self.lock = threading.Lock()
@@ -146,33 +144,22 @@ class _Automaton:
         return sid
 
     def _step(self, stack: list, term: str) -> bool | None:
-        """Shift ``term`` (after its reductions); True if an item was reduced, None on error.
-        Where ``term`` opens a top-level element and cannot be shifted, a close that may be
-        missing is added first, as the driver does."""
+        """Feed ``term`` with the driver's own core (:meth:`~chatgrammar.runtime.parse.
+        LalrCore.feed`: its reductions and its implicit close); True if a top-level item was
+        reduced, None on a syntax error (``stack`` is then unchanged)."""
         trial = list(stack)
-        hit = self._shift(trial, term)
-        if hit is None and self.implicit and term in self.starters:
-            for c in self.implicit:
-                trial = list(stack)
-                closed = self._shift(trial, c)
-                if closed is not None:
-                    hit = self._shift(trial, term)
-                    if hit is not None:
-                        hit = hit or closed
-                    break
-        if hit is not None:
-            stack[:] = trial
-        return hit
-
-    def _shift(self, stack: list, term: str) -> bool | None:
-        """``_step`` without the implicit close (``stack`` is changed even on error): the
-        driver's own LALR step (:func:`chatgrammar.runtime.parse.lalr_step`)."""
         hit = [False]
-        target = lalr_step(self.states, self.shift, stack, term,
-                           plain_reduce(self.states, stack, self.item_rules, hit))
+        red = plain_reduce(self.states, trial, self.item_rules, hit)
+        core = self.core
+
+        def close(c) -> None:
+            trial.append(core.feed(trial, c, red))  # can_feed said it shifts
+
+        target = core.feed(trial, term, red, close)
         if target < 0:
             return None
-        stack.append(target)
+        trial.append(target)
+        stack[:] = trial
         return hit[0]
 
     def fill(self, sid: int, sym: int) -> int:
@@ -231,9 +218,8 @@ class _Automaton:
         if hit is None:
             stack = list(self.stacks[sid])
             got = [False]
-            r = lalr_step(self.states, self.shift, stack, "$END",
-                          plain_reduce(self.states, stack, self.item_rules, got))
-            hit = got[0] if r == ACCEPT else -1
+            ok = self.core.end(stack, plain_reduce(self.states, stack, self.item_rules, got))
+            hit = got[0] if ok else -1
             self.end_flags[sid] = hit
         return None if hit == -1 else hit
 
@@ -296,25 +282,14 @@ class FastMasker:
         self.fmt = fmt
         self.lx = lx
         self.drv = fmt._driver
-        cfg = lx.cfg
         self.enabled = True
         self.disabled: str | None = None  # why every sample takes the full pipeline
         self.adapter = lx.adapter
+        plan = self.lexplan = lx.plan  # the lexing rules: one plan, this is an executor
         k = len(lx.terms)
         self.nsym = (k + 1) * 4
-        gclass = [BODY] * (k + 1)
-        budget = [0] * (k + 1)
-        for i, term in enumerate(lx.terms, start=1):
-            if term in cfg.split_after:
-                gclass[i] = SPLIT
-                budget[i] = cfg.split_max.get(term, 64)
-            elif term in cfg.decode_after:
-                gclass[i] = DECODE
-                budget[i] = cfg.decode_after[term]
-        if None in cfg.decode_after:  # the run at the start of the input is read as a header
-            gclass[0] = DECODE
-            budget[0] = cfg.decode_after[None]
-        if max(budget, default=0) >= 60_000:
+        gclass, budget = plan.gclass, plan.budget
+        if int(budget.max(initial=0)) >= 60_000:
             self.enabled = False
             self.disabled = "a header budget of 60k tokens or more"
         if any(el.trim_end for el in fmt.spec.elements.values()):
@@ -322,15 +297,12 @@ class FastMasker:
             # item memo does not key on (helper W1's `trim_end`)
             self.enabled = False
             self.disabled = "an element with trim_end (its body's end depends on its text)"
-        self.gclass = np.asarray(gclass, dtype=np.int64)
-        self.budget = np.asarray(budget, dtype=np.int64)
-        self.split_budget = list(budget)
-        self.has_split = SPLIT in gclass
-        lcodes = [False] + [t in cfg.lstrip for t in lx.terms]
-        self.lstrip_code = np.asarray(lcodes, dtype=bool) if any(lcodes) else None
-        self.space_memo: dict = {}
-        self.split_delim = {i: cfg.split_after[t] for i, t in enumerate(lx.terms, start=1)
-                            if t in cfg.split_after}
+        self.gclass = gclass
+        self.split_budget = budget.tolist()
+        self.has_split = bool((gclass == SPLIT).any())
+        self.lstrip_code = plan.lstrip_code
+        self.space_memo = plan.space_memo
+        self.split_delim = plan.delim
         # Special/added ids of markers the format does not know (parse.unknown_marker_ids) are
         # found with the markers, under a code of their own (`unk_code`): a sample holding one
         # takes the full pipeline, which reports it where it would train.
@@ -341,17 +313,14 @@ class FastMasker:
             mlut = np.zeros(max(len(lx.lut), int(unk.max()) + 3), dtype=lx.lut.dtype)
             mlut[:len(lx.lut)] = lx.lut
             mlut[unk + 1] = self.unk_code
-        ids = [int(t) for t in np.flatnonzero(mlut)] if len(mlut) else []
-        # lut is indexed by id + 1; marker ids are [lo, hi]
-        self.lo = (min(ids) - 1) if ids else 0
-        self.hi = (max(ids) - 1) if ids else -1
+        # (lut is indexed by id + 1; marker ids are [lo, hi])
+        self.lo, self.hi, self.lutr = plan.restrict(mlut)
         self.lut = lx.lut
         self.auto = _Automaton(self.drv, lx.terms, self.nsym)
-        # lut restricted to [lo, hi] (+ a 0 slot for ids above hi): code per id
-        self.lutr = (np.concatenate([mlut[self.lo + 1:self.hi + 2], [0]]).astype(np.int64)
-                     if self.hi >= 0 else np.zeros(1, dtype=np.int64))
-        self.budget1 = np.where(self.gclass == DECODE, self.budget + 1, 0)
-        self.budget = np.where(self.gclass == DECODE, self.budget, 0)
+        # what the item key holds of a header run: its first `budget` ids, and whether it
+        # is longer (the plan's header_value reads exactly that)
+        self.budget1 = np.where(gclass == DECODE, budget + 1, 0)
+        self.budget = np.where(gclass == DECODE, budget, 0)
         self.has_values = bool((self.gclass != BODY).any())
         self.pad = np.full(GRAM, PAD_SYM, dtype=np.uint16).tobytes()
         self._policy_ids: dict = {}
@@ -359,13 +328,13 @@ class FastMasker:
         self.concat_decode = (lx.adapter.kind == "tiktoken"
                               and not any("\ufffd" in g for g in self.drv.gen_prompts))
         self.items: dict = {}
-        self.split_memo: dict = {}
+        self.split_memo = plan.split_memo
         self._canon: np.ndarray | None = None  # see _learn
         # the same results keyed as the C executor looks them up: bytes(code, prefix ids)
-        self.split_c: dict = {}
+        self.split_c = plan.split_c
         self.soft_lut = None
         if lx.soft_regex is not None:
-            self.soft_lut = _soft_lut(lx)
+            self.soft_lut = plan.soft_lut
             if self.soft_lut is None:
                 self.enabled = False
                 self.disabled = "soft markers this tokenizer's pieces cannot be searched for"
@@ -473,7 +442,9 @@ class FastMasker:
         if out is not None:
             r = out
         if verify_enabled():
-            self._verify(ids_input(ids)[0], r, policy, strict)
+            a = ids_input(ids)[0]
+            self.verify_lex(a, [0, len(a)], 0, self._lex(a, [0, len(a)]))
+            self._verify(a, r, policy, strict)
         return r
 
     def _c_retry(self, ids, r, hit, policy, strict, out):
@@ -538,9 +509,9 @@ class FastMasker:
         m = int(self.budget[code])
         take = min(vlen, m)
         vals = np.frombuffer(key, dtype=np.int64, count=take, offset=len(key) - 8 * take)
-        text = self.adapter.decode(vals.tolist()) if take else ""
-        if vlen > m:  # over-long: the lexer reads its budget and marks the cut
-            text += "\u2026"
+        # the text the reference lexer reads there (the plan's rule, from the key's ids)
+        text = self.lexplan.header_value(vals, 0, vlen, m) if take else \
+            ("\u2026" if vlen > m else "")
         reading = self.drv.cut_reading(self.cut_codes[code], text)
         return b"".join((b"cut-header\0", key[:mend - 8], (sym << 16).to_bytes(8, sys.byteorder,
                          signed=True), key[mend:len(key) - 8 * take],
@@ -748,6 +719,7 @@ class FastMasker:
                 self._slow_sample(arr, starts, j, why[j], policy, strict, outs, roles, errors,
                                   as_list)
             elif check:
+                self.verify_lex(arr, starts, j, lexed)
                 self._verify(arr[starts[j]:starts[j + 1]], outs[j], policy, strict)
         return outs
 
@@ -827,23 +799,7 @@ class FastMasker:
         """Vectorised lexing of all samples at once. Per marker (each sample's begin-of-input
         included): its symbol, its header ids (the key), its slot positions."""
         S = len(starts) - 1
-        if self.hi >= 0 and _speedups is not None and arr.flags.c_contiguous:
-            pos_b, code_b = _speedups.find_markers(arr, self.lo, self.lutr)
-            cand = np.frombuffer(pos_b, dtype=np.int64)
-            codes = np.frombuffer(code_b, dtype=np.int64)
-        elif self.hi >= 0:
-            # (negative ids are never markers: the lexer's lut slot 0)
-            cand = np.flatnonzero(arr >= self.lo)
-            if len(cand):
-                codes = self.lutr.take(arr[cand] - self.lo, mode="clip")
-                nz = np.flatnonzero(codes)
-                if len(nz) != len(cand):
-                    cand = cand[nz]
-                    codes = codes[nz]
-            else:
-                codes = cand
-        else:
-            cand = codes = np.empty(0, dtype=np.int64)
+        cand, codes = self.lexplan.find(arr, self.lo, self.hi, self.lutr, _speedups)
         slow: list = [None] * S  # per sample: None, or why it needs the full pipeline
         if self.unk_code and len(codes):
             unk = codes == self.unk_code
@@ -948,52 +904,27 @@ class FastMasker:
         return symb, meta, vals, off_l, B, bl, slow
 
     def _absorb_lstrip(self, arr, P, Kx, mend, bidx, slow) -> None:
-        """The lexer's ``lstrip`` rule: a marker that absorbs whitespace before it starts at the
-        start of a whitespace-only text run (at most 16 ids) right before it. Memoised on the
-        run's ids."""
-        memo = self.space_memo
+        """The plan's ``lstrip`` rule (:meth:`IdPlan.blank`) on the marker arrays: a marker
+        that absorbs whitespace before it starts at the start of a whitespace-only text run
+        right before it."""
+        blank = self.lexplan.blank
         for i in np.flatnonzero(self.lstrip_code[Kx]).tolist():
             s0, e0 = int(mend[i - 1]), int(P[i])
-            if not 0 < e0 - s0 <= 16:
+            if not 0 < e0 - s0 <= LSTRIP_MAX:
                 continue
             if self.gclass[Kx[i - 1]] == SPLIT:  # header + text: leave it to the slow path
                 j = 0 if bidx is None else int(np.searchsorted(bidx, i, side="right")) - 1
                 slow[j] = "lstrip after a literal-ended header"
                 continue
-            key = arr[s0:e0].tobytes()
-            sp = memo.get(key)
-            if sp is None:
-                # the lexer's rule (lexers.IdLexer.lex): whitespace, or nothing at all
-                sp = not self.adapter.decode(arr[s0:e0].tolist()).strip()
-                if len(memo) > 100_000:
-                    memo.clear()
-                memo[key] = sp
-            if sp:
+            if blank(arr, s0, e0):
                 P[i] = s0  # the marker token now starts at the run; the run is gone
 
     def _split(self, arr, s: int, e: int, code: int) -> int | None:
-        """End of a header that ends at a literal (the lexer's rule), memoised on id prefixes;
-        None when the slow path must decide (no delimiter within budget, straddle)."""
-        limit = min(e, s + self.split_budget[code])
-        memo = self.split_memo
-        for k in range(s + 1, limit + 1):
-            key = (code, arr[s:k].tobytes())
-            r = memo.get(key)
-            if r is None:
-                txt = self.adapter.decode(arr[s:k].tolist())
-                d = self.split_delim[code]
-                j = txt.find(d)
-                r = 0 if j < 0 else (-1 if j + len(d) < len(txt) else 1)  # -1: straddle
-                if len(memo) > 100_000:
-                    memo.clear()
-                    self.split_c.clear()
-                memo[key] = r
-                self.split_c[struct.pack("=q", code) + key[1]] = r
-            if r == 1:
-                return k
-            if r == -1:
-                return None
-        return None
+        """End of a header that ends at a literal (the plan's rule,
+        :meth:`IdPlan.split_prefix`); None when the slow path must decide (no literal within
+        the budget, or a straddle)."""
+        k, r = self.lexplan.split_prefix(arr, s, e, code)
+        return k if r == 1 else None
 
     # ------------------------------------------------------------------ fast masks
     def _walk(self, lexed, j):
@@ -1262,6 +1193,51 @@ class FastMasker:
                       for ks, ke, lim in plan)
         it.progs[rkey] = _Prog(cturns, tstarts, slot_of, runs)
 
+    def verify_lex(self, arr: np.ndarray, starts: list[int], j: int, lexed) -> bool:
+        """Sample ``j``'s symbol tables (``lexed``, from :meth:`_lex`: the numpy pass or the
+        C ``symbols`` pass) against the reference executor of the same plan
+        (:meth:`IdLexer.lex`): the same tokens at the same positions, and every header text
+        the reference reads is the one the item key determines (its ids, read within the
+        budget). ``CHATGRAMMAR_VERIFY=1`` runs it on every fast sample; tests/test_engine.py
+        on every bundled format's fixtures. False when the sample is the reference's alone
+        (the executors hand it back: soft markers, straddles, …).
+
+        Raises:
+            VerifyError: on any difference.
+        """
+        if lexed[-1][j] or (self.lx.soft_regex is not None and self.soft_lut is None):
+            return False  # (soft markers the executors cannot search for: all handed back)
+        s0 = starts[j]
+        a = arr[s0:starts[j + 1]]
+        b0, b1 = lexed[5][j], lexed[5][j + 1]
+        syms = np.frombuffer(lexed[0], dtype=np.uint16)[b0:b1].tolist()
+        B = [x - s0 for x in lexed[4][3 * b0:3 * b1 + 1]]
+        boundary: list = []
+        toks = self.lx.lex(a, boundary)
+        ok = not boundary and self._same_tokens(toks, syms, B)
+        if ok and self.has_values:
+            ok = [t[3] for t in toks if t[0] in (TEXT, HEADER) and t[3] is not None] == \
+                self._key_reads(lexed, b0, b1, syms)
+        if not ok:
+            raise VerifyError(f"{self.fmt.name}: the vectorised lexer disagrees with the "
+                              f"reference lexer on a sample of {len(a)} ids")
+        return True
+
+    def _key_reads(self, lexed, b0: int, b1: int, syms: list) -> list[str]:
+        """The header texts symbols ``b0:b1`` read, from their item-key ids alone."""
+        meta = np.frombuffer(lexed[1], dtype=np.int64)
+        vals = np.frombuffer(lexed[2], dtype=np.int64)
+        off, plan = lexed[3], self.lexplan
+        out = []
+        for t in range(b0, b1):
+            code, vlen = syms[t - b0] >> 2, int(meta[t]) & 0xFFFF
+            ids = vals[off[t]:off[t + 1]]
+            if vlen and plan.gclass[code] == DECODE:
+                out.append(plan.header_value(ids, 0, vlen, int(plan.budget[code])))
+            elif vlen and plan.gclass[code] == SPLIT:
+                out.append(self.adapter.decode(ids.tolist()))
+        return out
+
     def _same_tokens(self, toks, syms, B) -> bool:
         """The slow lexer's tokens are exactly the ones the symbols describe."""
         want = []
@@ -1443,60 +1419,6 @@ def _read_key(arr, B, js: int, je: int, limit: int):
         limit = 4 - limit
     k = min(e - s, limit + 1)
     return k, arr[s:s + min(k, limit)].tobytes()
-
-
-def _soft_lut(lx: IdLexer):
-    """Boolean table over ids: True where the token may spell part of a soft marker the
-    tokenizer has no single id for (None: cannot tell for this tokenizer).
-
-    A soft marker found in a decoded run needs every one of its characters there; for each
-    marker the printable ASCII character that the fewest tokens contain is chosen, and a run
-    whose tokens contain none of the chosen characters cannot hold any soft marker (printable
-    ASCII decodes from exactly the tokens whose bytes / byte-level pieces contain it). The
-    format's own marker ids are never part of a run."""
-    texts = [lx.cfg.marker_text[t] for t in lx.missing if not lx.cfg.special.get(t, True)]
-    if not texts:
-        return None
-    a = lx.adapter
-    enc = a._encoding
-    if enc is not None and enc is a.tokenizer:
-        ranks = getattr(enc, "_mergeable_ranks", None)
-        if not isinstance(ranks, dict):
-            return None
-        size = max(enc.n_vocab, max(ranks.values(), default=0) + 1)
-        pieces = [""] * size
-        for tb, r in ranks.items():
-            pieces[r] = tb.decode("latin-1")
-        for sp, r in getattr(enc, "_special_tokens", {}).items():
-            if r < size:
-                pieces[r] = sp
-    else:
-        tok = a.tokenizer
-        conv = getattr(tok, "convert_ids_to_tokens", None)
-        if conv is None or not hasattr(tok, "__len__"):
-            return None
-        try:
-            size = len(tok)
-            pieces = [p if isinstance(p, str) else "\x00" for p in conv(list(range(size)))]
-        except Exception:
-            return None
-        # byte-level BPE keeps printable ASCII as itself; SentencePiece pieces too (byte
-        # fallback pieces spell "<0x3C>", which contains "<" anyway): a superset is safe
-    has: dict[str, np.ndarray] = {}
-    lut = np.zeros(size, dtype=bool)
-    for text in texts:
-        chars = [c for c in dict.fromkeys(text) if c.isascii() and c.isprintable()
-                 and not c.isspace()]
-        if not chars:
-            return None
-        for c in chars:
-            if c not in has:
-                has[c] = np.fromiter((c in p for p in pieces), dtype=bool, count=size)
-        lut |= has[min(chars, key=lambda c: int(has[c].sum()))]
-    for tid in lx.marker_ids.values():
-        if 0 <= tid < size:
-            lut[tid] = False
-    return lut
 
 
 # ----------------------------------------------------------------------------- conversion

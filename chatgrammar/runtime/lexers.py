@@ -11,6 +11,7 @@ vectorised numpy pass. Python then loops over *markers*, never over characters o
 from __future__ import annotations
 
 import re
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,144 +194,292 @@ def _text_gap(text, s, e, prev, toks, split_after, decode_after, split_max) -> N
 
 # ----------------------------------------------------------------------------- id mode
 
-@dataclass
-class IdLexer:
-    """Id-mode lexer bound to one (format, tokenizer) pair.
+# What the lexer does with the run of ordinary ids after a marker (the marker's *gap class*)
+BODY, DECODE, SPLIT = 0, 1, 2
+# An lstrip marker absorbs a whitespace run of at most this many ids before it.
+LSTRIP_MAX = 16
+_MEMO_MAX = 100_000
+
+
+class IdPlan:
+    """THE id-lexing plan of one (format, tokenizer) pair: every id-mode lexing rule lives
+    here, and the three executors read it — :class:`IdLexer` (the reference: a token list,
+    every case), the fast path's numpy pass (``FastMasker._symbols``) and the C executor
+    (``_speedups.run`` / ``symbols``), which take its tables and memos and hand back the
+    cases they do not execute (soft markers, straddles) to the reference.
 
     Attributes:
+        terms: marker terminal per code ``1..len(terms)`` (code 0: the begin of input).
+        marker_ids: terminal -> its single id.
         lut: code table indexed by ``id + 1`` (slot 0 catches negative ids, the last slot
-            catches ids beyond every marker) → 1 + index into ``terms`` (0 = ordinary id).
+            catches ids beyond every marker) → code (0 = ordinary id).
         missing: markers the tokenizer has no single id for (special ones make id mode
             unable to see them: reported by :func:`chatgrammar.Format.check_tokenizer`).
         soft_regex: soft markers without a single id, searched in decoded text runs.
+        gclass: per code, the gap class of the run after it (``BODY``, ``DECODE``: a
+            header read within ``budget`` ids, ``SPLIT``: a header that ends at the literal
+            ``delim[code]``, searched within ``budget`` ids).
+        budget: per code, the header budget in ids (0 for ``BODY``).
+        lstrip_code: per code, True when the marker absorbs a whitespace run before it
+            (None: no such marker).
     """
 
-    cfg: LexConfig
-    adapter: TokenizerAdapter
-    terms: list[str]
-    marker_ids: dict[str, int]
-    lut: np.ndarray
-    missing: list[str]
-    soft_regex: re.Pattern | None
+    def __init__(self, cfg: LexConfig, adapter: TokenizerAdapter):
+        self.cfg = cfg
+        self.adapter = adapter
+        self._markers(cfg, adapter)
+        k = len(self.terms)
+        gclass, budget = [BODY] * (k + 1), [0] * (k + 1)
+        for i, term in enumerate([None, *self.terms]):
+            gclass[i], budget[i] = self.rule(term)
+        self.gclass = np.asarray(gclass, dtype=np.int64)
+        self.budget = np.asarray(budget, dtype=np.int64)
+        self.by_code = list(zip(gclass, budget))  # the same, as Python ints (per marker)
+        self.delim = {i: cfg.split_after[t] for i, t in enumerate(self.terms, start=1)
+                      if t in cfg.split_after}
+        lcodes = [False] + [t in cfg.lstrip for t in self.terms]
+        self.lstrip_code = np.asarray(lcodes, dtype=bool) if any(lcodes) else None
+        # the memos of the two rules that decode, read by the C executor too:
+        # (code, prefix ids bytes) -> split_prefix's answer, and the same keyed as the C
+        # executor looks it up (bytes(code) + prefix ids); run ids bytes -> blank or not
+        self.split_memo: dict = {}
+        self.split_c: dict = {}
+        self.space_memo: dict = {}
+        self._soft_lut: Any = False  # computed on first use (a pass over the vocabulary)
 
-    @classmethod
-    def build(cls, cfg: LexConfig, adapter: TokenizerAdapter) -> "IdLexer":
-        terms: list[str] = []
-        marker_ids: dict[str, int] = {}
-        missing: list[str] = []
+    def _markers(self, cfg: LexConfig, adapter: TokenizerAdapter) -> None:
+        """The marker table: each marker's single id (or why it has none)."""
+        self.terms: list[str] = []
+        self.marker_ids: dict[str, int] = {}
+        self.missing: list[str] = []
         soft_unmapped: list[str] = []
         for term, text in cfg.marker_text.items():
             tid = adapter.token_id(text, special=cfg.special[term])
             if tid is None:
-                missing.append(term)
+                self.missing.append(term)
                 if not cfg.special[term]:
                     soft_unmapped.append(text)
                 continue
-            marker_ids[term] = tid
+            self.marker_ids[term] = tid
         id_to_term: dict[int, str] = {}
-        for term, tid in marker_ids.items():
+        for term, tid in self.marker_ids.items():
             id_to_term.setdefault(tid, term)
         top = max(id_to_term) if id_to_term else 0
-        lut = np.zeros(top + 3, dtype=np.int32)
+        self.lut = np.zeros(top + 3, dtype=np.int32)
         for tid, term in id_to_term.items():
-            terms.append(term)
-            lut[tid + 1] = len(terms)
-        soft_regex = (re.compile("|".join(re.escape(t) for t in
-                                          sorted(soft_unmapped, key=len, reverse=True)))
-                      if soft_unmapped else None)
-        return cls(cfg, adapter, terms, marker_ids, lut, missing, soft_regex)
+            self.terms.append(term)
+            self.lut[tid + 1] = len(self.terms)
+        self.marker_range = self.restrict(self.lut)
+        self.soft_regex = (re.compile("|".join(re.escape(t) for t in
+                                               sorted(soft_unmapped, key=len, reverse=True)))
+                           if soft_unmapped else None)
+
+    def rule(self, term: str | None) -> tuple[int, int]:
+        """``(gap class, budget)`` of the run after marker ``term`` (None: the input's start).
+        A marker that opens a literal-ended header splits; one whose header (or close
+        header) ends at a marker, and every place an opener-less element may start, reads
+        its run as header text; anything else is content."""
+        cfg = self.cfg
+        if term in cfg.split_after:
+            return SPLIT, cfg.split_max.get(term, 64)
+        if term in cfg.decode_after:
+            return DECODE, cfg.decode_after[term]
+        return BODY, 0
 
     def codes(self, arr: np.ndarray) -> np.ndarray:
+        """The code of every id (0: ordinary), one vectorised lookup."""
         idx = arr + 1
         np.clip(idx, 0, len(self.lut) - 1, out=idx)
         return self.lut[idx]
 
+    @staticmethod
+    def restrict(lut: np.ndarray) -> tuple[int, int, np.ndarray]:
+        """``(lo, hi, lutr)``: a code table indexed by ``id + 1`` restricted to the ids that
+        have a code, ``[lo, hi]`` (``lutr[id - lo]``, and a last 0 slot for ids above
+        ``hi``): the form :meth:`find` and the C marker passes take."""
+        ids = np.flatnonzero(lut)
+        if not len(ids):
+            return 0, -1, np.zeros(1, dtype=np.int64)
+        lo, hi = int(ids.min()) - 1, int(ids.max()) - 1
+        return lo, hi, np.concatenate([lut[lo + 1:hi + 2], [0]]).astype(np.int64)
+
+    @staticmethod
+    def find(arr: np.ndarray, lo: int, hi: int, lutr: np.ndarray, accel: Any = None):
+        """THE marker search: ``(positions, codes)`` of the ids of ``arr`` that have a code in
+        ``lutr`` (see :meth:`restrict`), in numpy, or in one C pass when ``accel`` (the
+        ``_speedups`` module) is given. Negative ids are never markers."""
+        if hi < 0:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        if accel is not None and arr.flags.c_contiguous:
+            pos_b, code_b = accel.find_markers(arr, lo, lutr)
+            return np.frombuffer(pos_b, dtype=np.int64), np.frombuffer(code_b, dtype=np.int64)
+        cand = np.flatnonzero(arr >= lo)
+        if not len(cand):
+            return cand, cand
+        codes = lutr.take(arr[cand] - lo, mode="clip")
+        nz = np.flatnonzero(codes)
+        if len(nz) != len(cand):
+            cand, codes = cand[nz], codes[nz]
+        return cand, codes
+
+    def header_value(self, arr, s: int, e: int, budget: int) -> str:
+        """The text of a header run ``[s, e)`` read within ``budget`` ids: an over-long one
+        is cut there and marked ``…`` (its checks then reject it)."""
+        dec = self.adapter.decode
+        return dec(arr[s:e].tolist()) if e - s <= budget else \
+            dec(arr[s:s + budget].tolist()) + "…"
+
+    def split_prefix(self, arr, s: int, e: int, code: int) -> tuple[int, int]:
+        """Where the literal-ended header after marker ``code`` ends in ``[s, e)``: the first
+        ``k`` (within the budget) whose prefix ``arr[s:k]`` decodes to text holding the
+        literal, as ``(k, 1)`` when the text ends with it, ``(k, -1)`` when the literal ends
+        inside the last id (a straddle); ``(limit, 0)`` when no prefix holds it. Memoised
+        on the prefix ids."""
+        limit = min(e, s + self.by_code[code][1])
+        memo = self.split_memo
+        for k in range(s + 1, limit + 1):
+            key = (code, arr[s:k].tobytes())
+            r = memo.get(key)
+            if r is None:
+                txt = self.adapter.decode(arr[s:k].tolist())
+                d = self.delim[code]
+                j = txt.find(d)
+                r = 0 if j < 0 else (-1 if j + len(d) < len(txt) else 1)
+                if len(memo) > _MEMO_MAX:
+                    memo.clear()
+                    self.split_c.clear()
+                memo[key] = r
+                self.split_c[struct.pack("=q", code) + key[1]] = r
+            if r:
+                return k, r
+        return limit, 0
+
+    def blank(self, arr, s: int, e: int) -> bool:
+        """The ``lstrip`` rule: is ``[s, e)`` a whitespace run a marker absorbs? At most
+        LSTRIP_MAX ids that decode to whitespace or to nothing (SentencePiece decodes a lone
+        "▁" to ""). Memoised on the run's ids."""
+        if e - s > LSTRIP_MAX:
+            return False
+        key = arr[s:e].tobytes()
+        sp = self.space_memo.get(key)
+        if sp is None:
+            sp = not self.adapter.decode(arr[s:e].tolist()).strip()
+            if len(self.space_memo) > _MEMO_MAX:
+                self.space_memo.clear()
+            self.space_memo[key] = sp
+        return sp
+
+    @property
+    def soft_lut(self) -> np.ndarray | None:
+        """Boolean table over ids: True where the token may spell part of a soft marker the
+        tokenizer has no single id for (None: none, or cannot tell for this tokenizer)."""
+        if self._soft_lut is False:
+            self._soft_lut = None if self.soft_regex is None else _soft_lut(self)
+        return self._soft_lut
+
+
+@dataclass
+class IdLexer:
+    """Id-mode lexer bound to one (format, tokenizer) pair: the reference executor of its
+    :class:`IdPlan` (every case, token list out).
+
+    Attributes:
+        plan: the lexing plan (marker table, gap classes, budgets, the decoding rules).
+        terms, marker_ids, lut, missing, soft_regex: the plan's (see :class:`IdPlan`).
+    """
+
+    cfg: LexConfig
+    adapter: TokenizerAdapter
+    plan: IdPlan
+
+    @classmethod
+    def build(cls, cfg: LexConfig, adapter: TokenizerAdapter) -> "IdLexer":
+        return cls(cfg, adapter, IdPlan(cfg, adapter))
+
+    terms = property(lambda self: self.plan.terms)
+    marker_ids = property(lambda self: self.plan.marker_ids)
+    lut = property(lambda self: self.plan.lut)
+    missing = property(lambda self: self.plan.missing)
+    soft_regex = property(lambda self: self.plan.soft_regex)
+
+    def codes(self, arr: np.ndarray) -> np.ndarray:
+        return self.plan.codes(arr)
+
     def lex(self, arr: np.ndarray, boundary: list) -> list[Tok]:
         """Tokens of an id sequence (token indices). ``boundary`` collects
         (token index, note) for span boundaries that fall inside a merged token."""
+        plan = self.plan
         n = len(arr)
-        codes = self.codes(arr)
-        pos = np.flatnonzero(codes)
-        kinds = codes[pos]
-        terms = self.terms
+        pos, kinds = plan.find(arr, *plan.marker_range)  # (numpy: the reference's own)
+        terms = plan.terms
         toks: list[Tok] = []
         append = toks.append
-        cfg = self.cfg
-        split_after, decode_after = cfg.split_after, cfg.decode_after
-        text_of = cfg.marker_text
-        soft = self.soft_regex
-        prev = None
+        text_of = self.cfg.marker_text
+        soft = plan.soft_regex
+        prev = 0  # the code of the marker before the run (0: the input's start)
         last = 0
         for p, k in zip(pos.tolist(), kinds.tolist()):
             if p > last:
-                self._gap(arr, last, p, prev, toks, boundary, split_after, decode_after, soft)
-            prev = terms[k - 1]
-            append((prev, p, p + 1, text_of[prev]))
-            last = p + 1
+                self._gap(arr, last, p, prev, toks, boundary, soft)
+            term = terms[k - 1]
+            append((term, p, p + 1, text_of[term]))
+            prev, last = k, p + 1
         if last < n:
-            self._gap(arr, last, n, prev, toks, boundary, split_after, decode_after, soft)
-        if cfg.lstrip:
-            dec = self.adapter.decode
-            # a whitespace run is a few tokens at most; a longer run is left as text. A run
-            # that decodes to nothing counts too (SentencePiece decodes a lone "▁" to "").
-            absorb_lstrip(toks, cfg.lstrip,
-                          lambda s, e: e - s <= 16 and not dec(arr[s:e].tolist()).strip())
+            self._gap(arr, last, n, prev, toks, boundary, soft)
+        if self.cfg.lstrip:
+            absorb_lstrip(toks, self.cfg.lstrip, lambda s, e: plan.blank(arr, s, e))
         return toks
 
-    def _gap(self, arr, s, e, prev, toks, boundary, split_after, decode_after, soft) -> None:
-        dec = self.adapter.decode
-        if prev in split_after:
-            d = split_after[prev]
-            limit = min(e, s + self.cfg.split_max.get(prev, 64))
-            h_end, straddle, head = e, False, None
-            for k in range(s + 1, limit + 1):
-                txt = dec(arr[s:k].tolist())
-                j = txt.find(d)
-                if j >= 0:
-                    h_end = k
-                    head = txt[:j + len(d)]
-                    straddle = j + len(d) < len(txt)
-                    break
-            else:
-                if limit < e:  # header never ended within its budget: all header
-                    h_end = e
-            if straddle:
-                # The header's last token also carries body text: it is assigned to the body
-                # (so no trained character is left out) and the boundary is reported.
-                boundary.append((h_end - 1, f"header end {d!r} falls inside a merged token"))
-                h_end -= 1
-                toks.append((HEADER, s, h_end, head))
-            elif head is None and h_end > limit:  # over-long: decode only the budget
-                toks.append((HEADER, s, h_end, dec(arr[s:limit].tolist()) + "…"))
-            else:
-                toks.append((HEADER, s, h_end, head if head is not None
-                             else dec(arr[s:h_end].tolist())))
-            if h_end < e:
-                self._body(arr, h_end, e, toks, boundary, soft)
-        elif prev in decode_after:
-            m = decode_after[prev]
-            cut = self._soft_cut(arr, s, e, soft)
-            if cut is not None:
-                # A header that ends at a soft marker (an element without opener whose header
-                # runs to `USER:`): the header is the run up to it, the rest is a body, as text
-                # mode reads it. A token that straddles the marker's start (` USER`) stays with
-                # the header text, as `_body` keeps it with the text before a marker.
-                rest: list = []
-                self._body(arr, cut, e, rest, boundary, soft)
-                h_end = cut
-                if rest and rest[0][0] == TEXT and rest[0][1] == cut:
-                    h_end, rest = rest[0][2], rest[1:]
-                if h_end > s:
-                    self._gap(arr, s, h_end, prev, toks, boundary, split_after, decode_after,
-                              None)
-                toks.extend(rest)
-                return
-            if e - s <= m:
-                toks.append((TEXT, s, e, dec(arr[s:e].tolist())))
-            else:  # an over-long header: decode only the budget, the check will reject it
-                toks.append((TEXT, s, e, dec(arr[s:s + m].tolist()) + "…"))
+    def _gap(self, arr, s, e, code, toks, boundary, soft) -> None:
+        cls, budget = self.plan.by_code[code]
+        if cls == SPLIT:
+            self._split_gap(arr, s, e, code, toks, boundary, soft)
+        elif cls == DECODE:
+            self._decode_gap(arr, s, e, budget, toks, boundary, soft)
         else:
             self._body(arr, s, e, toks, boundary, soft)
+
+    def _split_gap(self, arr, s, e, code, toks, boundary, soft) -> None:
+        """A literal-ended header (:meth:`IdPlan.split_prefix`), then the body after it."""
+        plan = self.plan
+        k, r = plan.split_prefix(arr, s, e, code)
+        dec = self.adapter.decode
+        if r == 1:
+            h_end = k
+            toks.append((HEADER, s, k, dec(arr[s:k].tolist())))
+        elif r == -1:
+            # The header's last token also carries body text: it is assigned to the body
+            # (so no trained character is left out) and the boundary is reported.
+            d = plan.delim[code]
+            txt = dec(arr[s:k].tolist())
+            boundary.append((k - 1, f"header end {d!r} falls inside a merged token"))
+            h_end = k - 1
+            toks.append((HEADER, s, h_end, txt[:txt.find(d) + len(d)]))
+        else:  # the header does not end within its budget (k: the budget's end): all header
+            h_end = e
+            toks.append((HEADER, s, e, dec(arr[s:k].tolist()) + "…" if k < e
+                         else dec(arr[s:e].tolist())))
+        if h_end < e:
+            self._body(arr, h_end, e, toks, boundary, soft)
+
+    def _decode_gap(self, arr, s, e, budget, toks, boundary, soft) -> None:
+        """A header run read within ``budget`` ids (:meth:`IdPlan.header_value`)."""
+        cut = self._soft_cut(arr, s, e, soft)
+        if cut is not None:
+            # A header that ends at a soft marker (an element without opener whose header
+            # runs to `USER:`): the header is the run up to it, the rest is a body, as text
+            # mode reads it. A token that straddles the marker's start (` USER`) stays with
+            # the header text, as `_body` keeps it with the text before a marker.
+            rest: list = []
+            self._body(arr, cut, e, rest, boundary, soft)
+            h_end = cut
+            if rest and rest[0][0] == TEXT and rest[0][1] == cut:
+                h_end, rest = rest[0][2], rest[1:]
+            if h_end > s:
+                self._decode_gap(arr, s, h_end, budget, toks, boundary, None)
+            toks.extend(rest)
+            return
+        toks.append((TEXT, s, e, self.plan.header_value(arr, s, e, budget)))
 
     def _soft_cut(self, arr, s, e, soft) -> int | None:
         """The token where the first soft marker of a header run starts (the one holding its
@@ -395,9 +544,61 @@ class IdLexer:
         marker id; None (never read) otherwise."""
         if not toks or toks[-1][0] not in self.cfg.decode_after or toks[-1][1] == toks[-1][2]:
             return None
-        m = self.cfg.decode_after[toks[-1][0]]
-        dec = self.adapter.decode
-        return dec(arr[s:e].tolist()) if e - s <= m else dec(arr[s:s + m].tolist()) + "…"
+        return self.plan.header_value(arr, s, e, self.cfg.decode_after[toks[-1][0]])
+
+
+def _soft_lut(lx: IdPlan):
+    """Boolean table over ids: True where the token may spell part of a soft marker the
+    tokenizer has no single id for (None: cannot tell for this tokenizer).
+
+    A soft marker found in a decoded run needs every one of its characters there; for each
+    marker the printable ASCII character that the fewest tokens contain is chosen, and a run
+    whose tokens contain none of the chosen characters cannot hold any soft marker (printable
+    ASCII decodes from exactly the tokens whose bytes / byte-level pieces contain it). The
+    format's own marker ids are never part of a run."""
+    texts = [lx.cfg.marker_text[t] for t in lx.missing if not lx.cfg.special.get(t, True)]
+    if not texts:
+        return None
+    a = lx.adapter
+    enc = a._encoding
+    if enc is not None and enc is a.tokenizer:
+        ranks = getattr(enc, "_mergeable_ranks", None)
+        if not isinstance(ranks, dict):
+            return None
+        size = max(enc.n_vocab, max(ranks.values(), default=0) + 1)
+        pieces = [""] * size
+        for tb, r in ranks.items():
+            pieces[r] = tb.decode("latin-1")
+        for sp, r in getattr(enc, "_special_tokens", {}).items():
+            if r < size:
+                pieces[r] = sp
+    else:
+        tok = a.tokenizer
+        conv = getattr(tok, "convert_ids_to_tokens", None)
+        if conv is None or not hasattr(tok, "__len__"):
+            return None
+        try:
+            size = len(tok)
+            pieces = [p if isinstance(p, str) else "\x00" for p in conv(list(range(size)))]
+        except Exception:
+            return None
+        # byte-level BPE keeps printable ASCII as itself; SentencePiece pieces too (byte
+        # fallback pieces spell "<0x3C>", which contains "<" anyway): a superset is safe
+    has: dict[str, np.ndarray] = {}
+    lut = np.zeros(size, dtype=bool)
+    for text in texts:
+        chars = [c for c in dict.fromkeys(text) if c.isascii() and c.isprintable()
+                 and not c.isspace()]
+        if not chars:
+            return None
+        for c in chars:
+            if c not in has:
+                has[c] = np.fromiter((c in p for p in pieces), dtype=bool, count=size)
+        lut |= has[min(chars, key=lambda c: int(has[c].sum()))]
+    for tid in lx.marker_ids.values():
+        if 0 <= tid < size:
+            lut[tid] = False
+    return lut
 
 
 def as_id_array(ids: Any) -> np.ndarray:

@@ -104,6 +104,76 @@ def plain_reduce(states: list, stack: list, items: frozenset, hit: list):
     return reduce
 
 
+class LalrCore:
+    """THE LALR core of chatgrammar: one per format, used by the driver (:meth:`Driver.run`,
+    with Blocks as values) and by every memo's automaton (``fastpath._Automaton``, on bare
+    state stacks), so the rules below exist once.
+
+    * :meth:`feed` — feed a symbol (:func:`lalr_step`), and **the implicit close**: where
+      the symbol opens a top-level element and cannot be shifted, the first close that may
+      be missing (``close.required: false`` or ``close.roles``) that the configuration
+      accepts is fed first, then the symbol once more;
+    * :meth:`can_feed` — would a symbol be shifted, without changing the configuration;
+    * :meth:`end` — end of input on a configuration that is complete (``$END`` accepted).
+      Closing a configuration cut by the end of input is the driver's ``_finish``; a memo
+      keys an item cut there by its configuration and learns it from that parse.
+    """
+
+    def __init__(self, tables: ParseTables, implicit_closes: tuple):
+        self.states = tables.states
+        self.shift = tables.shift
+        self.starters = tables.starters
+        self.implicit = implicit_closes
+
+    def feed(self, stack: list, term: str, reduce, on_close=None) -> int:
+        """Feed ``term`` from ``stack``; returns the state to shift to (the caller pushes it,
+        with its value) or ``ERROR`` / ``ACCEPT`` as :func:`lalr_step`.
+
+        With ``on_close``, the implicit close: ``on_close(c)`` must feed the close ``c``
+        (with the caller's value for it: :meth:`feed` again, without ``on_close``), after
+        which ``term`` is fed once more."""
+        target = lalr_step(self.states, self.shift, stack, term, reduce)
+        if target >= 0 or on_close is None or not self.implicit or term not in self.starters:
+            return target
+        c = next((c for c in self.implicit if self.can_feed(stack, c)), None)
+        if c is None:
+            return target
+        on_close(c)
+        return lalr_step(self.states, self.shift, stack, term, reduce)
+
+    def end(self, stack: list, reduce) -> bool:
+        """Feed ``$END``: True when the start rule was reduced (the input is complete)."""
+        return lalr_step(self.states, self.shift, stack, "$END", reduce) == ACCEPT
+
+    def can_feed(self, state_stack: list[int], term: str) -> bool:
+        """Would ``term`` be shifted (after any reductions) from this configuration?
+        Simulated on a virtual stack, so deep stacks are never copied."""
+        states, shift = self.states, self.shift
+        depth = len(state_stack)
+        overlay: list[int] = []
+        for _ in range(10_000):
+            top = overlay[-1] if overlay else state_stack[depth - 1]
+            act = states[top].get(term)
+            if act is None:
+                return False
+            action, arg = act
+            if action is shift:
+                return True
+            size = len(arg.expansion)
+            while size and overlay:
+                overlay.pop()
+                size -= 1
+            depth -= size
+            top = overlay[-1] if overlay else state_stack[depth - 1]
+            if term == "$END" and depth == 1 and not overlay and arg.origin.name == "start":
+                return True
+            goto = states[top].get(arg.origin.name)
+            if goto is None:
+                return False
+            overlay.append(goto[1])
+        return False
+
+
 class _Splice(list):
     """Children of an inlined rule, spliced into the parent (Lark's ``_rule`` semantics)."""
 
@@ -273,6 +343,8 @@ class Driver:
             if spec.elements[n].close is not None
             and (not spec.elements[n].close.required or spec.elements[n].close.roles)
             for c in spec.elements[n].close.markers))
+        self.core = LalrCore(tables, self.implicit_closes)
+        self._can_feed = self.core.can_feed
 
     def _cut_header_terms(self, spec: FormatSpec) -> dict[str, str]:
         """Markers whose header, cut by the end of input, the parse reads only through
@@ -368,7 +440,6 @@ class Driver:
     # ------------------------------------------------------------------ main loop
     def run(self, toks: list[tuple], src: Source, strict: bool,
             warnings: list[Issue]) -> list[Turn]:
-        states, shift = self.states, self.shift
         start_state = self.tables.start_state
         turns: list[Turn] = []
         ctx = _Ctx(self, src, strict, warnings, turns)
@@ -381,24 +452,23 @@ class Driver:
         def red(rule) -> None:
             reduce(rule, state_stack, value_stack)
 
+        def close(c) -> None:
+            # a top-level element whose close may be missing ends where the next one opens
+            nonlocal implicit_at
+            implicit_at = i
+            ctx.implicit_next = ttype  # what came instead of the close
+            self._feed(ctx, state_stack, value_stack, (c, tok[1], tok[1], IMPLICIT))
+
+        feed = self.core.feed
         while i < n:
             tok = toks[i]
             ttype = tok[0]
-            target = lalr_step(states, shift, state_stack, ttype, red)
+            target = feed(state_stack, ttype, red, close if implicit_at != i else None)
             if target >= 0:
                 state_stack.append(target)
                 value_stack.append(tok)
                 i += 1
                 continue
-            if self.implicit_closes and ttype in self.tables.starters and implicit_at != i:
-                # a top-level element whose close may be missing ends where the next one opens
-                c = next((c for c in self.implicit_closes if self._can_feed(state_stack, c)),
-                         None)
-                if c is not None:
-                    implicit_at = i
-                    ctx.implicit_next = ttype  # what came instead of the close
-                    self._feed(ctx, state_stack, value_stack, (c, tok[1], tok[1], IMPLICIT))
-                    continue
             if (ttype == TEXT and i == n - 1 and self.trailing is not None
                     and tok[2] == src.n and self._can_feed(state_stack, "$END")
                     and self.trailing_ok(src, tok)):
@@ -526,38 +596,10 @@ class Driver:
                        BETWEEN_MAX_CHARS // HEADER_CHARS_PER_TOKEN)
         return txt is not None and self.trailing.fullmatch(txt) is not None
 
-    def _can_feed(self, state_stack: list[int], term: str) -> bool:
-        """Would ``term`` be shifted (after any reductions) from this configuration?
-        Simulated on a virtual stack, so deep stacks are never copied."""
-        states, shift = self.states, self.shift
-        depth = len(state_stack)
-        overlay: list[int] = []
-        for _ in range(10_000):
-            top = overlay[-1] if overlay else state_stack[depth - 1]
-            act = states[top].get(term)
-            if act is None:
-                return False
-            action, arg = act
-            if action is shift:
-                return True
-            size = len(arg.expansion)
-            while size and overlay:
-                overlay.pop()
-                size -= 1
-            depth -= size
-            top = overlay[-1] if overlay else state_stack[depth - 1]
-            if term == "$END" and depth == 1 and not overlay and arg.origin.name == "start":
-                return True
-            goto = states[top].get(arg.origin.name)
-            if goto is None:
-                return False
-            overlay.append(goto[1])
-        return False
-
     def _feed(self, ctx, state_stack, value_stack, tok) -> None:
         """Feed a token the configuration accepts (checked with :meth:`_can_feed`)."""
-        target = lalr_step(self.states, self.shift, state_stack, tok[0],
-                           lambda rule: ctx.reduce(rule, state_stack, value_stack))
+        target = self.core.feed(state_stack, tok[0],
+                                lambda rule: ctx.reduce(rule, state_stack, value_stack))
         if target >= 0:
             state_stack.append(target)
             value_stack.append(tok)
