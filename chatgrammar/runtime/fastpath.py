@@ -659,21 +659,23 @@ class FastMasker:
         the full pipeline must parse the sample itself (:meth:`_c_whole`)."""
         n = len(ids)
         items = self.items
+        arr = None  # the sample as int64, converted once (by the C packer for a list)
         for key, w0, w1, a in keys:
             if key in items or self._resolve(key) is not None:
                 continue
+            if arr is None:
+                arr = ids_input(ids)[0]
             canon = self._canon
             if canon is not None and w1 == n and a > w0 and key[16:24] != b"\xff" * 8:
                 # An item cut by the end of input: its key holds everything its parse
                 # depends on, so any short whole first item can stand before it (a window
                 # that does not teach the key falls back to the real one below).
-                self._learn_from(np.concatenate([canon, np.asarray(ids[a:w1],
-                                                                   dtype=np.int64)]))
+                self._learn_from(np.concatenate([canon, arr[a:w1]]))
                 if key in items:
                     continue
             if n < _WINDOW_MIN or w1 - w0 >= n:
                 return None  # the window is the sample: the full pipeline parses it
-            if not self._learn_from(np.asarray(ids[w0:w1], dtype=np.int64)):
+            if not self._learn_from(np.array(arr[w0:w1])):
                 return False
         return self._c_fill(keys, hit)
 
