@@ -833,6 +833,11 @@ def targets(results: dict) -> list[tuple[str, str, bool]]:
 # for kimi-k2 and kimi-k3 in HISTORY_ROWS order). report() renders them as tables.
 HISTORY_ROWS = (*(CLASS_LABEL[c] for c in CLASSES), "text mode against the regex")
 HISTORY = (
+    ("At commit 0610040 (this session's start, main), the same classes measured by this bench's\n"
+     "bench_classes a few minutes before the table above, on the same machine (load average\n"
+     "3.38 7.22 9.31 / 3.33 6.28 8.81):",
+     ((4.25, 5.15), (2.95, 2.60), (5.48, 6.86), (4.15, 5.33), (4.01, 5.35), (2.83, 4.12),
+      (8.25, 9.24), (0.78, 0.97), (1.76, 1.13))),
     ("Last session's final table (docs/performance.md at 52995ed: the id classes measured on\n"
      "the id-path branch before its merge, the text row on the merged tree; load average\n"
      "3.81 4.96 7.32 / 4.26 4.62 6.76):",
