@@ -897,7 +897,7 @@ NOTES = """- **One engine.** Every class above runs the same memoised core
   everything its parse depends on; a window that does not teach the key falls back to the
   item before it and itself). That parse is ~100-300 µs of Python, most of it the driver; the
   driver keeps, per parser configuration, the synthetic terminators that close a cut input, so
-  that search is paid once, and the header texts a window parse reads are memoised by ids. Where the format's headers are plain XTML (kimi-k3), an item cut inside
+  that search is paid once. Where the format's headers are plain XTML (kimi-k3), an item cut inside
   a header is also memoised under what the parse reads of that header
   (`Driver.cut_reading`: an opener's tag and attributes, or nothing; nothing of a close header),
   so a cut at another id of the same kind of header costs no parse

@@ -417,9 +417,6 @@ class FastMasker:
         self.stats = {"fast": 0, "slow": 0, "harvest": 0, "c": 0, "alias": 0}
         self.reasons: dict[str, int] = {}   # slow samples by why
         self._why = None
-        # ids of a header run -> the text the full parse read there (``_RecordingSource``):
-        # the same headers recur in every window the memo learns from
-        self.decoded: dict[bytes, str] = {}
         # What the C executor reads: item key -> packed spans, one dict per policy (filled by
         # _fast from the same memo), and the plan tuple (None: the numpy executor only).
         self.cmemo: dict[int, dict] = {}
@@ -1252,7 +1249,7 @@ class FastMasker:
         warnings: list[Issue] = []
         boundaries: list = []
         src = _RecordingSource("ids", len(arr), arr=arr, adapter=lx.adapter,
-                               boundaries=boundaries, decoded=self.decoded)
+                               boundaries=boundaries)
         toks = lx.lex(arr, boundaries)
         src.recording = True
         turns = self.drv.run(toks, src, strict, warnings)
@@ -1413,30 +1410,17 @@ class _FakeTurn:
 
 
 class _RecordingSource(Source):
-    """A :class:`Source` that records what the parse reads (so the read data joins the key),
-    and reads each run's text through ``decoded`` (ids -> text, the masker's: decoding is a
-    function of the ids for one tokenizer)."""
+    """A :class:`Source` that records what the parse reads (so the read data joins the key)."""
 
-    def __init__(self, *a, decoded: dict | None = None, **k):
+    def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.reads: list[tuple[int, int, int]] = []
         self.recording = False
-        self.decoded = decoded
 
     def read(self, s: int, e: int, limit: int = 64):
         if self.recording and not _in_generation_prompt():
             self.reads.append((s, e, limit))
-        memo = self.decoded
-        if memo is None or self.mode != "ids" or not 0 < e - s <= limit:
-            return super().read(s, e, limit)
-        key = self.arr[s:e].astype(np.int64, copy=False).tobytes()
-        text = memo.get(key)
-        if text is None:
-            text = super().read(s, e, limit)
-            if len(memo) >= 4096:
-                memo.clear()
-            memo[key] = text
-        return text
+        return super().read(s, e, limit)
 
     def locate(self, s: int, e: int, chars: int, limit: int = 64):
         if self.recording and chars > 0:
