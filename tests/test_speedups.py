@@ -427,16 +427,22 @@ def test_the_c_executor_equals_the_reference_on_every_input_class(version):
     assert fmt.stats()["ids"]["c"] >= fm.stats["c"]  # (summed over its tokenizers)
 
 
-@needs_c
-def test_the_c_executor_hands_back_what_it_does_not_memoise():
+def _k2_run(n: int, seed: int):
+    """kimi-k2, its bench tokenizer, ``n`` bench samples, and the C memo of its default
+    policy: ``(fmt, enc, ids, masker, hit)`` (``hit``: what ``_speedups.run`` takes)."""
     bench = _bench()
     enc = bench.kimi_encoding("kimi-k2")
     fmt = cg.load_format("kimi-k2")
-    _texts, ids = bench.workload("kimi-k2", 4, seed=12)
+    _texts, ids = bench.workload("kimi-k2", n, seed=seed)
+    fm = fmt._fast_masker(enc)
+    return fmt, enc, ids, fm, fm._c_policy(fmt.default_policy)
+
+
+@needs_c
+def test_the_c_executor_hands_back_what_it_does_not_memoise():
+    fmt, enc, ids, fm, hit = _k2_run(4, 12)
     for x in ids:
         fmt.loss_mask(x, enc)
-    fm = fmt._fast_masker(enc)
-    hit = fm._c_policy(fmt.default_policy)
     x = ids[0]
     assert S.run(fm.plan, x, hit[1], hit[2], None) == fmt.parse_ids(x, enc).mask()
     # ids it does not read itself (not an exact int): the general conversion decides
@@ -447,8 +453,14 @@ def test_the_c_executor_hands_back_what_it_does_not_memoise():
     assert type(missing) is tuple and missing
     assert all(type(k) is bytes and 0 <= w0 <= a < w1 <= len(x) for k, w0, w1, a in missing)
     assert all(k in fm.items for k, _, _, _ in missing)
-    # a syntax error (an end marker first): never an answer
-    assert S.run(fm.plan, [163586, *x], hit[1], hit[2], None) is None
+    # a syntax error (an end marker first): never an answer. The walk first asks for the
+    # automaton entries it lacks (the configuration, then the symbols from there: bytes);
+    # once they are filled (a syntax error there), the Python engine takes the sample.
+    bad = [163586, *x]
+    need = S.run(fm.plan, bad, hit[1], hit[2], None)
+    assert type(need) is bytes and int.from_bytes(need[:8], sys.byteorder) == 0
+    assert fm._c_auto(need) is False
+    assert S.run(fm.plan, bad, hit[1], hit[2], None) is None
     with pytest.raises(cg.ParseError):
         fmt.loss_mask([163586, *x], enc)
     assert fmt.loss_mask([163586, *x], enc, strict=False) == \
@@ -558,3 +570,22 @@ def test_verify_mode_checks_the_new_c_paths(name, monkeypatch):
                     raise
     st = fmt.stats()["ids"]
     assert st["verified"] > 0 and st["c"] > 0
+
+
+@needs_c
+def test_the_c_executor_asks_about_a_generation_prompt_only_when_the_tail_fits_in_one():
+    # The last turn may be a generation prompt only when its markers are in one and it is no
+    # longer (tiktoken: every other id adds at least one byte); else the C executor answers
+    # without asking the driver. Both answers equal the reference.
+    fmt, enc, ids, fm, hit = _k2_run(3, 13)
+    gp = enc.encode("<|im_assistant|>assistant<|im_middle|>", allowed_special="all")
+    x = ids[0]
+    short, long_ = x + gp, x + gp + enc.encode(" word" * 30)
+    for _ in range(2):
+        for y in (x, short, long_):
+            assert fmt.loss_mask(y, enc) == fmt.parse_ids(y, enc).mask()
+    r = S.run(fm.plan, short, hit[1], hit[2], None)
+    assert type(r) is tuple and r[0] == len(x)  # the driver's rule decides (it is one)
+    assert type(S.run(fm.plan, long_, hit[1], hit[2], None)) is list
+    assert sum(fmt.loss_mask(short, enc)[len(x):]) == 0
+    assert sum(fmt.loss_mask(long_, enc)[len(short):]) == 30

@@ -750,7 +750,7 @@ def report(results: dict, info: dict, args) -> str:
                      f"{a['rate']:.1f} | {b['rate']:.1f} | "
                      f"{' '.join(f'{x:.2f}' for x in a['ratios'])} | "
                      f"{' '.join(f'{x:.2f}' for x in b['ratios'])} |")
-    lines += ["", BEFORE]
+    lines += ["", history()]
     lines += ["", "Per-token cost of the 1M-token sequence against a whole sample's (ns per token, "
               "ours, median of the rounds):", "", "| format | whole ns/token | 1M cut ns/token | ratio (≤ 1.2) |",
               "|---|---|---|---|"]
@@ -829,52 +829,46 @@ def targets(results: dict) -> list[tuple[str, str, bool]]:
     return out
 
 
-BEFORE = """At commit 13390b7 (this session's start), measured by this same bench right after the
-table above, on the same machine (load average 4.26 4.62 6.76 / 3.56 4.31 6.42; the machine was shared and loaded all
-session, which lowers every ratio against the earlier tables below):
+# Earlier measurements of the same classes, newest first: (what was measured, the ratios
+# for kimi-k2 and kimi-k3 in HISTORY_ROWS order). report() renders them as tables.
+HISTORY_ROWS = (*(CLASS_LABEL[c] for c in CLASSES), "text mode against the regex")
+HISTORY = (
+    ("At commit 0610040 (this session's start, main), the same classes measured by this bench's\n"
+     "bench_classes a few minutes before the table above, on the same machine (load average\n"
+     "3.38 7.22 9.31 / 3.33 6.28 8.81):",
+     ((4.25, 5.15), (2.95, 2.60), (5.48, 6.86), (4.15, 5.33), (4.01, 5.35), (2.83, 4.12),
+      (8.25, 9.24), (0.78, 0.97), (1.76, 1.13))),
+    ("Last session's final table (docs/performance.md at 52995ed: the id classes measured on\n"
+     "the id-path branch before its merge, the text row on the merged tree; load average\n"
+     "3.81 4.96 7.32 / 4.26 4.62 6.76):",
+     ((3.92, 5.61), (3.00, 2.79), (5.27, 6.93), (4.20, 5.80), (4.00, 6.19), (3.83, 4.89),
+      (8.19, 10.25), (0.81, 1.03), (1.97, 1.45))),
+    ("At commit 13390b7 (the previous session's start), measured by this same bench on the same\n"
+     "machine (load average 4.26 4.62 6.76 / 3.56 4.31 6.42; the machine was shared and loaded\n"
+     "all session, which lowers every ratio against the earlier tables below):",
+     ((3.99, 5.47), (2.95, 2.72), (5.06, 6.70), (4.32, 5.96), (4.04, 5.54), (3.30, 4.78),
+      (7.23, 10.06), (0.80, 1.07), (0.89, 0.52))),
+    ("The engine before issue 12 (commit 770d1c6, where truncation and `last_turn_only`\n"
+     "took the full pipeline), measured by this same bench on the same machine in the same hour\n"
+     "(load average ~8; the issue's own table was measured with the old bench on another run):",
+     ((1.87, 2.19), (0.29, 0.24), (0.38, 0.31), (1.91, 2.18), (2.29, 2.55), (0.40, 0.17),
+      (2.51, 2.95), (0.83, 1.02), (1.11, 0.57))),
+    ("At commit 01c2808 (the same memo, executed by Python per item; the C passes only packed the\n"
+     "list, found the markers and built the output), measured by this bench two sessions ago:",
+     ((1.93, 2.20), (1.32, 1.09), (1.95, 2.18), (1.92, 2.19), (2.42, 2.58), (2.19, 2.38),
+      (2.67, 2.59), (0.87, 1.12), (1.15, 0.61))),
+)
 
-| input class | kimi-k2 | kimi-k3 |
-|---|---|---|
-| whole samples | 3.99× | 5.47× |
-| truncated by `max_length=2048` (most cut mid-turn) | 2.95× | 2.72× |
-| `last_turn_only` policy | 5.06× | 6.70× |
-| lenient mode (`strict=False`) | 4.32× | 5.96× |
-| packed, 8 samples per sequence | 4.04× | 5.54× |
-| one ~1M-token sequence cut mid-turn | 3.30× | 4.78× |
-| whole samples, numpy in (numpy out) | 7.23× | 10.06× |
-| whole samples without the C accelerator | 0.80× | 1.07× |
-| text mode against the regex | 0.89× | 0.52× |
 
-The engine before issue 12 (commit 770d1c6, where truncation and `last_turn_only`
-took the full pipeline), measured by this same bench on the same machine in the same hour
-(load average ~8; the issue's own table was measured with the old bench on another run):
-
-| input class | kimi-k2 | kimi-k3 |
-|---|---|---|
-| whole samples | 1.87× | 2.19× |
-| truncated by `max_length=2048` (most cut mid-turn) | 0.29× | 0.24× |
-| `last_turn_only` policy | 0.38× | 0.31× |
-| lenient mode (`strict=False`) | 1.91× | 2.18× |
-| packed, 8 samples per sequence | 2.29× | 2.55× |
-| one ~1M-token sequence cut mid-turn | 0.40× | 0.17× |
-| whole samples, numpy in (numpy out) | 2.51× | 2.95× |
-| whole samples without the C accelerator | 0.83× | 1.02× |
-| text mode against the regex | 1.11× | 0.57× |
-
-At commit 01c2808 (the same memo, executed by Python per item; the C passes only packed the
-list, found the markers and built the output), measured by this bench in the previous session:
-
-| input class | kimi-k2 | kimi-k3 |
-|---|---|---|
-| whole samples | 1.93× | 2.20× |
-| truncated by `max_length=2048` (most cut mid-turn) | 1.32× | 1.09× |
-| `last_turn_only` policy | 1.95× | 2.18× |
-| lenient mode (`strict=False`) | 1.92× | 2.19× |
-| packed, 8 samples per sequence | 2.42× | 2.58× |
-| one ~1M-token sequence cut mid-turn | 2.19× | 2.38× |
-| whole samples, numpy in (numpy out) | 2.67× | 2.59× |
-| whole samples without the C accelerator | 0.87× | 1.12× |
-| text mode against the regex | 1.15× | 0.61× |"""
+def history() -> str:
+    """The earlier measurements (``HISTORY``) as one table each, under what was measured."""
+    out: list[str] = []
+    for intro, ratios in HISTORY:
+        out += [intro, "", "| input class | kimi-k2 | kimi-k3 |", "|---|---|---|"]
+        out += [f"| {label} | {a:.2f}× | {b:.2f}× |"
+                for label, (a, b) in zip(HISTORY_ROWS, ratios)]
+        out.append("")
+    return "\n".join(out).rstrip()
 
 
 NOTES = """- **One engine.** Every class above runs the same memoised core
@@ -887,18 +881,23 @@ NOTES = """- **One engine.** Every class above runs the same memoised core
   literal-ended headers and applies `lstrip` from the memos of those two rules (which the Python
   engine fills: they decode), walks the automaton's table, looks each item key up and writes
   the mask (a list of the shared 0/1 ints, or into a zeroed int64 array) — with no per-item
-  Python. Whatever it has not memoised it hands back: the item keys its memo lacks (filled from
-  the Python memo, or learned by a full parse of the window around the item, then one retry;
-  when the window would be the whole sample, the full pipeline's own mask is the answer), a
-  last turn that may be a generation prompt (the mask comes back with it; one decode decides),
-  an id it does not read itself, a syntax error (the Python engine, which raises or recovers).
+  Python. Whatever it has not memoised it hands back: automaton entries its walk lacks (the
+  configuration and the symbols from there: Python fills them and the C executor goes on), the
+  item keys its memo lacks (filled from the Python memo, or learned by a full parse of the
+  window around the item, then one retry; when the window would be the whole sample, the full
+  pipeline's own mask is the answer), a last turn that may be a generation prompt (only when
+  its markers and length fit in one: with tiktoken every other id adds at least one byte; the
+  mask comes back with it and one decode decides), an id it does not read itself, a syntax
+  error (the Python engine, which raises or recovers).
   Without the extension the numpy/Python executor of the same plan and memo runs (the "without
   the C accelerator" row).
 - **Truncation** (an item cut by the end of input) is an item like any other, keyed also by
   the automaton configuration it ends in; a cut shape not seen before costs one full parse of
-  the window around it (the item before it and itself: a few hundred µs in Python; the driver
-  keeps, per parser configuration, the synthetic terminators that close a cut input, so that
-  search is paid once). Where the format's headers are plain XTML (kimi-k3), an item cut inside
+  a short window: a short whole first item the memo keeps, then the cut item (its key holds
+  everything its parse depends on; a window that does not teach the key falls back to the
+  item before it and itself). That parse is ~100-300 µs of Python, most of it the driver; the
+  driver keeps, per parser configuration, the synthetic terminators that close a cut input, so
+  that search is paid once. Where the format's headers are plain XTML (kimi-k3), an item cut inside
   a header is also memoised under what the parse reads of that header
   (`Driver.cut_reading`: an opener's tag and attributes, or nothing; nothing of a close header),
   so a cut at another id of the same kind of header costs no parse

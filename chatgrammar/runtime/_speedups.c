@@ -447,7 +447,8 @@ done:
 
 
 /* ------------------------------------------------------------------------------------------
- * run(plan, ids, memo, last_only, out[, gen_ok]) -> list | True | None | (keys) | (int, mask)
+ * run(plan, ids, memo, last_only, out[, gen_ok])
+ *     -> list | True | None | (keys) | (int, mask) | bytes
  *     One sample through the memoised engine (FastMasker._lex + _walk + _fast, in one pass):
  *     the same plan, the same automaton table and the same item keys as the Python code,
  *     which is the reference. `plan` is FastMasker.plan (see there); `memo` maps an item key
@@ -459,13 +460,18 @@ done:
  *     fill them from its memo, or learn them from that window, and call again). A pair (int, mask): the last turn, from that
  *     position to the end, may be a generation prompt, and mask (the list, or True) is the
  *     answer when it is not; the caller checks with the driver's rule (gen_ok=True skips
- *     the question). None: the sample needs the Python engine (anything not memoised yet,
- *     an unknown special id, a soft marker's piece, a syntax error, ...). Never raises for
- *     input reasons.
+ *     the question). Bytes: the automaton's table lacks an entry the walk needs: the
+ *     configuration it stopped in (native int64), then the symbols from there to the end
+ *     (native uint16); the caller fills them (and the end of input) and calls again. None:
+ *     the sample needs the Python engine (an unknown special id, a soft marker's piece, a
+ *     syntax error, a header prefix not memoised yet, ...). Never raises for input reasons.
  */
 typedef struct {
     int64_t *P, *mend, *K, *take, *off, *meta, *split, *bounds, *spans, *key;
     Py_ssize_t cap_t, cap_b, cap_s, cap_k;
+    /* walk: where the automaton's table lacks an entry (symbol index, configuration) */
+    Py_ssize_t need_t;
+    int64_t need_sid;
 } scratch_t;
 
 static scratch_t S_ = {0};
@@ -514,7 +520,9 @@ typedef struct {
     int64_t lo, span, nb, unk, soft_n;
     const int64_t *lut, *bud, *bud1;
     const unsigned char *soft;
-    const int64_t *gen;  /* NULL, or [longest prompt, (prompt mask, text length) per code] */
+    /* NULL, or [longest prompt, length each other id adds at least, (prompt mask, text
+     * length) per code] */
+    const int64_t *gen;
     int has_values;
     PyObject *table, *ends;
     /* literal-ended headers: per code its split budget (0: none), and the memo
@@ -533,11 +541,26 @@ parse_plan(PyObject *plan, plan_t *p)
         PyErr_SetString(PyExc_TypeError, "run: plan must be a tuple");
         return -1;
     }
-    if (!PyArg_ParseTuple(plan, "LSSSpOO!O!LOOOOO:plan", &p->lo, &lut, &bud, &bud1,
-                          &p->has_values, &gen, &PyList_Type, &p->table, &PyList_Type,
-                          &p->ends, &p->unk, &soft, &sbud, &p->split_memo, &lstrip,
-                          &p->space_memo))
+    /* The usual types read item by item (PyArg_ParseTuple's format parser is a good part of
+     * a short sample's time: this runs on every call); anything else through it. */
+    PyObject **it = &PyTuple_GET_ITEM(plan, 0);
+    if (PyTuple_GET_SIZE(plan) == 14 && PyLong_CheckExact(it[0]) && PyBytes_Check(it[1])
+        && PyBytes_Check(it[2]) && PyBytes_Check(it[3]) && PyBool_Check(it[4])
+        && PyList_Check(it[6]) && PyList_Check(it[7]) && PyLong_CheckExact(it[8])) {
+        lut = it[1]; bud = it[2]; bud1 = it[3]; gen = it[5]; soft = it[9]; sbud = it[10];
+        lstrip = it[12];
+        p->table = it[6]; p->ends = it[7]; p->split_memo = it[11]; p->space_memo = it[13];
+        p->has_values = it[4] == Py_True;
+        p->lo = PyLong_AsLongLong(it[0]);
+        p->unk = PyLong_AsLongLong(it[8]);
+        if (PyErr_Occurred())
+            return -1;
+    } else if (!PyArg_ParseTuple(plan, "LSSSpOO!O!LOOOOO:plan", &p->lo, &lut, &bud, &bud1,
+                                 &p->has_values, &gen, &PyList_Type, &p->table,
+                                 &PyList_Type, &p->ends, &p->unk, &soft, &sbud,
+                                 &p->split_memo, &lstrip, &p->space_memo)) {
         return -1;
+    }
     p->lut = (const int64_t *)PyBytes_AS_STRING(lut);
     p->span = PyBytes_GET_SIZE(lut) / 8 - 1;
     if (p->span < 0)
@@ -551,7 +574,7 @@ parse_plan(PyObject *plan, plan_t *p)
     }
     p->gen = NULL;
     if (PyBytes_Check(gen)) {
-        if (PyBytes_GET_SIZE(gen) != (1 + 2 * p->nb) * 8) {
+        if (PyBytes_GET_SIZE(gen) != (2 + 2 * p->nb) * 8) {
             PyErr_SetString(PyExc_ValueError, "run: bad generation-prompt table");
             return -1;
         }
@@ -706,7 +729,8 @@ find_symbols(const plan_t *p, PyObject **items, const int64_t *arr, Py_ssize_t n
 }
 
 /* Pass 2: the symbols through the automaton's memoised table: item bounds (slots) and the
- * configuration a cut input ends in (-1: none). 1 when Python must decide. */
+ * configuration a cut input ends in (-1: none). 1 when Python must decide; 3 when the table
+ * lacks an entry (s->need_t, s->need_sid: the caller hands Python the symbols from there). */
 static int
 walk(const plan_t *p, Py_ssize_t T, Py_ssize_t *nb_out, int64_t *tail_out)
 {
@@ -723,8 +747,13 @@ walk(const plan_t *p, Py_ssize_t T, Py_ssize_t *nb_out, int64_t *tail_out)
             return 1;
         PyObject *v = PyList_GET_ITEM(row, sym);
         int64_t x;
+        if (v == Py_None) {
+            s->need_t = t;  /* not filled yet: Python fills the rest of the walk */
+            s->need_sid = sid;
+            return 3;
+        }
         if (!PyLong_CheckExact(v) || compact_value(v, &x) < 0 || x < 0)
-            return 1;  /* not filled yet, or a syntax error: the Python walk */
+            return 1;  /* a syntax error: the Python engine reports or recovers */
         for (int b = 0; b < 3; b++)
             if (x & (1 << b))
                 s->bounds[nb++] = 3 * t + b;
@@ -734,12 +763,17 @@ walk(const plan_t *p, Py_ssize_t T, Py_ssize_t *nb_out, int64_t *tail_out)
         return 1;
     PyObject *e = PyList_GET_ITEM(p->ends, sid);
     *tail_out = -1;
+    if (e == Py_None) {
+        s->need_t = T;  /* the end of input from this configuration: not computed yet */
+        s->need_sid = sid;
+        return 3;
+    }
     if (e == Py_True) {
         s->bounds[nb++] = 3 * T;
     } else if (e != Py_False) {
         int64_t x;
         if (!PyLong_CheckExact(e) || compact_value(e, &x) < 0 || x != -1)
-            return 1;  /* end of input not computed yet */
+            return 1;
         if (nb && s->bounds[nb - 1] >= 3 * T)
             return 1;
         s->bounds[nb++] = 3 * T;
@@ -842,15 +876,18 @@ item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr
         return 2;
     if (p->gen && !gen_ok && last_start >= 0 && n - last_start <= 64 && *gen_at == -1) {
         /* The driver joins the tail's tokens (markers by their text) and compares it with
-         * each generation prompt: a marker whose text is in no prompt, or marker texts longer
-         * than any prompt together, rule that out here; else the driver's rule decides. */
+         * each generation prompt: a marker whose text is in no prompt, or a tail longer
+         * than any prompt (its markers' texts and what each other id adds at least), rule
+         * that out here; else the driver's rule decides. */
         uint64_t m = ~(uint64_t)0;
-        int64_t len = 0;
+        int64_t len = 0, nmark = 0;
         for (Py_ssize_t t = 1; t < T; t++)
             if (s->P[t] >= last_start) {
-                m &= (uint64_t)p->gen[1 + 2 * s->K[t]];
-                len += p->gen[2 + 2 * s->K[t]];
+                m &= (uint64_t)p->gen[2 + 2 * s->K[t]];
+                len += p->gen[3 + 2 * s->K[t]];
+                nmark++;
             }
+        len += (n - last_start - nmark) * p->gen[1];
         if (m != 0 && len <= p->gen[0])
             *gen_at = last_start;  /* the mask as if it is none, and the caller checks */
     }
@@ -905,6 +942,24 @@ list_mask(Py_ssize_t n, Py_ssize_t ns)
     return out;
 }
 
+/* What walk() could not do: bytes of the configuration it stopped in (native int64) and the
+ * symbols from there to the end (native uint16); none when only the end of input is lacking. */
+static PyObject *
+walk_rest(const plan_t *p, Py_ssize_t T)
+{
+    scratch_t *s = &S_;
+    Py_ssize_t m = T - s->need_t;
+    PyObject *b = PyBytes_FromStringAndSize(NULL, 8 + 2 * m);
+    if (b == NULL)
+        return NULL;
+    char *q = PyBytes_AS_STRING(b);
+    memcpy(q, &s->need_sid, 8);
+    uint16_t *sy = (uint16_t *)(q + 8);
+    for (Py_ssize_t t = 0; t < m; t++)
+        sy[t] = (uint16_t)(s->meta[s->need_t + t] >> (p->has_values ? 16 : 0));
+    return b;
+}
+
 static PyObject *
 run(PyObject *self, PyObject *args)
 {
@@ -946,6 +1001,10 @@ run(PyObject *self, PyObject *args)
     int r = find_symbols(&p, items, arr, n, &T);
     if (r == 0)
         r = walk(&p, T, &nb, &tail);
+    if (r == 3) {
+        res = walk_rest(&p, T);
+        goto done;
+    }
     if (r == 0)
         r = item_spans(&p, memo, items, arr, n, T, nb, tail, last_only, gen_ok, &ns, &missing,
                        &gen_at);

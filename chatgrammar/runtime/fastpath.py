@@ -231,8 +231,46 @@ class _Item:
 
     def __init__(self, plan: tuple):
         self.plan = plan            # ((slot_s, slot_e, limit), ...) relative to the item
-        self.progs: dict = {}       # read-result key -> _Prog
+        self.progs: dict = {}       # read-result key -> _Prog (text mode: turn templates)
         self.unstable = False
+
+    @classmethod
+    def of(cls, items: dict, key, plan: tuple, reset) -> "_Item | None":
+        """The item of ``key`` to learn into (id and text memos alike): made when new
+        (``reset()`` first when ``items`` holds ``_MAX_ITEMS``); None when the parse read
+        other things than the item's plan says (it is then unstable: that key stays slow)."""
+        it = items.get(key)
+        if it is None:
+            if len(items) > _MAX_ITEMS:
+                reset()
+            it = items[key] = cls(plan)
+        elif it.plan != plan:
+            it.unstable = True
+            return None
+        return it
+
+    def wants(self, rkey) -> bool:
+        """Whether to learn the item's result for the reads ``rkey``: not held yet and room
+        for it (past ``_MAX_PROGS`` variants what the parse reads varies without end: the
+        item becomes unstable and stays slow)."""
+        if rkey in self.progs:
+            return False
+        if len(self.progs) >= _MAX_PROGS:
+            self.unstable = True
+            self.progs.clear()
+            return False
+        return True
+
+    def find(self, read, data, pos, base: int):
+        """``(result, None)`` for this input, or ``(None, why)``: the result memoised under
+        what the plan's reads give here (``read(data, pos, base + s, base + e, limit)`` per
+        read: :func:`_read_key` over ids, ``textpath._text_read`` over text)."""
+        if self.unstable:
+            return None, "item whose reads vary"
+        rkey = tuple([read(data, pos, base + s, base + e, lim) for s, e, lim in self.plan]) \
+            if self.plan else ()
+        got = self.progs.get(rkey)
+        return (got, None) if got is not None else (None, "new text read by the parse")
 
 
 class _Prog:
@@ -383,16 +421,23 @@ class FastMasker:
 
     def _gen_table(self) -> bytes | None:
         """Per marker code, the generation prompts its text occurs in (a bit mask) and its
-        length: a last turn whose markers cannot all be in one prompt is no generation
-        prompt, so the C executor need not ask the driver (``_generation_prompt``)."""
+        length, after the longest prompt's length and what each other id adds at least: a
+        last turn whose markers cannot all be in one prompt, or that is longer than any, is
+        no generation prompt, so the C executor need not ask the driver
+        (``_generation_prompt``). Where decoding is byte-concatenative (``concat_decode``)
+        lengths are UTF-8 bytes and every other id adds one (a tiktoken id has at least one
+        byte; a tail that decodes to a prompt holds exactly its bytes); else characters, and
+        the other ids add nothing (a SentencePiece piece may decode to nothing)."""
         gps = sorted(self.drv.gen_prompts)
         if not gps:
             return None
-        words = [max(map(len, gps)), -1, 0]  # code 0 (begin of input) is no marker
+        size = (lambda t: len(t.encode("utf-8"))) if self.concat_decode else len
+        words = [max(map(size, gps)), 1 if self.concat_decode else 0,
+                 -1, 0]  # code 0 (begin of input) is no marker
         for term in self.lx.terms:
             text = self.lx.cfg.marker_text[term]
             m = sum(1 << g for g, gp in enumerate(gps) if text in gp) if len(gps) < 63 else -1
-            words += [m, len(text)]
+            words += [m, size(text)]
         return struct.pack(f"={len(words)}q", *words)
 
     def _disable(self, why: str) -> None:
@@ -451,8 +496,15 @@ class FastMasker:
         """What :meth:`run_c` does with an answer of the C executor that is not a mask:
         items its memo lacks (filled from the Python memo, learned from a window, or the
         whole sample parsed by the full pipeline, whose mask is returned as it is: a list or
-        an int64 array), or a last turn that may be a generation prompt."""
+        an int64 array), automaton entries its walk lacks (filled here: the walk goes on
+        in C, not in the Python engine), or a last turn that may be a generation prompt."""
         plan = self.plan
+        if type(r) is bytes:
+            if not self._c_auto(r):
+                return None
+            r = _speedups.run(plan, ids, hit[1], hit[2], out)
+            if type(r) is bytes:
+                return None  # (an entry the automaton does not memoise: too deep, too many)
         if type(r) is tuple and type(r[0]) is tuple:
             # items the C memo lacks: fill those the memo knows (or learn them), once
             if not self._c_fill(r, hit):
@@ -469,6 +521,25 @@ class FastMasker:
                 return None
             r = r[1]
         return r if type(r) is list or r is True else None
+
+    def _c_auto(self, need: bytes) -> bool:
+        """Fill the automaton's table where the C walk stopped (``need``: the configuration,
+        then the symbols from there to the end, as ``_speedups.run`` returns them) and the
+        end of input from where they lead. One lookup per symbol, as :meth:`_walk`; False on
+        a syntax error or an entry the automaton does not memoise (the Python engine then
+        takes the sample and reports it)."""
+        auto = self.auto
+        sid = int.from_bytes(need[:8], sys.byteorder, signed=True)
+        table = auto.table
+        for sym in np.frombuffer(need, dtype=np.uint16, offset=8).tolist():
+            v = table[sid][sym]
+            if v is None:
+                v = auto.fill(sid, sym)
+            if v < 0:
+                return False
+            sid = v >> 3
+        auto.end(sid)
+        return True
 
     def _c_torch(self, ids, policy: MaskPolicy, strict: bool):
         """A 1-D CPU tensor read through numpy (no copy for a contiguous int64 one): the C
@@ -556,21 +627,23 @@ class FastMasker:
         the full pipeline must parse the sample itself (:meth:`_c_whole`)."""
         n = len(ids)
         items = self.items
+        arr = None  # the sample as int64, converted once (by the C packer for a list)
         for key, w0, w1, a in keys:
             if key in items or self._resolve(key) is not None:
                 continue
+            if arr is None:
+                arr = ids_input(ids)[0]
             canon = self._canon
             if canon is not None and w1 == n and a > w0 and key[16:24] != b"\xff" * 8:
                 # An item cut by the end of input: its key holds everything its parse
                 # depends on, so any short whole first item can stand before it (a window
                 # that does not teach the key falls back to the real one below).
-                self._learn_from(np.concatenate([canon, np.asarray(ids[a:w1],
-                                                                   dtype=np.int64)]))
+                self._learn_from(np.concatenate([canon, arr[a:w1]]))
                 if key in items:
                     continue
             if n < _WINDOW_MIN or w1 - w0 >= n:
                 return None  # the window is the sample: the full pipeline parses it
-            if not self._learn_from(np.asarray(ids[w0:w1], dtype=np.int64)):
+            if not self._learn_from(np.array(arr[w0:w1])):
                 return False
         return self._c_fill(keys, hit)
 
@@ -1049,17 +1122,12 @@ class FastMasker:
     def _prog(self, arr, lexed, it, a: int):
         """The memoised turns of the item ``it`` starting at slot ``a`` (its read plan read
         from this input), or None (``self._why``)."""
-        if it is None or it.unstable:
-            self._why = "new item shape" if it is None else "item whose reads vary"
+        if it is None:
+            self._why = "new item shape"
             return None
-        B = lexed[4]
-        if it.plan:
-            rkey = tuple(_read_key(arr, B, a + s, a + e, lim) for s, e, lim in it.plan)
-        else:
-            rkey = ()
-        prog = it.progs.get(rkey)
+        prog, why = it.find(_read_key, arr, lexed[4], a)
         if prog is None:
-            self._why = "new text read by the parse"
+            self._why = why
         return prog
 
     def _policy_spans(self, prog: _Prog, policy: MaskPolicy, pid: int):
@@ -1158,25 +1226,17 @@ class FastMasker:
         B, off = lexed[4], lexed[3]
         key = _item_key(lexed[1], lexed[2], off, a, b, tail)
         plan, slot_of = _read_plan(B, a, b, sreads)
-        it = self.items.get(key)
-        if it is None:
-            if len(self.items) > _MAX_ITEMS:
-                self.forget()
-            it = self.items[key] = _Item(plan)
-            alias = self._alias(key) if tail is not None and not plan else None
+        new = key not in self.items
+        it = _Item.of(self.items, key, plan, self.forget)
+        if it is not None and new and tail is not None and not plan:
+            alias = self._alias(key)
             if alias is not None:
                 self.items.setdefault(alias, it)
-        elif it.plan != plan:
-            it.unstable = True  # reads differ between samples: this key stays slow
-            self._forget_key(key)
-            return
-        rkey = tuple(_read_key(arr, B, a + s, a + e, lim) for s, e, lim in plan)
-        if rkey in it.progs:
-            return
-        if len(it.progs) >= _MAX_PROGS:
-            it.unstable = True  # what the parse reads varies without end: stay slow
-            it.progs.clear()
-            self._forget_key(key)
+        rkey = () if it is None else \
+            tuple([_read_key(arr, B, a + s, a + e, lim) for s, e, lim in plan])
+        if it is None or not it.wants(rkey):
+            if it is None or it.unstable:
+                self._forget_key(key)  # (the C executor's view of it too)
             return
         cturns = [dataclasses.replace(t, generation_prompt=False) for t in sturns]
         try:

@@ -479,21 +479,13 @@ class TextMemo:
         for (a, b), sturns, sreads in zip(segs, per_seg, reads_seg):
             key = self._vec_key(hv, sb, hp, a, b)
             plan, slot_of = _read_plan(B, a, b, sreads)
-            it = self.items.get(key)
-            if it is None:
-                if len(self.items) > _fp._MAX_ITEMS:
-                    self.items.clear()
-                    self.simple.clear()
-                it = self.items[key] = _Item(plan)
-            elif it.plan != plan:
-                it.unstable = True
-                self.simple.pop(key, None)
-                continue
-            rkey = tuple(_text_read(text, B, a + s, a + e, lim) for s, e, lim in plan)
-            if rkey not in it.progs and len(it.progs) >= _fp._MAX_PROGS:
-                it.unstable = True  # what the parse reads varies without end: stay slow
-                it.progs.clear()
-            elif rkey not in it.progs:
+            it = _Item.of(self.items, key, plan, self._reset)
+            rkey = () if it is None else \
+                tuple([_text_read(text, B, a + s, a + e, lim) for s, e, lim in plan])
+            if it is None or not it.wants(rkey):
+                if it is None or it.unstable:
+                    self.simple.pop(key, None)
+            else:
                 # keyed runs (headers: their whole text is in the key) and the text the
                 # parse read
                 runs = [(B[k], k - a, len(parts[k])) for k in hp if a <= k < b]
@@ -540,16 +532,12 @@ class TextMemo:
             if b <= a:
                 continue
             it = self.items.get(self._key(toks, a, b))
-            if it is None or it.unstable:
-                self._why = "new item shape" if it is None else "item whose reads vary"
+            if it is None:
+                self._why = "new item shape"
                 return None
-            if it.plan:
-                rkey = tuple(_text_read(text, pos, a + s, a + e, lim) for s, e, lim in it.plan)
-            else:
-                rkey = ()
-            tpls = it.progs.get(rkey)
+            tpls, why = it.find(_text_read, text, pos, a)
             if tpls is None:
-                self._why = "new text read by the parse"
+                self._why = why
                 return None
             for tp in tpls:
                 turns.append(tp.make(pos, a, self.turn_cls, self.block_cls))
@@ -559,6 +547,11 @@ class TextMemo:
         self.stats["fast"] += 1
         return Conversation(format=fmt.name, mode="text", length=n, turns=turns, warnings=[],
                             boundaries=[], default_policy=fmt.default_policy, text=text)
+
+    def _reset(self) -> None:
+        """Start the memo afresh (it holds ``_MAX_ITEMS`` items)."""
+        self.items.clear()
+        getattr(self, "simple", {}).clear()
 
     def count_slow(self) -> None:
         """Count one full parse, by the reason the last lookup gave."""
@@ -598,19 +591,10 @@ class TextMemo:
         for (a, b), sturns, sreads in zip(segs, per_seg, reads_seg):
             key = self._key(toks, a, b)
             plan, slot_of = _read_plan(pos, a, b, sreads)
-            it = self.items.get(key)
-            if it is None:
-                if len(self.items) > _fp._MAX_ITEMS:
-                    self.items.clear()
-                it = self.items[key] = _Item(plan)
-            elif it.plan != plan:
-                it.unstable = True
-                continue
-            rkey = tuple(_text_read(text, pos, a + s, a + e, lim) for s, e, lim in plan)
-            if rkey not in it.progs and len(it.progs) >= _fp._MAX_PROGS:
-                it.unstable = True  # what the parse reads varies without end: stay slow
-                it.progs.clear()
-            elif rkey not in it.progs:
+            it = _Item.of(self.items, key, plan, self._reset)
+            rkey = () if it is None else \
+                tuple([_text_read(text, pos, a + s, a + e, lim) for s, e, lim in plan])
+            if it is not None and it.wants(rkey):
                 # keyed runs: header / decoded texts (their value is in the key; an over-long
                 # one is cut and marked with "…") and the text the parse read
                 runs = []
