@@ -63,7 +63,21 @@ def pytest_cmdline_main(config):
     config.option.dist = "loadfile"
 
 
+def _return_large_blocks_to_the_system() -> None:
+    """Blocks of 1 MB and more are always their own mapping, given back to the system when
+    freed (glibc's default threshold rises to the largest block freed so far, so that the
+    suite's many large temporary blocks, e.g. each tiktoken vocabulary's tables, are carved
+    from the heap instead, which then fragments and only grows). Elsewhere: a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def pytest_configure(config):
+    _return_large_blocks_to_the_system()
     config.addinivalue_line("markers", "slow: long-input / large fuzz sizes; run with --runslow")
     if config.getoption("--runslow"):  # the longer fuzz campaign (tests/test_fuzz.py)
         os.environ.setdefault("CHATGRAMMAR_FUZZ_SECONDS", "60")
@@ -73,10 +87,17 @@ def pytest_configure(config):
 # modules whose tests run format by format (each format's tokenizers are built once, used by
 # all its checks, then dropped by bounded caches: tests/test_formats.py releases them itself)
 BY_FORMAT = ("tests/test_formats.py::", "tests/test_new_families.py::")
+# modules whose tests over every format (``name``) also run format by format, so that the
+# format's generic tokenizers (tests.fuzz_tokenizers.format_encoding: a tiktoken build over
+# Qwen's 151k ranks each, soft markers as ids and as text) are built once per format, not once
+# per test; each test still starts from the format's fresh per-tokenizer state and memos
+# (``_release_between_formats``), as when they ran test by test over all formats
+FRESH_PER_TEST = ("tests/test_fastpath.py::", "tests/test_reliability.py::",
+                  "tests/test_fuzz.py::")
 
 
 def pytest_collection_modifyitems(config, items):
-    for prefix in BY_FORMAT:
+    for prefix in BY_FORMAT + FRESH_PER_TEST:
         suite = [i for i in items if i.nodeid.startswith(prefix)]
         if suite:
             first = items.index(suite[0])
@@ -140,6 +161,8 @@ def _release_between_formats(request):
         _last_format[0] = name
         if isinstance(prev, str):
             _drop_format_state(prev)
+    if isinstance(name, str) and request.node.nodeid.startswith(FRESH_PER_TEST):
+        _drop_format_state(name)  # what an earlier test of the same format taught stays out
     yield
 
 

@@ -58,7 +58,7 @@ def marker_texts(fmt: Any, *, soft: bool = True) -> list[str]:
     return [m.text for m in fmt.spec.markers.values() if soft or m.special]
 
 
-@lru_cache(maxsize=8)  # each holds Qwen's ranks (~35 MB): a few formats at a time
+@lru_cache(maxsize=4)  # each holds Qwen's ranks (~35 MB): the suites run format by format
 def _encoding(name: str, markers: tuple[str, ...]) -> Any:
     import tiktoken
 

@@ -566,12 +566,12 @@ def _soft_lut(lx: IdPlan):
         if not isinstance(ranks, dict):
             return None
         size = max(enc.n_vocab, max(ranks.values(), default=0) + 1)
-        pieces = [""] * size
+        pieces = [b""] * size
         for tb, r in ranks.items():
-            pieces[r] = tb.decode("latin-1")
+            pieces[r] = tb
         for sp, r in getattr(enc, "_special_tokens", {}).items():
             if r < size:
-                pieces[r] = sp
+                pieces[r] = sp.encode("utf-8", "surrogatepass")
     else:
         tok = a.tokenizer
         conv = getattr(tok, "convert_ids_to_tokens", None)
@@ -579,11 +579,19 @@ def _soft_lut(lx: IdPlan):
             return None
         try:
             size = len(tok)
-            pieces = [p if isinstance(p, str) else "\x00" for p in conv(list(range(size)))]
+            pieces = [p.encode("utf-8", "surrogatepass") if isinstance(p, str) else b"\x00"
+                      for p in conv(list(range(size)))]
         except Exception:
             return None
         # byte-level BPE keeps printable ASCII as itself; SentencePiece pieces too (byte
         # fallback pieces spell "<0x3C>", which contains "<" anyway): a superset is safe
+    # Which tokens contain a character, for every vocabulary-sized question at once: the
+    # pieces' bytes joined by NULs and, for each byte, the token it belongs to. A printable
+    # ASCII character is in a piece iff its byte is (UTF-8 never uses ASCII bytes inside a
+    # multi-byte character; a byte-level piece is its bytes).
+    blob = np.frombuffer(b"\x00".join(pieces), dtype=np.uint8)
+    owner = np.repeat(np.arange(size, dtype=np.int32),
+                      np.fromiter(map(len, pieces), dtype=np.int64, count=size) + 1)[:len(blob)]
     has: dict[str, np.ndarray] = {}
     lut = np.zeros(size, dtype=bool)
     for text in texts:
@@ -593,7 +601,8 @@ def _soft_lut(lx: IdPlan):
             return None
         for c in chars:
             if c not in has:
-                has[c] = np.fromiter((c in p for p in pieces), dtype=bool, count=size)
+                has[c] = np.zeros(size, dtype=bool)
+                has[c][owner[blob == ord(c)]] = True
         lut |= has[min(chars, key=lambda c: int(has[c].sum()))]
     for tid in lx.marker_ids.values():
         if 0 <= tid < size:
