@@ -18,6 +18,7 @@ import pytest
 import chatgrammar as cg
 from chatgrammar.errors import ParseError
 from chatgrammar.conformance.matrix import iter_renderable
+from chatgrammar.runtime.fastpath import spec_refusal as fastpath_spec_refusal
 from tests.fuzz_tokenizers import encode_rendered, engine_templates, format_encoding
 
 POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
@@ -222,13 +223,9 @@ NEVER_FAST = {"apertus", "starcoder2-instruct", "falcon", "nemotron4", "sea-lion
               "solar-instruct"}
 
 
-def _memo_refused(name: str) -> bool:
-    """The fast path refuses a format with a `trim_end` element (stats reason `disabled`):
-    its renders are never served by the memo, by design."""
-    return any(el.trim_end for el in cg.load_format(name).spec.elements.values())
-
-
-NEVER_FAST |= {n for n in cg.list_formats() if _memo_refused(n)}
+# and the formats the fast path refuses by their spec (a `trim_end` element), by design
+NEVER_FAST |= {n for n in cg.list_formats()
+               if fastpath_spec_refusal(cg.load_format(n).spec)}
 
 
 @pytest.mark.parametrize("name", sorted(set(cg.list_formats()) - NEVER_FAST))

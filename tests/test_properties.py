@@ -191,7 +191,7 @@ def _typed_whitespace_tails(fmt, masked: str, back: dict[str, str]) -> set[int]:
     a typed marker as one placeholder character, so it cannot trim inside it; the engine, on
     the real text or ids, trims that whitespace when the body ends there. Only there may the
     two differ."""
-    if not any(getattr(el, "trim_end", False) for el in fmt.spec.elements.values()):
+    if not any(el.trim_end for el in fmt.spec.elements.values()):
         return set()
     out: set[int] = set()
     pos = 0

@@ -224,6 +224,18 @@ def _think_formats() -> list[str]:
     return out
 
 
+def _assert_refused_or_untrained(fmt, text: str, reasoning: str, where: str) -> None:
+    """`text` (a reasoning turn with its opener taken out) is a ParseError, or the
+    `reasoning` in it does not train under thinking=False."""
+    try:
+        conv = fmt.parse(text)
+    except cg.ParseError:
+        return
+    k = text.find(reasoning)
+    trained = [s for s in conv.spans(cg.MaskPolicy(thinking=False)) if s.start <= k < s.end]
+    assert not trained, f"{where}: reasoning trains under thinking=False"
+
+
 @pytest.mark.parametrize("name", _think_formats())
 def test_reasoning_without_its_opener_never_trains_without_thinking(name):
     """DeepSeek-V4's shape in every thinking format: a format's own template renders a
@@ -249,14 +261,8 @@ def test_reasoning_without_its_opener_never_trains_without_thinking(name):
         at, opener = max((R.rfind(o, 0, k), o) for o in opens) if k >= 0 else (-1, "")
         if at < 0:
             continue
-        S = R[:at] + R[at + len(opener):]
-        try:
-            conv = fmt.parse(S)
-        except cg.ParseError:
-            return
-        k = S.find(said)
-        trained = [s for s in conv.spans(cg.MaskPolicy(thinking=False)) if s.start <= k < s.end]
-        assert not trained, f"{name} × {t['file']}: reasoning trains under thinking=False"
+        _assert_refused_or_untrained(fmt, R[:at] + R[at + len(opener):], said,
+                                     f"{name} × {t['file']}")
         return
     # no template renders `reasoning_content`: the format's own examples with a think block
     closes = {spec.markers[c].text for e in spec.elements.values() if e.kind == "think"
@@ -270,15 +276,7 @@ def test_reasoning_without_its_opener_never_trains_without_thinking(name):
             body = text[at + len(o):end].strip() if end > 0 else ""
             if not body:
                 continue
-            S = text[:at] + text[at + len(o):]
-            try:
-                conv = fmt.parse(S)
-            except cg.ParseError:
-                return
-            k = S.find(body)
-            trained = [s for s in conv.spans(cg.MaskPolicy(thinking=False))
-                       if s.start <= k < s.end]
-            assert not trained, f"{name} example {ex.name!r}: reasoning trains under " \
-                                "thinking=False"
+            _assert_refused_or_untrained(fmt, text[:at] + text[at + len(o):], body,
+                                         f"{name} example {ex.name!r}")
             return
     pytest.skip("neither a template nor an example of the format writes a think block")

@@ -330,11 +330,10 @@ class FastMasker:
         if int(budget.max(initial=0)) >= 60_000:
             self.enabled = False
             self.disabled = "a header budget of 60k tokens or more"
-        if any(el.trim_end for el in fmt.spec.elements.values()):
-            # where an unterminated body ends depends on its last tokens' text, which the
-            # item memo does not key on (helper W1's `trim_end`)
+        refused = spec_refusal(fmt.spec)
+        if refused:
             self.enabled = False
-            self.disabled = "an element with trim_end (its body's end depends on its text)"
+            self.disabled = refused
         self.gclass = gclass
         self.split_budget = budget.tolist()
         self.has_split = bool((gclass == SPLIT).any())
@@ -1479,6 +1478,29 @@ def _read_key(arr, B, js: int, je: int, limit: int):
         limit = 4 - limit
     k = min(e - s, limit + 1)
     return k, arr[s:s + min(k, limit)].tobytes()
+
+
+def spec_refusal(spec) -> str | None:
+    """Why the memo can never serve a format, from its spec alone (None: it can).
+
+    An element with ``trim_end``: where an unterminated body ends depends on its last tokens'
+    text, which the item memo does not key on. (A header budget of 60k tokens or more is the
+    other refusal; it needs the lexing plan.)
+
+    Args:
+        spec: a :class:`~chatgrammar.core.spec.FormatSpec`.
+
+    Returns:
+        The reason, as ``stats()`` and ``FastMasker.disabled`` report it, or None.
+
+    Example:
+        >>> import chatgrammar as cg
+        >>> spec_refusal(cg.load_format("kimi-k2").spec) is None
+        True
+    """
+    if any(el.trim_end for el in spec.elements.values()):
+        return "an element with trim_end (its body's end depends on its text)"
+    return None
 
 
 # ----------------------------------------------------------------------------- conversion
