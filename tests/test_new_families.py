@@ -36,7 +36,7 @@ FAMILIES = ("llama2", "zephyr", "tulu", "deepseek-llm", "deepseek-coder", "exaon
 #: More of issue 11 §2's families (a second statement, so that both lists merge cleanly).
 FAMILIES += ("alpaca", "internlm2", "solar-instruct", "nemotron4", "falcon", "h2o-danube",
              "openbuddy", "orion", "magicoder", "sea-lion", "instructlab")
-#: Added by helper W1 (a third statement, for the same reason).
+#: Added later (a third statement, for the same reason).
 FAMILIES += ("vicuna", "metharme")
 
 

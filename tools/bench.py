@@ -951,7 +951,7 @@ METHOD = """\
 """
 
 
-# Text mode and compile (PT's sections), appended to the notes above.
+# Text mode and compile, appended to the notes above.
 NOTES += """
 - **Text mode** (`chatgrammar/runtime/textpath.py`): for a format whose lexing is markers and
   the runs between them (34 of the 53 bundled formats, the Kimis among them), one `re.split` by

@@ -40,7 +40,7 @@ def known_vars() -> dict:
 
 def default_vars(template: str) -> dict:
     """What a tokenizer of the template's family would likely pass (the same guess as
-    helper W2's tools/wild.py), for templates no bundled format's facts name."""
+    tools/wild.py), for templates no bundled format's facts name."""
     if "<|im_start|>" in template:
         return {"bos_token": "", "eos_token": "<|im_end|>"}
     if "<|start_header_id|>" in template:
@@ -53,7 +53,7 @@ def default_vars(template: str) -> dict:
 
 
 def wild_vars(p: Path) -> dict:
-    """The variables an ``expected.yaml`` beside the template names (helper W2's wild set)."""
+    """The variables an ``expected.yaml`` beside the template names (the wild set)."""
     e = p.parent / "expected.yaml"
     if not e.exists():
         return {}
