@@ -767,20 +767,6 @@ class _Locator:
             # the rendering of the previous messages)
             while s < e and R[s].isspace() and not R.startswith(g, s):
                 s += 1
-        core = g.strip()
-        lead_ws = len(R[s:e]) - len(R[s:e].lstrip())
-        g_ws = len(g) - len(g.lstrip())
-        if (core and g_ws and lead_ws and R[s:s + lead_ws] != g[:g_ws]
-                and R.startswith(core, s + lead_ws)):
-            # An indentation-heavy template (untrimmed, indented Jinja blocks: AmberChat,
-            # ChatQA) writes other layout whitespace around its prompt than around the message
-            # it renders: the header is the prompt without that whitespace, after the
-            # message's own leading whitespace
-            head = R[s:s + lead_ws + len(core)]
-            res.notes.append(f"the template prompts with {_show(g)} but renders the message "
-                             f"with {_show(head)}: the whitespace around the prompt is layout")
-            return (i, s, s + len(head), s + lead_ws + openers.prefill_start(core, rx),
-                    max(s + len(R[s:e].rstrip()), s + len(head))), head
         if not R.startswith(g, s):
             # The template prompts with more than it renders for this message (a prefilled
             # "<think>\n" that history turns do not repeat): the header is the common part.
