@@ -220,5 +220,12 @@ class DeviationWarning(UserWarning):
     closes a reply writes whitespace after it, and at the end of a sample that whitespace trains
     with the reply). The mask is not silently different from the template's turns: this
     warning says so, and ``fmt.verification.deviations`` lists what.
+
+    Also issued at mask time (text mode, id mode, the fast path, ``loss_masks`` and the
+    hf / integrations batch APIs that call it) when a policy drops tool calls or reasoning
+    (``tool_calls=False``, ``thinking=False``) and the format declares that its templates
+    write some of them as plain text (the spec's ``plain_text_tool_calls`` /
+    ``plain_text_reasoning``): no grammar tells those from the answer, so they train as
+    assistant text. Never an error, strict or lenient.
     """
 

@@ -85,12 +85,15 @@ def test_wild_template(path):
 
 def test_policy_counts_pinned():
     """The per-policy counts in expected.yaml are those of the templates pinned there: no
-    template is wrong under a policy without its ``policy_wrong`` entry."""
+    template is wrong under a policy without its ``policy_wrong`` entry (one the format warns
+    about, ``policy_warned``, counts warned)."""
     counts = wild.load_policy_counts()
     assert set(counts) == set(wild.POLICIES), "python tools/wild.py --write-expected"
     for name, tally in counts.items():
         pinned = sum(1 for e in EXPECTED.values() if name in (e.get("policy_wrong") or {}))
         assert tally["wrong"] == pinned, (name, tally, pinned)
+        warned = sum(1 for e in EXPECTED.values() if name in (e.get("policy_warned") or {}))
+        assert tally["warned"] >= warned, (name, tally, warned)
 
 
 # ---------------------------------------------------------------- the policy check itself
@@ -98,7 +101,7 @@ def test_policy_counts_pinned():
 # the template, and the spec as it was (reconstructed with `extends`) is caught.
 
 from chatgrammar.conformance.matrix import get_case  # noqa: E402
-from chatgrammar.conformance.policies import check_policies  # noqa: E402
+from chatgrammar.conformance.policies import check_policies, is_warned  # noqa: E402
 from chatgrammar.conformance.templates import check_template  # noqa: E402
 
 import chatgrammar as cg  # noqa: E402
@@ -205,13 +208,69 @@ def test_minicpm3_tool_template_checked_without_tool_calls():
     assert not any(got.values()), got
 
 
-def test_untyped_tool_calls_are_reported_as_such():
+_LLAMA_VARS = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+
+
+def test_untyped_tool_calls_are_warned_not_silent():
     """A tool call the template writes as plain JSON (Llama 3.1 JSON calls) cannot be dropped
-    by any grammar: the check reports it wrong, and says why."""
+    by any grammar: llama3 declares it (`plain_text_tool_calls`), tool_calls=False warns at
+    mask time, and the check counts it warned (wrong, never silent), saying why."""
     got = _policy_problems(cg.load_format("llama3"), "vllm-tool_chat_template_llama3.1_json.jinja",
-                           ["tool-call"],
-                           {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"})
-    assert got["tool_calls=False"] and "untyped" in got["tool_calls=False"][0], got
+                           ["tool-call"], _LLAMA_VARS)["tool_calls=False"]
+    assert got and all(is_warned(p) for p in got) and "untyped" in got[0], got
+
+
+def test_undeclared_untyped_tool_calls_are_wrong(tmp_path):
+    """The same format without the declaration: the check says wrong (no warning)."""
+    p = tmp_path / "bare.yaml"
+    p.write_text("extends: llama3\nname: llama3-undeclared\nplain_text_tool_calls: false\n",
+                 encoding="utf-8")
+    got = _policy_problems(cg.load_format(str(p)), "vllm-tool_chat_template_llama3.1_json.jinja",
+                           ["tool-call"], _LLAMA_VARS)["tool_calls=False"]
+    assert got and not any(is_warned(p) for p in got), got
+
+
+@pytest.mark.parametrize("template,fmt,variables", [
+    ("vllm-tool_chat_template_llama3.2_pythonic.jinja", "llama3", _LLAMA_VARS),
+    ("vllm-tool_chat_template_xlam_qwen.jinja", "chatml",
+     {"bos_token": "", "eos_token": "<|im_end|>"}),
+    ("vllm-tool_chat_template_gemma3_pythonic.jinja", "gemma",
+     {"bos_token": "<bos>", "eos_token": "<eos>"}),
+])
+def test_plain_text_tool_calls_warn_on_every_mask_api(template, fmt, variables):
+    """Text mode, id mode, the fast path and the batch API all say it (a DeviationWarning,
+    strict or lenient, never an error); with tool calls kept, or a policy that trains no
+    assistant, nothing is said."""
+    import warnings
+    from chatgrammar.conformance.render import render_chat
+    from chatgrammar.conformance.templates import MarkerTokenizer
+    f = cg.load_format(fmt)
+    case = get_case("tool-call")
+    R = render_chat((wild.WILD / template).read_text(encoding="utf-8"), case.messages,
+                    tools=case.tools, **variables)
+    tok = MarkerTokenizer.for_format(f)
+    ids, _ = tok.encode_with_offsets(R)
+    drop = cg.MaskPolicy(tool_calls=False)
+    calls = [lambda: f.parse(R).mask(drop), lambda: f.parse(R, strict=False).spans(drop),
+             lambda: f.parse_ids(ids, tok).mask(drop),
+             lambda: f.loss_mask(ids, tok, policy=drop),
+             lambda: f.loss_mask(ids, tok, policy=drop, strict=False),
+             lambda: f.loss_masks([ids, ids], tok, policy=drop, on_error="record", errors=[])]
+    for call in calls:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            call()
+        dev = [w for w in said if issubclass(w.category, cg.DeviationWarning)]
+        assert len(dev) == 1 and "plain text" in str(dev[0].message), said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cg.DeviationWarning)
+        f.parse(R).mask(cg.MaskPolicy())
+        f.loss_mask(ids, tok)
+        f.parse(R).mask(cg.MaskPolicy(roles=("system",), tool_calls=False))
+    # the call still trains (the template writes it as the answer), exactly as without it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cg.DeviationWarning)
+        assert f.loss_mask(ids, tok, policy=drop) == f.loss_mask(ids, tok)
 
 
 def _think_formats() -> list[str]:
@@ -280,3 +339,73 @@ def test_reasoning_without_its_opener_never_trains_without_thinking(name):
                                          f"{name} example {ex.name!r}")
             return
     pytest.skip("neither a template nor an example of the format writes a think block")
+
+
+def _vars(template: str, fmt: str) -> dict:
+    """The variables tools/wild.py renders ``template`` with (expected.yaml's, else the
+    detected family's)."""
+    given = (EXPECTED.get(template) or {}).get("vars")
+    text = (wild.WILD / template).read_text(encoding="utf-8")
+    return given or wild.family_vars(cg.load_format(fmt), text)
+
+
+@pytest.mark.parametrize("template,fmt,variables", [
+    ("naver-hyperclovax-seed-think-14b-vllm.jinja", "hyperclovax-seed", None),
+    ("vllm-tool_chat_template_muse_glimmer.jinja", "muse-glimmer", None),
+])
+def test_last_turn_only_trains_the_whole_last_message(template, fmt, variables):
+    """One assistant message rendered as a reasoning turn and an answer turn (HyperCLOVA X's
+    `assistant/think`, Muse Glimmer's `to=self`): last_turn_only trains both, in text mode, id
+    mode and the fast path (the check runs all three); before, only the answer turn."""
+    got = _policy_problems(cg.load_format(fmt), template,
+                           ["reasoning", "reasoning-thinking-on", "reasoning-tool-call"],
+                           _vars(template, fmt))
+    assert not got["last_turn_only"], got
+
+
+def test_last_turn_only_keeps_two_replies_apart():
+    """Two assistant messages in a row (a template that drops the tool result between them)
+    are two replies: last_turn_only trains the last one only, never the one before."""
+    got = _policy_problems(cg.load_format("phi3"), "vllm-tool_chat_template_phi4_mini.jinja",
+                           ["tool-call-with-content"],
+                           _vars("vllm-tool_chat_template_phi4_mini.jinja", "phi3"))
+    assert not got["last_turn_only"], got
+
+
+@pytest.mark.parametrize("template,fmt,case,policy", [
+    # an empty reply's terminator is all it writes (CodeLlama-70B: ' Source: assistant\n\n  <step>')
+    ("codellama-CodeLlama-70b-Instruct-hf.jinja", "codellama-70b", "empty-assistant",
+     "end_marker"),
+    # the system prompt in a `### Instruction:` section (a user section by its marker) after a
+    # blank BOS body: no system turn holds it
+    ("LoneStriker-TinyLlama-1.1B-32k-Instruct-3.0bpw-h6-exl2.jinja", "alpaca", "basic",
+     "roles+system"),
+    # vLLM's Mistral writes the message's content after [TOOL_CALLS]: it is the call
+    ("vllm-tool_chat_template_mistral.jinja", "mistral", "tool-call-with-content",
+     "tool_calls=False"),
+])
+def test_checker_edge_cases_now_right(template, fmt, case, policy):
+    """Three cases the policy check called wrong where the format is right."""
+    got = _policy_problems(cg.load_format(fmt), template, [case], _vars(template, fmt))
+    assert not got[policy], got
+
+
+@pytest.mark.parametrize("template", ["bofenghuang-vigogne-2-7b-chat.jinja",
+                                      "sglang-vision_template_sarashina_vl.jinja"])
+def test_inferred_generation_prompt_is_no_reply(template):
+    """Vigogne's '<|assistant|>:' (the header owned by the question before it) and Sarashina's
+    '### Assistant:' (printed after a last user message whatever add_generation_prompt says)
+    are generation prompts of the inferred format: last_turn_only trains the last reply, not
+    that empty prompt."""
+    path = wild.WILD / template
+    res = wild.classify(path, (EXPECTED.get(template) or {}).get("vars"))
+    assert res.outcome == "inferred" and res.policies["last_turn_only"] == "correct", res
+
+
+def test_plain_text_reasoning_is_declared_and_warned():
+    """Apriel 1.6 writes its reasoning as plain text before '[BEGIN FINAL RESPONSE]': the
+    inferred format declares it (`plain_text_reasoning`), so thinking=False warns."""
+    template = "ServiceNow-AI-Apriel-1.6-15b-Thinker-fixed.jinja"
+    res = wild.classify(wild.WILD / template, (EXPECTED.get(template) or {}).get("vars"))
+    assert res.policies["thinking=False"] == "warned", res
+    assert res.policy_warned and all("untyped" in w for w in res.policy_warned), res

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
-from chatgrammar.conformance.policies import POLICIES, check_policies  # noqa: E402
+from chatgrammar.conformance.policies import POLICIES, check_policies, is_warned  # noqa: E402
 from chatgrammar.conformance.templates import check_template  # noqa: E402
 from chatgrammar.errors import ChatGrammarError  # noqa: E402
 from chatgrammar.conformance.format_tests import tests_for  # noqa: E402
@@ -172,18 +172,23 @@ def policy_lines(policies: dict) -> list[str]:
              "assistant message; `end_marker` adds each message's terminator and nothing else; "
              "`roles+system` adds the system prompt and never a user's or a tool's words; id "
              "mode (parse and fast path) agrees. \"untyped\": the template writes the call or "
-             "the reasoning as plain text, with no marker a grammar could tell it by.", "",
-             "| policy | pairs right | pairs wrong |", "|---|---:|---:|"]
+             "the reasoning as plain text, with no marker a grammar could tell it by. "
+             "\"warned\": such a case where the format declares it (`plain_text_tool_calls`, "
+             "`plain_text_reasoning`) and says so at mask time with a `DeviationWarning`: "
+             "wrong, never silent.", "",
+             "| policy | pairs right | pairs warned | pairs wrong |", "|---|---:|---:|---:|"]
     for name in POLICIES:
-        wrong = sum(1 for v in policies.values() if v.get(name))
-        lines.append(f"| `{name}` | {len(policies) - wrong} | {wrong} |")
+        wrong = sum(1 for v in policies.values()
+                    if any(not is_warned(p) for p in v.get(name) or ()))
+        warned = sum(1 for v in policies.values() if v.get(name)) - wrong
+        lines.append(f"| `{name}` | {len(policies) - wrong - warned} | {warned} | {wrong} |")
     lines.append("")
     for (f, t), v in policies.items():
         for name, problems in v.items():
-            if problems:
-                lines.append(f"- **{f} × {t}**, `{name}`: {_cell(problems[0])}"
-                             + (f" (+{len(problems) - 1} more cases)" if len(problems) > 1
-                                else ""))
+            bad = [p for p in problems if not is_warned(p)]
+            if bad:
+                lines.append(f"- **{f} × {t}**, `{name}`: {_cell(bad[0])}"
+                             + (f" (+{len(bad) - 1} more cases)" if len(bad) > 1 else ""))
     return lines + [""]
 
 

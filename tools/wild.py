@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 import yaml  # noqa: E402
 
 import chatgrammar as cg  # noqa: E402
-from chatgrammar.conformance.policies import POLICIES, check_policies  # noqa: E402
+from chatgrammar.conformance.policies import POLICIES, check_policies, is_warned  # noqa: E402
 from chatgrammar.conformance.templates import check_template  # noqa: E402
 
 WILD = ROOT / "tests" / "data" / "templates" / "wild"
@@ -82,6 +82,8 @@ class WildResult:
             default policy, re-checked under that policy (``wrong``: some case trains
             otherwise than the template says, with no error).
         policy_failures: ``policy: case: problem`` of every case wrong under a policy.
+        policy_warned: the same, of the cases wrong under a policy with a
+            :class:`chatgrammar.DeviationWarning` at mask time (plain-text tool calls).
         seconds: time taken.
     """
 
@@ -94,6 +96,7 @@ class WildResult:
     failures: list = field(default_factory=list)
     policies: dict = field(default_factory=dict)
     policy_failures: list = field(default_factory=list)
+    policy_warned: list = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -176,8 +179,11 @@ def _check_policies(fmt, chk, res: WildResult) -> None:
         problems = {name: [f"policy check raised {type(exc).__name__}: {exc}"[:200]]
                     for name in POLICIES}
     for name, found in problems.items():
-        res.policies[name] = "wrong" if found else _POLICY_OUTCOME.get(res.outcome, res.outcome)
-        res.policy_failures += [f"{name}: {f[:220]}" for f in found]
+        wrong = [f for f in found if not is_warned(f)]
+        res.policies[name] = "wrong" if wrong else "warned" if found else \
+            _POLICY_OUTCOME.get(res.outcome, res.outcome)
+        res.policy_failures += [f"{name}: {f[:220]}" for f in wrong]
+        res.policy_warned += [f"{name}: {f[:220]}" for f in found if is_warned(f)]
 
 
 def _resolve(text: str, vars_: dict, res: WildResult, t0: float, given: dict):
@@ -274,7 +280,8 @@ def run(paths: list[Path], expected: dict | None = None) -> list[WildResult]:
 def expected_entry(r: WildResult) -> dict:
     """What ``expected.yaml`` pins for one result: ``outcome`` is ``bundled <name>``,
     ``inferred`` or ``refused`` (with the first reason); ``policy_wrong``: the policies under
-    which some case is wrong (a known defect, with its first problem)."""
+    which some case is wrong (a known defect, with its first problem); ``policy_warned``: those
+    under which it is wrong with the format's DeviationWarning (plain-text calls/reasoning)."""
     if r.outcome == "detected":
         out = {"outcome": f"bundled {r.format}"}
     elif r.outcome == "inferred":
@@ -284,12 +291,13 @@ def expected_entry(r: WildResult) -> dict:
     else:
         out = {"outcome": "refused" if r.outcome == "safe" else r.outcome,
                "reason": r.reason[:160]}
-    wrong = {}
-    for f in r.policy_failures:
-        name, _, problem = f.partition(": ")
-        wrong.setdefault(name, problem[:160])
-    if wrong:
-        out["policy_wrong"] = wrong
+    for key, found in (("policy_wrong", r.policy_failures), ("policy_warned", r.policy_warned)):
+        first: dict = {}
+        for f in found:
+            name, _, problem = f.partition(": ")
+            first.setdefault(name, problem[:160])
+        if first:
+            out[key] = first
     return out
 
 
@@ -327,6 +335,8 @@ def write_expected(results: list[WildResult], wild: Path = WILD) -> None:
             "# the detected family's).\n")
     head += ("# policy_wrong: policies (chatgrammar.conformance.policies.POLICIES) under which\n"
              "# some case trains otherwise than the template says (known defects, first problem).\n"
+             "# policy_warned: the same where the format declares it (plain_text_tool_calls /\n"
+             "# plain_text_reasoning) and warns at mask time (cg.DeviationWarning): never silent.\n"
              "# policy_counts: per policy, templates correct / safe / warned / wrong.\n")
     (wild / "expected.yaml").write_text(
         head + yaml.safe_dump({"policy_counts": policy_counts(results), "templates": out},
@@ -375,8 +385,10 @@ def table(results: list[WildResult]) -> str:
               "message, so the policy cannot drop it: the template writes the call as plain "
               "text, no marker around it (Llama 3.x JSON and pythonic calls, xLAM, Gemma 3 "
               "pythonic, Phi-4-mini JSON: no grammar can tell it from the answer), or in tags "
-              "the format does not read as markers (Qwen2.5-Coder's `<tools>`, the inferred "
-              "formats of Granite-20B-FC and kite1.0)."]
+              "the format does not read as markers (Qwen2.5-Coder's `<tools>`). `warned`: such "
+              "a template whose format declares it (`plain_text_tool_calls` / "
+              "`plain_text_reasoning`) and says so with a `cg.DeviationWarning` when the "
+              "policy is asked for: wrong, never silent (`policy_warned` in expected.yaml)."]
     lines += [
         "",
         "| template | outcome | format | pass | fail | unsafe | skip | wrong under | reason |",

@@ -275,6 +275,8 @@ class _Shape:
     bare_system: bool = False
     think: tuple | None = None                     # (open, close)
     call: tuple | None = None                      # (open, close or None, inner markers)
+    plain_calls: bool = False                      # a call written with no marker before it
+    plain_reasoning: bool = False                  # reasoning written with no marker around it
     tool_head: str | None = None
     decl: tuple | None = None                      # a tool-declaration block (open, close)
     decl_text: tuple | None = None                 # bare declarations: (close, inner markers)
@@ -635,6 +637,8 @@ def _reasoning(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
         if x and y:
             sh.think = (x[-1], y[0])
         else:
+            # (the spec says so: thinking=False then warns, runtime.policy.warn_untyped)
+            sh.plain_reasoning = True
             sh.notes.append("reasoning is rendered without markers: it trains as content")
         return
     for g in sh.gens:  # an empty think block in a generation prompt (thinking switched off)
@@ -767,6 +771,9 @@ def _call_block(lex: _Lexicon, sh: _Shape, R: str, h_a: str) -> None:
             if m:
                 y.append(p)
         inner = [p for m, p in lex.pieces(R[f:v]) if m and p not in struct]
+        # no marker before the call: plain text no grammar tells from the answer (the spec
+        # says so: tool_calls=False then warns, runtime.policy.warn_untyped)
+        sh.plain_calls = not x
         if x:
             mirror = _mirror(x[0])
             ends = mirror if mirror in y else y[-1] if y else None
@@ -1371,9 +1378,19 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
     spec["_closing"] = [plan.m(b) for b in betweens]
     if plan.aliases:
         spec["role_aliases"] = dict(plan.aliases)
-    gens = [g for g in dict.fromkeys([h_a.lstrip()] + sh.gens) if g]
+    # a rendering that ends with the header short of its trailing space is a prompt too
+    # (sglang's Sarashina prints '### Assistant:' after a last user message whatever
+    # add_generation_prompt says, its replies '### Assistant: …'): unlisted, that empty last
+    # turn was the reply last_turn_only trained
+    bare_h = [h_a.strip()] if h_a.strip() != h_a.lstrip() and any(
+        r.endswith(h_a.strip()) for r in sh.renders) else []
+    gens = [g for g in dict.fromkeys([h_a.lstrip()] + sh.gens + bare_h) if g]
     if gens:
         spec["generation_prompt"] = gens
+    if sh.plain_calls:
+        spec["plain_text_tool_calls"] = True
+    if sh.plain_reasoning:
+        spec["plain_text_reasoning"] = True
     spec["policy"] = {"roles": ["assistant"]}
     if "tool results are rendered with the assistant's header" in sh.notes:
         spec["_alternate"] = True
@@ -1790,6 +1807,8 @@ def _closed_by_next(spec: dict, lstripped: dict, alternate: bool = False) -> lis
                 els[cname] = copy
                 if "close" not in copy and not close_by_next(cname):
                     return False
+                if copy.get("role") == "assistant":
+                    _lead_prompt(alt, opener, copy)
             el["close"] = {"markers": markers, "follow_after": list(markers)}
             el["follow"] = done[nxt]
             return True
@@ -1838,6 +1857,17 @@ def _closed_by_next(spec: dict, lstripped: dict, alternate: bool = False) -> lis
     return out
 
 
+def _lead_prompt(alt: dict, opener: Any, copy: dict) -> None:
+    """The answer that follows a question's close (``copy``: the opener-less assistant
+    element) starts after the opener: a generation prompt is, for it, the lead alone (Vigogne's
+    '<|assistant|>:' leaves ':' to the reply; unlisted, that final turn was a reply of its own,
+    the one last_turn_only trained)."""
+    lead = copy.get("lead")
+    if lead and isinstance(lead, str) and isinstance(opener, str) and any(
+            g == alt["markers"][opener]["text"] + lead for g in alt.get("generation_prompt", [])):
+        alt["generation_prompt"] = list(dict.fromkeys(alt["generation_prompt"] + [lead]))
+
+
 def _answers_only_after_questions(alt: dict, done: dict, alternate: Any) -> bool:
     """Make ``alt`` (from :func:`_closed_by_next`, ``done``: top element -> its opener-less
     copy) a spec in which an answer only follows a question: the assistant element leaves
@@ -1858,12 +1888,7 @@ def _answers_only_after_questions(alt: dict, done: dict, alternate: Any) -> bool
         # text after it is a ParseError
         copy["close"]["after"] = list(dict.fromkeys(copy["close"].get("after", []) + [opener]))
         alt["markers"][opener]["lstrip"] = True
-    lead = copy.get("lead")
-    if lead and isinstance(opener, str) and any(
-            g == alt["markers"][opener]["text"] + lead for g in alt.get("generation_prompt", [])):
-        # the answer that follows a question's close starts after the opener: a
-        # generation prompt is, for it, the lead alone
-        alt["generation_prompt"] = list(dict.fromkeys(alt["generation_prompt"] + [lead]))
+    _lead_prompt(alt, opener, copy)
     used = {v for el in els.values() for k in ("follow", "children")
             for v in ([el[k]] if isinstance(el.get(k), str) else el.get(k) or [])}
     for n in answers:
@@ -1995,6 +2020,7 @@ def _without_blocks(cand: dict, blocks: list) -> dict:
     …'): no call block; its markers are loose markers of every body (the call is then trained
     as plain assistant text, the oracle's output all the same)."""
     alt = _copy(cand)
+    alt["plain_text_tool_calls"] = True   # (the calls are then plain text: said when dropped)
     loose: list = []
     for n in blocks:
         el = alt["elements"].pop(n)

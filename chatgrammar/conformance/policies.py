@@ -36,14 +36,22 @@ Example:
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable
 
-from ..errors import ParseError
+from ..errors import DeviationWarning, ParseError
 from ..runtime.policy import MaskPolicy
 from ..runtime.spans import merge_spans
 from .matrix import get_case
 
-__all__ = ["POLICIES", "check_policies"]
+__all__ = ["POLICIES", "WARNED", "check_policies", "is_warned"]
+
+#: The mark of a problem the format warned about (a :class:`DeviationWarning` at mask time):
+#: ``"case: warned: problem"``. Wrong, but never silent.
+WARNED = "warned: "
+
+#: The problems a plain-text warning covers: reasoning or a call the format types no block for.
+_UNTYPED = "(untyped:"
 
 #: Everything of the assistant trains (the policy the default check proves right).
 _OUTPUT = MaskPolicy(roles=("assistant",), thinking=True, tool_calls=True)
@@ -105,12 +113,16 @@ def _drop_problems(R: str, got: set, base: set, regions, outputs, dropped: str,
                 inside = set(range(s, e))
                 if what == dropped and inside & got:
                     why = "" if set(range(region[1], region[4])) & typed else (
-                        " (untyped: the format types no block of that kind in this "
+                        f" {_UNTYPED} the format types no block of that kind in this "
                         "message; the template writes it as plain text or in tags it has no "
                         "markers for)")
                     problems.append(f"message [{region[0]}]: its {what.replace('_', ' ')} "
                                     f"{R[s:e]!r} at char {s} still trains{why}")
-                elif what != dropped and inside <= base and not inside <= got:
+                elif what != dropped and inside <= base and not inside <= got and not (
+                        what == "content" and inside <= typed and dropped == "tool_call"):
+                    # (content the template itself writes inside the call block, after the
+                    # call's marker — vLLM's Mistral '[TOOL_CALLS]' + content — is the call:
+                    # the model writes it as one)
                     problems.append(f"message [{region[0]}]: its {what.replace('_', ' ')} "
                                     f"{R[s:e]!r} at char {s} no longer trains")
     return problems
@@ -127,22 +139,27 @@ def _last_turn_problems(R: str, got: set, base: set, regions) -> list[str]:
 def _end_marker_problems(R: str, got: set, base: set, regions, fmt) -> list[str]:
     """``end_marker``: the default mask, each assistant message trained on to the end of its
     region (a message the default trains nothing of: from its output start). Beyond that only
-    a turn's terminator may train, right after trained text or where a message's output
-    starts: close markers of turns and whitespace (a ChatML template that closes a turn only
+    a turn's terminator may train, right after trained text, where a message's output
+    starts or inside the region of a message the default trains nothing of: close markers of turns and whitespace (a ChatML template that closes a turn only
     when another follows writes it in the next message's rendering; one message rendered as
     several turns closes each)."""
     want = set(base)
     starts = set()
+    empty = set()   # the regions of messages the default trains nothing of
     for _, s0, start, _, end in regions:
         inside = [k for k in base if s0 <= k < end]
         want |= set(range(max(inside) + 1 if inside else start, end))
         starts |= {s0, start, end}
+        if not inside:
+            empty |= set(range(s0, end))
     if not want <= got:
         return _diff(R, got & want, want, "the default mask up to the end of each assistant "
                      "message")
     closes = _chars(o for t in _top_close_texts(fmt) for o in _occurrences(R, t, 0, len(R)))
     for s, e in _runs(got - want):
-        if not (s - 1 in want or s in starts) or any(
+        # (an empty reply's terminator is all it writes: CodeLlama-70B's ' Source:
+        # assistant\n\n  <step>', whose region the locator starts after the '<step>')
+        if not (s - 1 in want or s in starts or s in empty) or any(
                 not (k in closes or R[k].isspace()) for k in range(s, e)):
             return [f"trains char {s}, which is neither the assistant output nor its "
                     f"terminator: {_show(R, s)}"]
@@ -228,8 +245,12 @@ def _system_problems(R: str, got: set, base: set, case, res, conv, fmt) -> list[
         k = min(bad)
         problems.append(f"trains char {k} of a user, tool or assistant message or a turn "
                         f"opener: {_show(R, k)}")
-    # Harmony renders the system message as a `developer` turn: not the role asked for
-    if any(t.role == "system" for t in conv.turns):
+    # Harmony renders the system message as a `developer` turn: not the role asked for. A
+    # system turn of blank text (alpaca's BOS body, `<s>\n` before a template's
+    # `### Instruction:` section that holds the system prompt: a user section by its marker)
+    # holds no system message: the format then has no system turn for it
+    if any(t.role == "system" and R[t.body_start:t.body_end].strip() for t in conv.turns
+           if t.body_start is not None):
         for m in case.messages:
             text = m.get("content")
             if isinstance(text, list):
@@ -282,6 +303,18 @@ def _id_problems(fmt, R: str, synth, policy: MaskPolicy, conv, got: set) -> str 
     return None
 
 
+def is_warned(problem: str) -> bool:
+    """Whether a :func:`check_policies` problem is one the format warned about."""
+    return WARNED in problem
+
+
+def _warned(problems: list[str], said: list) -> bool:
+    """Every problem is plain-text reasoning or a plain-text tool call still training (each
+    policy of POLICIES drops one kind), and the format said so at mask time."""
+    told = any(issubclass(w.category, DeviationWarning) for w in said)
+    return told and all(_UNTYPED in p for p in problems)
+
+
 def check_policies(fmt, result, *, policies: dict[str, MaskPolicy] | None = None,
                    synth: Any = None) -> dict[str, list[str]]:
     """Re-check every passing case of a conformance result under other mask policies.
@@ -295,7 +328,11 @@ def check_policies(fmt, result, *, policies: dict[str, MaskPolicy] | None = None
 
     Returns:
         Policy name -> ``["case: problem", …]`` (empty: every passing case trains right
-        under that policy).
+        under that policy). A problem the format warned about at mask time (tool calls or
+        reasoning it declares written as plain text, ``plain_text_tool_calls`` /
+        ``plain_text_reasoning``: a
+        :class:`~chatgrammar.DeviationWarning`) reads ``"case: warned: problem"``
+        (:func:`is_warned`): wrong, never silent.
 
     Example:
         >>> check_policies(load_format("qwen3"), check_template(fmt, tpl))  # doctest: +SKIP
@@ -313,12 +350,16 @@ def check_policies(fmt, result, *, policies: dict[str, MaskPolicy] | None = None
         conv = fmt.parse(R)
         base = _chars(merge_spans((s.start, s.end) for s in conv.spans(OUTPUT_POLICY)))
         for name, policy in policies.items():
-            got = _chars(merge_spans((s.start, s.end) for s in conv.spans(policy)))
-            problems = policy_problems(name, R, got, base, case, res, conv, fmt)
-            ids_problem = _id_problems(fmt, R, synth, policy, conv, got)
+            # what the format says at mask time (a plain-text tool-call DeviationWarning)
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always", DeviationWarning)
+                got = _chars(merge_spans((s.start, s.end) for s in conv.spans(policy)))
+                problems = policy_problems(name, R, got, base, case, res, conv, fmt)
+                ids_problem = _id_problems(fmt, R, synth, policy, conv, got)
             if ids_problem:
                 problems.append(ids_problem)
             if problems:
                 more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-                out[name].append(f"{res.case}: {problems[0]}{more}")
+                mark = WARNED if _warned(problems, said) else ""
+                out[name].append(f"{res.case}: {mark}{problems[0]}{more}")
     return out

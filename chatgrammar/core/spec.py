@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 import re
 from pathlib import Path
-from typing import (Annotated, Any, Callable, Literal, Optional, get_args, get_origin,
+from typing import (Annotated, Any, Callable, Literal, Optional, Union, get_args, get_origin,
                     get_type_hints)
 
 import yaml
@@ -307,6 +307,20 @@ class FormatSpec(_Model):
         "one of them, from its start, trains nothing."))
     policy: Policy = Field(default_factory=Policy, description=(
         "The default mask policy (what trains when `policy=None`)."))
+    plain_text_tool_calls: Union[bool, str] = Field(False, description=(
+        "Templates of this family write some tool calls as plain text in the reply, with no "
+        "marker that sets them apart (Llama 3.1's JSON `{\"name\": …}`, pythonic "
+        "`[f(x=1)]` lists): no grammar can tell such a call from the answer, so it is "
+        "content. `true`, or a string saying how they are written. Then a mask with "
+        "`tool_calls=False` issues a `DeviationWarning` (never an error, strict or not): "
+        "calls the format types (`<|python_tag|>`, `<tool_call>`) are dropped, plain-text "
+        "ones train as assistant text."))
+    plain_text_reasoning: Union[bool, str] = Field(False, description=(
+        "Templates of this family write the reasoning as plain text before the answer, with "
+        "no marker that opens it (Apriel 1.6's `REASONING\n[BEGIN FINAL RESPONSE]\n…` where "
+        "the format has no such marker): it is content. `true`, or a string saying how. Then "
+        "a mask with `thinking=False` issues a `DeviationWarning`, as for "
+        "`plain_text_tool_calls`."))
     detect: Detector = Field(default_factory=Detector, description=(
         "The detector: evidence that a tokenizer / chat template speaks this format, and "
         "precedence over other formats."))

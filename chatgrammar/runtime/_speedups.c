@@ -813,7 +813,10 @@ item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr
            Py_ssize_t *ns_out, PyObject **missing, int64_t *gen_at)
 {
     scratch_t *s = &S_;
-    int64_t a = 0, prev = 0, nturn = 0, last_start = -1, keep = -1;
+    /* last_only keeps keep_lo..keep: the last chosen turn with the reasoning turns right
+     * before it (written ~t in the record: runtime.policy.last_run) */
+    int64_t a = 0, prev = 0, nturn = 0, last_start = -1, keep = -1, keep_lo = -1;
+    int keep_think = 0;
     Py_ssize_t ns = 0;
     int64_t end = nb ? s->bounds[nb - 1] : -1;
     for (Py_ssize_t q = 0; q < nb; q++) {
@@ -866,8 +869,14 @@ item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr
         }
         if (nt > 0)
             last_start = slot_pos(s, a + r[1]);
-        if (nch > 0)
-            keep = nturn + r[4 + 5 * nsp + nch - 1];
+        for (int64_t c = 0; c < nch; c++) {
+            int64_t v = r[4 + 5 * nsp + c];
+            int64_t t = nturn + (v < 0 ? ~v : v);
+            if (keep < 0 || t != keep + 1 || !keep_think)
+                keep_lo = t;
+            keep = t;
+            keep_think = v < 0;
+        }
         nturn += nt;
         prev = a;
         a = b;
@@ -894,7 +903,7 @@ item_spans(const plan_t *p, PyObject *memo, PyObject **items, const int64_t *arr
     if (last_only) {
         Py_ssize_t w = 0;
         for (Py_ssize_t k = 0; k < ns; k++)
-            if (s->spans[3 * k + 2] == keep) {
+            if (s->spans[3 * k + 2] >= keep_lo && s->spans[3 * k + 2] <= keep) {
                 s->spans[3 * w] = s->spans[3 * k];
                 s->spans[3 * w + 1] = s->spans[3 * k + 1];
                 w++;

@@ -77,7 +77,7 @@ from .parse import unknown_marker_ids
 from ..errors import ParseError, VerifyError
 from .lexers import BODY, DECODE, LSTRIP_MAX, SPLIT, IdLexer, as_id_array
 from .parse import Source, plain_reduce
-from .policy import MaskPolicy
+from .policy import MaskPolicy, last_run
 from .spans import Conversation, Issue
 
 # run shapes after a marker (low two bits of a symbol)
@@ -1063,6 +1063,7 @@ class FastMasker:
             pid = self._pid(policy)
         spans: list = []
         chosen: list = []   # global index of each turn the policy selects
+        think: set = set()  # those of them that are reasoning turns (last_run keeps them)
         last = None
         nturn = 0
         a = 3 * bl[j]
@@ -1102,6 +1103,7 @@ class FastMasker:
                 spans.append((B[a + ra] + da - s0, B[a + rb] + db - s0, nturn + t))
             if last_only:
                 chosen.extend([nturn + t for t in sp[1]])
+                think.update(nturn + t for t in sp[1] if prog.turns[t].block.kind == "think")
             nturn += len(prog.turns)
             prev, a = a, b
         if last is not None and self.drv.gen_prompts:
@@ -1114,8 +1116,8 @@ class FastMasker:
                 if chosen and chosen[-1] == final:
                     chosen.pop()
         if last_only:
-            keep = chosen[-1] if chosen else -1
-            spans = [s for s in spans if s[2] == keep]
+            keep = set(last_run(chosen, think.__contains__))  # (the policy's one rule)
+            spans = [s for s in spans if s[2] in keep]
         return spans
 
     def _prog(self, arr, lexed, it, a: int):
@@ -1333,12 +1335,13 @@ def _item_key(meta: bytes, vals: bytes, off, a: int, b: int, tail) -> bytes:
 def _c_record(prog: _Prog, sp: tuple) -> bytes:
     """An item's spans under one policy as the C executor reads them: native int64
     ``[turns, slot of the last turn's start, spans, chosen turns, (slot_a, da, slot_b, db,
-    turn) per span..., chosen turn indices...]``."""
+    turn) per span..., chosen turn indices...]``; a reasoning turn's index is written ``~t``
+    (last_turn_only keeps it with the answer after it: runtime.policy.last_run)."""
     spans, chosen = sp
     words = [len(prog.turns), prog.starts[-1] if prog.starts else -1, len(spans), len(chosen)]
     for x in spans:
         words.extend(x)
-    words.extend(chosen)
+    words.extend(~t if prog.turns[t].block.kind == "think" else t for t in chosen)
     return struct.pack(f"={len(words)}q", *words)
 
 

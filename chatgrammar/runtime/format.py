@@ -15,7 +15,7 @@ from .fastpath import FastMasker, ids_input, mask_like, verify_enabled
 from .textpath import TextMemo
 from .lexers import IdLexer, LexConfig, as_id_array, lex_text, partial_marker_tail
 from .parse import Driver, Source
-from .policy import MaskPolicy
+from .policy import MaskPolicy, plain_text_kinds, warn_untyped
 from .spans import Conversation, Issue
 from ..core.spec import FormatSpec, SpecSource
 from .tokenizers import TokenizerAdapter, content_key, content_version
@@ -41,6 +41,9 @@ class Format:
         self.tables: ParseTables = tables if tables is not None else compile_spec(spec, src)
         self.grammar: str = self.tables.grammar
         self.default_policy = MaskPolicy.from_mapping(spec.policy.model_dump())
+        # tool calls / reasoning written as plain text: a policy that drops them warns
+        # (runtime.policy.warn_untyped); None when the spec declares none
+        self._plain = plain_text_kinds(spec)
         # per-tokenizer state by content key; a live tokenizer -> (its content version, content
         # key) is only a shortcut past hashing the vocabulary, held weakly: it goes with the
         # tokenizer, and a content version that moved (added tokens) misses it
@@ -101,6 +104,7 @@ class Format:
             memo = self._text_memo = TextMemo(self)
         conv = memo.lookup(text)
         if conv is not None:
+            self._conv(conv)
             if verify_enabled():
                 # verify mode: the memo's Conversation against the full parse
                 memo.stats["verified"] = memo.stats.get("verified", 0) + 1
@@ -133,9 +137,16 @@ class Format:
             memo.learn(text, toks, turns, src)
         else:
             memo.count_slow()
-        return Conversation(format=self.name, mode="text", length=len(text), turns=turns,
-                            warnings=warnings, boundaries=[], default_policy=self.default_policy,
-                            text=text)
+        return self._conv(Conversation(format=self.name, mode="text", length=len(text),
+                                       turns=turns, warnings=warnings, boundaries=[],
+                                       default_policy=self.default_policy, text=text))
+
+    def _conv(self, conv: Conversation) -> Conversation:
+        # a conversation of this format says, when asked to drop tool calls or reasoning,
+        # that plain-text ones still train (Conversation.spans -> runtime.policy.warn_untyped)
+        if self._plain is not None:
+            conv.plain_text = self._plain
+        return conv
 
     def _partial_marker_tail(self, text: str) -> int | None:
         # one rule for the whole package: chatgrammar.runtime.lexers.partial_marker_tail
@@ -260,10 +271,10 @@ class Format:
         src = Source("ids", len(arr), arr=arr, adapter=lx.adapter, boundaries=boundaries)
         toks = lx.lex(arr, boundaries)
         turns = self._driver.run(toks, src, strict, warnings)
-        return Conversation(format=self.name, mode="ids", length=len(arr), turns=turns,
-                            warnings=warnings,
-                            boundaries=[Issue(p, m) for p, m in boundaries],
-                            default_policy=self.default_policy)
+        return self._conv(Conversation(format=self.name, mode="ids", length=len(arr),
+                                       turns=turns, warnings=warnings,
+                                       boundaries=[Issue(p, m) for p, m in boundaries],
+                                       default_policy=self.default_policy))
 
     def loss_mask(self, ids: Any, tokenizer: Any, *, policy: MaskPolicy | None = None,
                   strict: bool = True):
@@ -290,6 +301,8 @@ class Format:
         st = self._tok_state(tokenizer)
         fm = st._masker or st.masker
         pol = policy or self.default_policy
+        if self._plain is not None and pol._drops:
+            warn_untyped(self.name, self._plain, pol)
         # The C executor of the same plan and memo takes the sample when everything it needs
         # is memoised; else the Python engine does (and teaches it).
         m = fm.run_c(ids, pol, strict)
@@ -340,6 +353,8 @@ class Format:
             raise ValueError(f"on_error must be 'raise' or 'record', not {on_error!r}")
         fm = self._fast_masker(tokenizer)
         pol = policy or self.default_policy
+        if self._plain is not None and pol._drops:
+            warn_untyped(self.name, self._plain, pol)
         errs = errors if errors is not None else []
         rec = errs if on_error == "record" else None
         if offsets is not None:

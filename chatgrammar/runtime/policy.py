@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import textwrap
+import warnings
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Callable
+
+from ..errors import DeviationWarning
 
 
 def _field(default: Any, description: str) -> Any:
@@ -34,7 +37,10 @@ class MaskPolicy:
     end_marker: bool = _field(
         False, "Also train each trained turn's terminator (kind `end`: K2 `<|im_end|>`, K3 "
                "`<|close|>message<|sep|><|end_of_msg|>`).")
-    last_turn_only: bool = _field(False, "Train only the last turn whose role trains.")
+    last_turn_only: bool = _field(
+        False, "Train only the last turn whose role trains, with the reasoning turns right "
+               "before it: one message a template renders as a reasoning turn and an answer "
+               "turn (Harmony's analysis and final channels) trains whole.")
     truncated: bool = _field(
         True, "Train the content present in a turn cut off by the end of input.")
     exclude_kinds: tuple[str, ...] = _field(
@@ -46,6 +52,10 @@ class MaskPolicy:
         else:
             object.__setattr__(self, "roles", tuple(self.roles))
         object.__setattr__(self, "exclude_kinds", tuple(self.exclude_kinds))
+        # (whether a kind may be dropped: the one test the mask entry points make before
+        # runtime.policy.warn_untyped, on their hot path)
+        object.__setattr__(self, "_drops", not (self.thinking and self.tool_calls)
+                           or bool(self.exclude_kinds))
 
     def allows(self, kind: str) -> bool:
         """Whether spans of ``kind`` train under this policy."""
@@ -85,6 +95,74 @@ def _args_doc(cls: type) -> str:
         lines += textwrap.wrap(f"{f.name}: {text}", 92, initial_indent=" " * 8,
                                subsequent_indent=" " * 12)
     return "\n".join(lines) + "\n\n"
+
+
+def last_run(chosen: list[int], reasoning: Callable[[int], bool] = lambda i: False
+             ) -> list[int]:
+    """What ``last_turn_only`` keeps of the turns a policy trains (``chosen``, ascending turn
+    indices): the last one, with the reasoning turns right before it (``reasoning(i)``: turn
+    ``i``'s body is reasoning, kind ``think``). One assistant message that a
+    template renders as a reasoning turn and an answer turn (Harmony's ``analysis`` then
+    ``final``, HyperCLOVA X's ``assistant/think`` then ``assistant``, Solar Open, Muse
+    Glimmer's ``to=self``) is such a run; a turn of another role ends it, and so does an
+    answer turn (two assistant messages in a row, a template that drops the tool result
+    between them, are two replies: the last one trains). The one definition read by the
+    parsed conversation, the text memo and the fast path (whose C executor keeps the same
+    run).
+
+    Example:
+        >>> last_run([1, 3, 5, 6], reasoning={5}.__contains__)
+        [5, 6]
+        >>> last_run([1, 3, 5, 6])
+        [6]
+    """
+    k = len(chosen) - 1
+    while k > 0 and chosen[k - 1] == chosen[k] - 1 and reasoning(chosen[k - 1]):
+        k -= 1
+    return chosen[max(k, 0):]
+
+
+#: A spec's ``plain_text_*`` keys: span kind -> (spec key, the policy field that drops the
+#: kind, what it is in words).
+PLAIN_TEXT = {"tool_call": ("plain_text_tool_calls", "tool_calls", "tool calls"),
+              "think": ("plain_text_reasoning", "thinking", "reasoning")}
+
+
+def plain_text_kinds(spec: Any) -> dict | None:
+    """The kinds a spec declares its templates write as plain text (kind -> its key's value:
+    ``True`` or how they are written), or None when it declares none."""
+    out = {k: getattr(spec, key) for k, (key, _, _) in PLAIN_TEXT.items() if getattr(spec, key)}
+    return out or None
+
+
+def warn_untyped(name: str, plain: dict, policy: MaskPolicy, stacklevel: int = 3) -> None:
+    """Warn (:class:`~chatgrammar.DeviationWarning`) when ``policy`` drops a kind that the
+    format declares its templates write as plain text (``plain``, from
+    :func:`plain_text_kinds`: the spec's ``plain_text_tool_calls`` / ``plain_text_reasoning``):
+    no grammar tells such a call or such reasoning from the answer, so it trains as assistant
+    text. A warning, never an error (strict or lenient: the input parses; inside a data
+    loader nothing raises), said once per call site by Python's default filter.
+
+    Args:
+        name: the format's name.
+        plain: kind -> the spec key's value (True, or how the template writes it).
+        policy: the mask policy asked for.
+        stacklevel: as in :func:`warnings.warn` (3: the caller of the public method).
+
+    Example:
+        >>> warn_untyped("llama3", {"tool_call": True}, MaskPolicy())  # (silent: calls train)
+    """
+    if "assistant" not in policy.roles:
+        return
+    for kind, how in plain.items():
+        if policy.allows(kind):
+            continue
+        key, field_, what = PLAIN_TEXT[kind]
+        how = f" ({how})" if isinstance(how, str) else ""
+        warnings.warn(f"{name}: {field_}=False drops only the {what} a marker sets apart; "
+                      f"this format's templates also write {what} as plain text{how}, which "
+                      f"no grammar tells from the answer: those train as assistant text (the "
+                      f"spec's {key})", DeviationWarning, stacklevel=stacklevel)
 
 
 if MaskPolicy.__doc__:  # (None under python -OO)

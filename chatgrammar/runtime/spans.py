@@ -6,7 +6,7 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
-from .policy import MaskPolicy
+from .policy import MaskPolicy, last_run, warn_untyped
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,14 @@ class Conversation:
         boundaries: span boundaries that fell inside a merged token (id mode), with the rule
             applied: the straddling token is trained (no trained character is left out).
         default_policy: the format's declared default policy (``policy=None``).
+        plain_text: what the format declares its templates write as plain text (span kind ->
+            the spec's ``plain_text_tool_calls`` / ``plain_text_reasoning``), or None:
+            :meth:`spans` with a policy that drops such a kind warns
+            (:class:`~chatgrammar.DeviationWarning`) that those still train.
     """
+
+    #: set by the Format that parsed it (Format._conv); None: every block is typed
+    plain_text: "dict | None" = None
 
     def __init__(self, *, format: str, mode: str, length: int, turns: list[Turn],
                  warnings: list[Issue], boundaries: list[Issue], default_policy: MaskPolicy,
@@ -200,6 +207,8 @@ class Conversation:
             [Span(start=120, end=133, role='assistant', kind='content', turn=3)]
         """
         policy = policy or self.default_policy
+        if self.plain_text is not None and policy._drops:
+            warn_untyped(self.format, self.plain_text, policy)
         if self._plan is not None:
             got = self._plan.spans(policy)
             if got is not None:
@@ -212,7 +221,9 @@ class Conversation:
 
     def trained_turns(self, policy: MaskPolicy | None = None) -> list[int]:
         """Indices of the turns that train under ``policy``: role in ``roles``, valid, not a
-        generation prompt, complete or ``truncated`` set; with ``last_turn_only`` the last.
+        generation prompt, complete or ``truncated`` set; with ``last_turn_only`` the last run
+        of them: the last, with the reasoning turns right before it
+        (:func:`~chatgrammar.runtime.policy.last_run`).
 
         Example:
             >>> conv.trained_turns(cg.MaskPolicy(last_turn_only=True))  # doctest: +SKIP
@@ -227,7 +238,10 @@ class Conversation:
         chosen = [i for i, t in enumerate(self.turns)
                   if t.role in roles and t.valid and not t.generation_prompt
                   and (t.complete or policy.truncated)]
-        return chosen[-1:] if policy.last_turn_only else chosen
+        if not policy.last_turn_only:
+            return chosen
+        turns = self.turns
+        return last_run(chosen, lambda i: turns[i].block.kind == "think")
 
     def mask_array(self, policy: MaskPolicy | None = None) -> np.ndarray:
         """The mask as a numpy int8 array of length :attr:`length`."""

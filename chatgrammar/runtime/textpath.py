@@ -35,6 +35,7 @@ from .fastpath import (RUN, _Automaton, _FakeTurn, _Item, _NoCache,
                        _read_plan, _RecordingSource, _segments)
 from .lexers import lex_text
 from .parse import Source
+from .policy import last_run
 from .spans import Block, Conversation, Span, Turn, turn_spans
 
 _MISSING = object()
@@ -117,7 +118,8 @@ class _TurnTpl:
         self.start, self.end = place(t.start), place(t.end)
         self.block = _BlockTpl(t.block, place)
         self.role = t.role
-        self.meta = (t.role, t.valid, t.complete)
+        # (the last: a reasoning turn, which last_turn_only keeps with the answer after it)
+        self.meta = (t.role, t.valid, t.complete, t.block.kind == "think")
         # the harvested item's part boundaries and the placer: this turn's trained spans per
         # policy, in slots (from a fresh copy of the turn: the harvested one is the caller's)
         self.hB, self.place = hB, place
@@ -174,7 +176,9 @@ class _Plan:
         chosen = [i for i, (tp, _) in enumerate(turns)
                   if tp.meta[0] in roles and tp.meta[1] and (tp.meta[2] or truncated)
                   and not (i == last and self.gp)]
-        return chosen[-1:] if policy.last_turn_only else chosen
+        if not policy.last_turn_only:
+            return chosen
+        return last_run(chosen, lambda i: turns[i][0].meta[3])
 
     def spans(self, policy) -> list | None:
         pk = self.memo.policy_key(policy)
