@@ -304,8 +304,9 @@ def _id_problems(fmt, R: str, synth, policy: MaskPolicy, conv, got: set) -> str 
 
 
 def is_warned(problem: str) -> bool:
-    """Whether a :func:`check_policies` problem is one the format warned about."""
-    return WARNED in problem
+    """Whether a :func:`check_policies` problem (``"case: …"``) is one the format warned
+    about."""
+    return problem.partition(": ")[2].startswith(WARNED)
 
 
 def _warned(problems: list[str], said: list) -> bool:
