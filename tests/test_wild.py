@@ -409,3 +409,26 @@ def test_plain_text_reasoning_is_declared_and_warned():
     res = wild.classify(wild.WILD / template, (EXPECTED.get(template) or {}).get("vars"))
     assert res.policies["thinking=False"] == "warned", res
     assert res.policy_warned and all("untyped" in w for w in res.policy_warned), res
+
+
+@pytest.mark.parametrize("template", ["CohereForAI-c4ai-command-r-plus-tool_use.jinja",
+                                      "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja"])
+def test_tool_results_in_system_turns_never_train_as_system(template):
+    """Cohere writes tool results into system turns (R+'s `<results>`, R7B's
+    `<|START_TOOL_RESULT|>`): they are kind tool_response, which trains only with the tool
+    role among the roles, so a policy that trains system prompts never trains a tool's words
+    (asking for the tool role too trains them, inside the system turn that holds them)."""
+    f = cg.load_format("cohere")
+    text = (ROOT / "tests" / "data" / "templates" / template).read_text(encoding="utf-8")
+    chk = check_template(f, text, cases=[get_case("tool-call")],
+                         variables={"bos_token": "<BOS_TOKEN>", "eos_token": "<|END_OF_TURN_TOKEN|>"})
+    assert chk.ok, chk.summary()
+    assert not check_policies(f, chk)["roles+system"]
+    R = chk.cases[0].text
+    conv = f.parse(R)
+    result = 'condition'  # (the tool result's key: in no other message)
+    assert result in R
+    for roles, trains in ((("assistant", "system"), False),
+                          (("assistant", "system", "tool"), True)):
+        got = "".join(conv.trained_text(cg.MaskPolicy(roles=roles)))
+        assert (result in got) is trains, (roles, got)

@@ -29,7 +29,9 @@ class MaskPolicy:
 
     roles: tuple[str, ...] = _field(
         ("assistant",), "Roles whose turns train, after `role_aliases` (Gemma's `model` is "
-                        "`assistant`).")
+                        "`assistant`). A tool's output (kind `tool_response`, in whatever "
+                        "turn a template writes it: Cohere's system turns, Qwen's user turns) "
+                        "trains only with `tool` among them.")
     thinking: bool = _field(
         True, "Train reasoning blocks (kind `think`). False drops the whole block, its tags "
               "included.")
@@ -67,6 +69,9 @@ class MaskPolicy:
             return self.tool_calls
         if kind == "end":
             return self.end_marker
+        if kind == "tool_response":
+            # (a tool's words are never another role's text, whichever turn holds them)
+            return "tool" in self.roles
         return True
 
     def replace(self, **changes: Any) -> "MaskPolicy":
