@@ -4,7 +4,7 @@ from __future__ import annotations
 import textwrap
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from ..errors import DeviationWarning
 
@@ -47,6 +47,9 @@ class MaskPolicy:
         True, "Train the content present in a turn cut off by the end of input.")
     exclude_kinds: tuple[str, ...] = _field(
         (), "Further span kinds never to train (`[media]`).")
+    #: whether the policy may drop a kind (set per object in __post_init__; an object
+    #: unpickled from a version without it reads this default: check)
+    _drops: ClassVar[bool] = True
 
     def __post_init__(self):
         if isinstance(self.roles, str):
