@@ -1292,6 +1292,24 @@ def _system_text(plan: _Plan, lex: _Lexicon, sh: _Shape, cut: dict, children: li
     return el
 
 
+def _prompts_and_plain_text(spec: dict, sh: _Shape, h_a: str) -> None:
+    """The spec's generation prompts, and what it declares written as plain text (a policy
+    that drops such calls or reasoning then warns: runtime.policy.warn_untyped)."""
+    # a rendering that ends with the header short of its trailing space is a prompt too
+    # (sglang's Sarashina prints '### Assistant:' after a last user message whatever
+    # add_generation_prompt says, its replies '### Assistant: …'): unlisted, that empty last
+    # turn was the reply last_turn_only trained
+    bare_h = [h_a.strip()] if h_a.strip() != h_a.lstrip() and any(
+        r.endswith(h_a.strip()) for r in sh.renders) else []
+    gens = [g for g in dict.fromkeys([h_a.lstrip()] + sh.gens + bare_h) if g]
+    if gens:
+        spec["generation_prompt"] = gens
+    if sh.plain_calls:
+        spec["plain_text_tool_calls"] = True
+    if sh.plain_reasoning:
+        spec["plain_text_reasoning"] = True
+
+
 def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> dict:
     """The spec (a plain dict) the shape describes."""
     plan = _Plan()
@@ -1378,19 +1396,7 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
     spec["_closing"] = [plan.m(b) for b in betweens]
     if plan.aliases:
         spec["role_aliases"] = dict(plan.aliases)
-    # a rendering that ends with the header short of its trailing space is a prompt too
-    # (sglang's Sarashina prints '### Assistant:' after a last user message whatever
-    # add_generation_prompt says, its replies '### Assistant: …'): unlisted, that empty last
-    # turn was the reply last_turn_only trained
-    bare_h = [h_a.strip()] if h_a.strip() != h_a.lstrip() and any(
-        r.endswith(h_a.strip()) for r in sh.renders) else []
-    gens = [g for g in dict.fromkeys([h_a.lstrip()] + sh.gens + bare_h) if g]
-    if gens:
-        spec["generation_prompt"] = gens
-    if sh.plain_calls:
-        spec["plain_text_tool_calls"] = True
-    if sh.plain_reasoning:
-        spec["plain_text_reasoning"] = True
+    _prompts_and_plain_text(spec, sh, h_a)
     spec["policy"] = {"roles": ["assistant"]}
     if "tool results are rendered with the assistant's header" in sh.notes:
         spec["_alternate"] = True
