@@ -271,6 +271,7 @@ class _Shape:
     first: dict = field(default_factory=dict)      # role -> head of a first turn (preamble in)
     first_sys: str | None = None                   # a first user head holding a folded system
     gens: list = field(default_factory=list)       # generation prompts seen
+    gen_ws: list = field(default_factory=list)     # whitespace the renders write before them
     closing: list = field(default_factory=list)    # text only the very end carries
     bare_system: bool = False
     think: tuple | None = None                     # (open, close)
@@ -574,6 +575,10 @@ def _generation(probe: _Probe, lex: _Lexicon, sh: _Shape) -> str | None:
                 main = g
             if g.strip():
                 sh.gens.append(g.lstrip())
+                before = r1[:len(r1) - len(g.lstrip())]
+                ws = before[len(before.rstrip()):]
+                if ws and ws not in sh.gen_ws:
+                    sh.gen_ws.append(ws)
             if r0[cp:].strip() and r0[cp:].strip() not in sh.closing:
                 sh.closing.append(r0[cp:].strip())
     return main
@@ -1316,6 +1321,11 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
             raise InferenceError("assistant turns have neither a header nor a terminator",
                                  where="role headers")
         plan.elements["reply"] = {"role": "assistant", "close": close}
+        ws = sh.heads.get("assistant") or ""
+        if ws and not ws.strip() and not h_a:
+            # no generation prompt, and history replies start with whitespace (Ministral 3's
+            # '[/INST]\nA</s>'): the header's own line end, not the model's output
+            plan.elements["reply"]["lead"] = ws
     _headerless_replies(plan, sh)
     if sh.decl:
         plan.elements["tool_declarations"] = {"open": plan.m(sh.decl[0]), "role": "system",
@@ -1374,6 +1384,7 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
     gens = [g for g in dict.fromkeys([h_a.lstrip()] + sh.gens) if g]
     if gens:
         spec["generation_prompt"] = gens
+        spec["_gen_ws"] = list(sh.gen_ws)
     spec["policy"] = {"roles": ["assistant"]}
     if "tool results are rendered with the assistant's header" in sh.notes:
         spec["_alternate"] = True
@@ -1634,6 +1645,8 @@ def _variants(spec: dict) -> list[dict]:
     nolead = spec.pop("_nolead", False)
     alternate = spec.pop("_alternate", False)
     ws_before = spec.pop("_lstrip_close", {})
+    trailing = spec.pop("_trailing", False)
+    gen_ws = spec.pop("_gen_ws", [])
     out = [spec]
     alt = _copy(spec)
     if "between" in alt:
@@ -1675,6 +1688,16 @@ def _variants(spec: dict) -> list[dict]:
     # turn without <|im_end|>; the bundled chatml says the same). Roles are still told by the
     # header, so nothing is trained that a strict spec would not train.
     out += _each(out, _optional_close)
+    for cand in out:
+        if trailing and "between" not in cand:
+            cand["trailing"] = "\\s*"
+        if gen_ws and any(m.get("lstrip") for m in cand["markers"].values()):
+            # an opener that lstrips takes the whitespace before a final prompt into the last
+            # turn (a template indented in Jinja writes "\n    " before it): that turn, with
+            # its whitespace, is the prompt too
+            gens = cand.get("generation_prompt", [])
+            cand["generation_prompt"] = list(dict.fromkeys(
+                gens + [w + g for g in gens for w in gen_ws if not g[:1].isspace()]))
     # identical candidates once; at most _MAX_CANDIDATES, in this order (deterministic: the
     # combinations of several alternatives come last and are the first to go)
     seen, uniq = set(), []
@@ -2038,6 +2061,13 @@ def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> Inferre
         spec["_nolead"] = True   # no generation prompt: the oracle starts output after the word
     if probe.forced and spec.get("_alternate"):
         spec["_alternate"] = probe.forced   # the prompt printed after every conversation
+    full = probe.render([_u(U1), _a(A1), _u(U2), _a(A2)], shape="u-a-u-a")
+    if full and full[-1:].isspace():
+        # whitespace after the last turn (a template indented in Jinja, Ministral's
+        # '</s>\n\n'): where a candidate has no `between` (its openers `lstrip` the
+        # whitespace between turns, or a headerless reply follows a turn), that whitespace
+        # is no turn and never trains (`trailing`)
+        spec["_trailing"] = True
     eos = variables.get("eos_token")
     if isinstance(eos, str) and eos.strip() and "eos" not in spec["markers"]:
         spec["_eos"] = {"text": eos, "special": lex.special(eos, tokenizer)}
