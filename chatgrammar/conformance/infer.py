@@ -1229,6 +1229,22 @@ def _blocks(plan: _Plan, sh: _Shape) -> list[str]:
     return children
 
 
+def _reply(plan: _Plan, lex: _Lexicon, sh: _Shape, h_a: str) -> dict:
+    """The headerless assistant reply that follows the other turns (Mistral's after
+    ``[/INST]``)."""
+    close = _close(plan, lex, sh, ["assistant"])
+    if close is None:
+        raise InferenceError("assistant turns have neither a header nor a terminator",
+                             where="role headers")
+    el = {"role": "assistant", "close": close}
+    ws = sh.heads.get("assistant") or ""
+    if ws and not ws.strip() and not h_a:
+        # no generation prompt, and history replies start with whitespace (Ministral 3's
+        # '[/INST]\nA</s>'): the header's own line end, not the model's output
+        el["lead"] = ws
+    return el
+
+
 def _headerless_replies(plan: _Plan, sh: _Shape) -> None:
     """Headerless assistant replies that may ``follow`` an assistant turn (the answer after a
     dropped tool message) or a tool turn (the answer after a tool result)."""
@@ -1316,16 +1332,7 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
         if set(roles) - {"assistant"}:
             raise InferenceError(f"{', '.join(sorted(set(roles) - {'assistant'}))} turns have "
                                  "no header to tell them by", where="role headers")
-        close = _close(plan, lex, sh, ["assistant"])
-        if close is None:
-            raise InferenceError("assistant turns have neither a header nor a terminator",
-                                 where="role headers")
-        plan.elements["reply"] = {"role": "assistant", "close": close}
-        ws = sh.heads.get("assistant") or ""
-        if ws and not ws.strip() and not h_a:
-            # no generation prompt, and history replies start with whitespace (Ministral 3's
-            # '[/INST]\nA</s>'): the header's own line end, not the model's output
-            plan.elements["reply"]["lead"] = ws
+        plan.elements["reply"] = _reply(plan, lex, sh, h_a)
     _headerless_replies(plan, sh)
     if sh.decl:
         plan.elements["tool_declarations"] = {"open": plan.m(sh.decl[0]), "role": "system",
