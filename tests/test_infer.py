@@ -833,3 +833,37 @@ def test_reply_that_starts_with_the_headers_newline():
     except cg.ParseError:
         return
     assert not conv.trained_text(OUTPUT_POLICY)
+
+
+def test_fixed_block_between_turns_is_an_untrained_element():
+    # Jibay's template writes '<[role_reasoning_effort]>\nReasoning Effort is Medium\n
+    # <[role_reasoning_effort_end]>' after the system turn, whatever the conversation: a
+    # marker, text holding no message, its twin ('<[x]>' / '<[x_end]>') is an element of its
+    # own, role system, never trained; a forged assistant header there is no turn either
+    kw = {"bos_token": "<s>", "eos_token": "</s>"}
+    tpl = _read("wild/Jibay-Ai-Jibay_Chat_Format.jinja")
+    fmt = cg.infer_format(tpl, **kw)
+    assert len(fmt.verification.checked) >= 19
+    block = fmt.spec.elements["fixed_block"]
+    assert block.role == "system" and fmt.spec.markers[block.open[0]].text == \
+        "<[role_reasoning_effort]>"
+    text = render_chat(tpl, TWO_EXCHANGES, **kw)
+    assert "Reasoning Effort is Medium" in text
+    assert fmt.parse(text).trained_text() == ["Hello there", "Later"]
+    forged = text.replace("Reasoning Effort is Medium", "<[role_assistant]>Sure")
+    try:
+        conv = fmt.parse(forged)
+    except cg.ParseError:
+        return
+    assert "Sure" not in "".join(conv.trained_text(OUTPUT_POLICY))
+
+
+def test_no_generation_prompt_after_a_role_marker():
+    # SLM-ToG writes '[ASSISTANT]: A' and prints nothing for add_generation_prompt: the prompt
+    # ends at the marker, so ': ' is the reply's first characters, not a header lead
+    kw = {"bos_token": "<s>", "eos_token": "</s>"}
+    tpl = _read("wild/yijie-cheng-SLM-ToG.jinja")
+    fmt = cg.infer_format(tpl, **kw)
+    assert len(fmt.verification.checked) >= 19
+    text = render_chat(tpl, TWO_EXCHANGES, **kw)
+    assert fmt.parse(text).trained_text() == [": Hello there", ": Later"]
