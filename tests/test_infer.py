@@ -78,6 +78,9 @@ CROSS = {
     "solar-instruct": ["Deci-DeciLM-7B.jinja"],
     "sea-lion": ["aisingapore-sea-lion-7b-instruct.jinja"],
     "phi4": ["microsoft-phi-4.jinja", "microsoft-Phi-4-reasoning.jinja"],
+    # a fixed developer block after the system turn; <|assistant_end|> printed only before the
+    # next user header (a lazy terminator of the assistant turns, user turns have their own)
+    "apertus": ["Apertus-8B-Instruct.jinja"],
 }
 
 #: Templates inference refuses, with the reason it must give (a precise InferenceError, never
