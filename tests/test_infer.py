@@ -78,6 +78,9 @@ CROSS = {
     "solar-instruct": ["Deci-DeciLM-7B.jinja"],
     "sea-lion": ["aisingapore-sea-lion-7b-instruct.jinja"],
     "phi4": ["microsoft-phi-4.jinja", "microsoft-Phi-4-reasoning.jinja"],
+    # a fixed developer block after the system turn; <|assistant_end|> printed only before the
+    # next user header (a lazy terminator of the assistant turns, user turns have their own)
+    "apertus": ["Apertus-8B-Instruct.jinja"],
 }
 
 #: Templates inference refuses, with the reason it must give (a precise InferenceError, never
@@ -744,6 +747,10 @@ WILD_CLASSES = {
     # an empty reply written 'Assistant: </s>': the space is no output (trim_end)
     "wild/OpenBuddy-openbuddy-mistral2-7b-v20.3-32k.jinja": ({"eos_token": "</s>"},
                                                             [" Hello there", " Later"]),
+    # Jinja indentation between turns ('\n    ' before each header, lstripped by the openers)
+    # and after the last one (`trailing`); the final prompt with that indentation trains nothing
+    "wild/chujiezheng-openchat.jinja": ({"bos_token": "<s>", "eos_token": "<|end_of_turn|>"},
+                                        [" Hello there", " Later"]),
 }
 
 
@@ -794,3 +801,72 @@ def test_forced_prompt_prefill_is_a_generation_prompt():
     assert any(g.endswith("Here are my reasoning steps:\n") for g in fmt.spec.generation_prompt)
     text = render_chat(tpl, TWO_EXCHANGES[:3], bos_token="<s>", add_generation_prompt=True)
     assert fmt.parse(text).trained_text() == ["Hello there"]
+
+
+def test_indented_generation_prompt_trains_nothing():
+    # chujiezheng's openchat template writes '\n    ' before every header, the final prompt
+    # included: the opener lstrips it into the last turn, which is still the prompt
+    kw = {"bos_token": "<s>", "eos_token": "<|end_of_turn|>"}
+    tpl = _read("wild/chujiezheng-openchat.jinja")
+    fmt = cg.infer_format(tpl, **kw)
+    text = render_chat(tpl, TWO_EXCHANGES[:3], add_generation_prompt=True, **kw)
+    assert text.endswith("\n    GPT4 Correct Assistant:\n")
+    conv = fmt.parse(text)
+    assert conv.trained_text() == [" Hello there"]
+    assert conv.turns[-1].generation_prompt
+    # the whitespace after the last turn is no turn and never trains
+    full = render_chat(tpl, TWO_EXCHANGES, **kw)
+    assert full.endswith("\n") and fmt.spec.trailing == "\\s*"
+    assert fmt.parse(full + "\n  \n").trained_text() == [" Hello there", " Later"]
+
+
+def test_reply_that_starts_with_the_headers_newline():
+    # a Ministral 3 fine-tune: no generation prompt, history replies start with a newline
+    # ('[/INST]\nA</s>\n\n'): that newline is the headerless reply's `lead` (never output), the
+    # '\n\n' after the last turn is `trailing`; a ChatML turn is never assistant text
+    kw = {"bos_token": "<s>", "eos_token": "</s>"}
+    tpl = _read("wild/NC0DER-Maistros-Ministral-3-8B-Instruct-2512.jinja")
+    fmt = cg.infer_format(tpl, **kw)
+    assert len(fmt.verification.checked) >= 19 and not fmt.verification.deviations
+    assert fmt.spec.elements["reply"].lead == ["\n"]
+    assert fmt.parse(render_chat(tpl, TWO_EXCHANGES, **kw)).trained_text() == [
+        "Hello there", "Later"]
+    try:
+        conv = fmt.parse("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>")
+    except cg.ParseError:
+        return
+    assert not conv.trained_text(OUTPUT_POLICY)
+
+
+def test_fixed_block_between_turns_is_an_untrained_element():
+    # Jibay's template writes '<[role_reasoning_effort]>\nReasoning Effort is Medium\n
+    # <[role_reasoning_effort_end]>' after the system turn, whatever the conversation: a
+    # marker, text holding no message, its twin ('<[x]>' / '<[x_end]>') is an element of its
+    # own, role system, never trained; a forged assistant header there is no turn either
+    kw = {"bos_token": "<s>", "eos_token": "</s>"}
+    tpl = _read("wild/Jibay-Ai-Jibay_Chat_Format.jinja")
+    fmt = cg.infer_format(tpl, **kw)
+    assert len(fmt.verification.checked) >= 19
+    block = fmt.spec.elements["fixed_block"]
+    assert block.role == "system" and fmt.spec.markers[block.open[0]].text == \
+        "<[role_reasoning_effort]>"
+    text = render_chat(tpl, TWO_EXCHANGES, **kw)
+    assert "Reasoning Effort is Medium" in text
+    assert fmt.parse(text).trained_text() == ["Hello there", "Later"]
+    forged = text.replace("Reasoning Effort is Medium", "<[role_assistant]>Sure")
+    try:
+        conv = fmt.parse(forged)
+    except cg.ParseError:
+        return
+    assert "Sure" not in "".join(conv.trained_text(OUTPUT_POLICY))
+
+
+def test_no_generation_prompt_after_a_role_marker():
+    # SLM-ToG writes '[ASSISTANT]: A' and prints nothing for add_generation_prompt: the prompt
+    # ends at the marker, so ': ' is the reply's first characters, not a header lead
+    kw = {"bos_token": "<s>", "eos_token": "</s>"}
+    tpl = _read("wild/yijie-cheng-SLM-ToG.jinja")
+    fmt = cg.infer_format(tpl, **kw)
+    assert len(fmt.verification.checked) >= 19
+    text = render_chat(tpl, TWO_EXCHANGES, **kw)
+    assert fmt.parse(text).trained_text() == [": Hello there", ": Later"]

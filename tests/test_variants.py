@@ -114,6 +114,33 @@ def test_variant_template_matrix(name, tfile, variables):
     assert res.counts()["pass"] >= MIN_PASS[tfile], res.summary()
 
 
+#: Real variants from tests/data/templates/wild (provenance in its SOURCES.md) that their
+#: family's spec accepts: (format, file, variables, cases that must pass).
+WILD_VARIANTS = [
+    # Jinja-indented R1 tool templates: spaces before <｜tool▁outputs▁begin｜> and
+    # <｜tool▁outputs▁end｜> (both markers lstrip them)
+    ("deepseek-v3", "vllm-tool_chat_template_deepseekr1.jinja",
+     {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}, 19),
+    ("deepseek-v3", "euclidgame-mathconstruct-DeepSeek-R1-Distill.jinja",
+     {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}, 19),
+]
+
+
+@pytest.mark.parametrize("name,tfile,variables,n_pass", WILD_VARIANTS,
+                         ids=[f"{n}:{t}" for n, t, _, _ in WILD_VARIANTS])
+def test_wild_variant_template_matrix(name, tfile, variables, n_pass):
+    """Each real variant passes every matrix case it renders (tool shapes included), and
+    detection picks its family for it."""
+    src = (TEMPLATES / "wild" / tfile).read_text(encoding="utf-8")
+    fmt = cg.load_format(name)
+    res = check_template(fmt, src, name=tfile, variables=variables)
+    assert res.error is None, res.error
+    assert res.counts()["fail"] == 0, [f"{c.case}: {c.reason}" for c in res.cases
+                                       if c.status == "fail"]
+    assert res.counts()["pass"] >= n_pass, res.summary()
+    assert cg.detect_format(chat_template=src).name == name
+
+
 def test_llama_cpp_r1_tool_shapes_with_a_list():
     """llama.cpp's R1 template writes its tool instructions, with an example call in the real
     markers, before the system text; Jinja2 cannot ``tojson`` the generator it builds them

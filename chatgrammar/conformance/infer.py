@@ -46,6 +46,7 @@ _MARKERISH = re.compile(
     r"|<</?[A-Z_]{1,16}>>"                       # <<SYS>>
     r"|</?[A-Za-z_][\w:.\-]{0,40}\|?>"           # <s>, </s>, <think>, <start_of_turn>, <turn|>
     r"|<\|?[A-Za-z_][\w:.\-]{0,40}>"             # <|turn>
+    r"|<\[/?[A-Za-z]\w{1,40}\]>"                 # Jibay's <[role_user]>, <[role_user_end]>
     r"|\[/?[A-Za-z][A-Za-z_]{1,30}\]"            # [INST], [/INST], [TOOL_CALLS], [gMASK]
 )
 _SPECIAL_SHAPE = re.compile(r"<\|[^<>|\s]{0,48}\|>|<｜[^<>\s]{1,48}｜>")
@@ -271,6 +272,7 @@ class _Shape:
     first: dict = field(default_factory=dict)      # role -> head of a first turn (preamble in)
     first_sys: str | None = None                   # a first user head holding a folded system
     gens: list = field(default_factory=list)       # generation prompts seen
+    gen_ws: list = field(default_factory=list)     # whitespace the renders write before them
     closing: list = field(default_factory=list)    # text only the very end carries
     bare_system: bool = False
     think: tuple | None = None                     # (open, close)
@@ -285,6 +287,7 @@ class _Shape:
     opening: set = field(default_factory=set)      # markers that start a header
     after_tool_head: str | None = None
     reply_after_reply: bool = False                # a headerless answer after a dropped tool
+    blocks: list = field(default_factory=list)     # fixed (open, close) blocks before headers
     notes: list = field(default_factory=list)
 
 
@@ -447,6 +450,10 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
         raise InferenceError("no assistant message is rendered with its content in place: "
                              "the template never emits an assistant turn",
                              where="probes " + ", ".join(_BASIC))
+    for vals in heads.values():
+        vals[:] = [(_fixed_blocks(lex, h, sh), w) for h, w in vals]
+    for vals in first.values():   # (a default system turn there is a turn, not a block)
+        vals[:] = [(_fixed_blocks(lex, h, sh, known=True), w) for h, w in vals]
     for role in ("user", "assistant"):
         h, extra = _one(lex, heads, role, "their header", suffix=role != "assistant")
         if h is not None:
@@ -474,14 +481,45 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
                 sh.terms.setdefault(role, _split_term(lex, t)[0])
 
 
+def _fixed_blocks(lex: _Lexicon, head: str, sh: _Shape, known: bool = False) -> str:
+    """``head`` without the fixed blocks before its opener, recorded in ``sh.blocks``: a
+    marker, text that holds no message value, its closing twin (Jibay's
+    '<[role_reasoning_effort]>\nReasoning Effort is Medium\n<[role_reasoning_effort_end]>'
+    after the system turn). Such a block is an untrained system element of its own. ``known``:
+    only the blocks found already."""
+    ps = lex.pieces(head)
+    out, i = [], 0
+    while i < len(ps):
+        is_m, p = ps[i]
+        twin = _mirror(p) if is_m else ""
+        j = next((k for k in range(i + 1, len(ps)) if ps[k][0]), None)
+        if twin and j is not None and ps[j][1] == twin and j + 1 < len(ps) and any(
+                q[0] for q in ps[j + 1:]) and not any(v in t for _, t in ps[i:j] for v in _ALL) \
+                and (not known or (p, twin) in sh.blocks):
+            if (p, twin) not in sh.blocks:
+                sh.blocks.append((p, twin))
+            i = j + 1
+            while i < len(ps) and not ps[i][0] and not ps[i][1].strip():
+                i += 1   # the whitespace after it is between-turn text
+            continue
+        out.append(p)
+        i += 1
+    return "".join(out)
+
+
 def _lazy_terminator(lex: _Lexicon, runs: list, opening: set) -> None:
     """A terminator the template prints only once another message follows (FinguAI's ChatML:
     '<|im_end|>\n' before each next '<|im_start|>', never after the last message): every later
     header starts with the same marker before its opener, and no terminator has it. It is
     moved back to the turn it ends (the last turn of a conversation then has none: the
     candidates with an optional terminator take it)."""
-    later = [m for _, located in runs for m in located[1:] if m.head is not None]
-    if not later or any((m.term or "").strip() for _, located in runs for m in located[:-1]):
+    pairs = [(prev, cur) for _, located in runs for prev, cur in zip(located, located[1:])
+             if cur.head is not None]
+    # keyed by the role of the turn it ends: a role whose turns have a terminator of their
+    # own prints none lazily (Apertus ends user turns with <|user_end|>, and its assistant
+    # turns with an <|assistant_end|> printed only before the next user header)
+    termed = {m.role for _, located in runs for m in located[:-1] if (m.term or "").strip()}
+    if not pairs or not {p.role for p, _ in pairs} - termed:
         return
     # per role: Apriel 1.6 writes '<|end|>' before each later user header only (its user turns
     # have no terminator, its assistant turns one printed only once a user message follows)
@@ -490,26 +528,26 @@ def _lazy_terminator(lex: _Lexicon, runs: list, opening: set) -> None:
     # head): GLM-4.5's '<|assistant|>\n<think></think>' is a header, not a lazy terminator
     first_marks = {p for h in heads0 for m, p in lex.pieces(h) if m}
     firsts: dict = {}
-    for m in later:
-        ps = [q for q in lex.pieces(m.head) if q[0] or q[1].strip()]
+    for prev, cur in pairs:
+        ps = [q for q in lex.pieces(cur.head) if q[0] or q[1].strip()]
         ok = len(ps) >= 2 and ps[0][0] and ps[1][0] and ps[1][1] in first_marks
-        firsts.setdefault(m.role, set()).add(ps[0][1] if ok else None)
-    lazy = {r: next(iter(f)) for r, f in firsts.items() if len(f) == 1 and None not in f}
+        firsts.setdefault(prev.role, set()).add(ps[0][1] if ok else None)
+    lazy = {r: next(iter(f)) for r, f in firsts.items() if len(f) == 1 and None not in f
+            and r not in termed}
     for role, marker in list(lazy.items()):
         if marker in opening and all(h.lstrip().startswith(marker) for h in heads0):
             del lazy[role]   # the marker opens every first turn too: it is a header's
     if not lazy:
         return
-    for _, located in runs:
-        for prev, cur in zip(located, located[1:]):
-            if cur.head is None or prev.term is None or cur.role not in lazy:
-                continue
-            marker = lazy[cur.role]
-            at = cur.head.find(marker)
-            rest = cur.head[at + len(marker):]
-            ws = rest[:len(rest) - len(rest.lstrip())]
-            cut = at + len(marker) + len(ws)
-            prev.term, cur.head = prev.term + cur.head[:cut], cur.head[cut:]
+    for prev, cur in pairs:
+        if prev.term is None or prev.role not in lazy:
+            continue
+        marker = lazy[prev.role]
+        at = cur.head.find(marker)
+        rest = cur.head[at + len(marker):]
+        ws = rest[:len(rest) - len(rest.lstrip())]
+        cut = at + len(marker) + len(ws)
+        prev.term, cur.head = prev.term + cur.head[:cut], cur.head[cut:]
     for marker in set(lazy.values()):
         if not any(h.lstrip().startswith(marker) for h in heads0):
             opening.discard(marker)
@@ -576,6 +614,10 @@ def _generation(probe: _Probe, lex: _Lexicon, sh: _Shape) -> str | None:
                 main = g
             if g.strip():
                 sh.gens.append(g.lstrip())
+                before = r1[:len(r1) - len(g.lstrip())]
+                ws = before[len(before.rstrip()):]
+                if ws and ws not in sh.gen_ws:
+                    sh.gen_ws.append(ws)
             if r0[cp:].strip() and r0[cp:].strip() not in sh.closing:
                 sh.closing.append(r0[cp:].strip())
     return main
@@ -658,10 +700,12 @@ def _mirror(marker: str) -> str:
                  ("START", "END")):
         if a in marker:
             return marker.replace(a, b)
-    if marker.startswith("<") and not marker.startswith("</"):
+    if marker.startswith("<") and not marker.startswith(("</", "<[")):
         return "</" + marker[1:]
     if marker.startswith("[") and not marker.startswith("[/"):
         return "[/" + marker[1:]
+    if marker.startswith("<[") and marker.endswith("]>"):
+        return marker[:-2] + "_end]>"   # Jibay's <[role_x]> / <[role_x_end]>
     return ""
 
 
@@ -1231,6 +1275,22 @@ def _blocks(plan: _Plan, sh: _Shape) -> list[str]:
     return children
 
 
+def _reply(plan: _Plan, lex: _Lexicon, sh: _Shape, h_a: str) -> dict:
+    """The headerless assistant reply that follows the other turns (Mistral's after
+    ``[/INST]``)."""
+    close = _close(plan, lex, sh, ["assistant"])
+    if close is None:
+        raise InferenceError("assistant turns have neither a header nor a terminator",
+                             where="role headers")
+    el = {"role": "assistant", "close": close}
+    ws = sh.heads.get("assistant") or ""
+    if ws and not ws.strip() and not h_a:
+        # no generation prompt, and history replies start with whitespace (Ministral 3's
+        # '[/INST]\nA</s>'): the header's own line end, not the model's output
+        el["lead"] = ws
+    return el
+
+
 def _headerless_replies(plan: _Plan, sh: _Shape) -> None:
     """Headerless assistant replies that may ``follow`` an assistant turn (the answer after a
     dropped tool message) or a tool turn (the answer after a tool result)."""
@@ -1336,16 +1396,17 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
         if set(roles) - {"assistant"}:
             raise InferenceError(f"{', '.join(sorted(set(roles) - {'assistant'}))} turns have "
                                  "no header to tell them by", where="role headers")
-        close = _close(plan, lex, sh, ["assistant"])
-        if close is None:
-            raise InferenceError("assistant turns have neither a header nor a terminator",
-                                 where="role headers")
-        plan.elements["reply"] = {"role": "assistant", "close": close}
+        plan.elements["reply"] = _reply(plan, lex, sh, h_a)
     _headerless_replies(plan, sh)
     if sh.decl:
         plan.elements["tool_declarations"] = {"open": plan.m(sh.decl[0]), "role": "system",
                                               "close": {"markers": [plan.m(sh.decl[1])]}}
         plan.top.append("tool_declarations")
+    for k, (o, c) in enumerate(sh.blocks):
+        bname = "fixed_block" + (str(k + 1) if k else "")
+        plan.elements[bname] = {"open": plan.m(o), "role": "system",
+                                "close": {"markers": [plan.m(c)]}}
+        plan.top.append(bname)
     if sh.decl_text:
         close, inner = sh.decl_text
         el = {"role": "system", "close": {"markers": [plan.m(close)]}}
@@ -1657,6 +1718,8 @@ def _variants(spec: dict) -> list[dict]:
     nolead = spec.pop("_nolead", False)
     alternate = spec.pop("_alternate", False)
     ws_before = spec.pop("_lstrip_close", {})
+    trailing = spec.pop("_trailing", False)
+    gen_ws = spec.pop("_gen_ws", [])
     out = [spec]
     alt = _copy(spec)
     if "between" in alt:
@@ -1698,6 +1761,16 @@ def _variants(spec: dict) -> list[dict]:
     # turn without <|im_end|>; the bundled chatml says the same). Roles are still told by the
     # header, so nothing is trained that a strict spec would not train.
     out += _each(out, _optional_close)
+    for cand in out:
+        if trailing and "between" not in cand:
+            cand["trailing"] = "\\s*"
+        if gen_ws and any(m.get("lstrip") for m in cand["markers"].values()):
+            # an opener that lstrips takes the whitespace before a final prompt into the last
+            # turn (a template indented in Jinja writes "\n    " before it): that turn, with
+            # its whitespace, is the prompt too
+            gens = cand.get("generation_prompt", [])
+            cand["generation_prompt"] = list(dict.fromkeys(
+                gens + [w + g for g in gens for w in gen_ws if not g[:1].isspace()]))
     # identical candidates once; at most _MAX_CANDIDATES, in this order (deterministic: the
     # combinations of several alternatives come last and are the first to go)
     seen, uniq = set(), []
@@ -1969,12 +2042,12 @@ def _trimmed(cand: dict) -> dict | None:
 
 def _without_lead(cand: dict) -> dict | None:
     """A template without a generation prompt (aanaphi2's '### Assistant: A\n'): the space
-    after the role word is the reply's first character, not a header lead."""
+    after the role word is the reply's first character, not a header lead; so is the text
+    after a role marker (SLM-ToG's '[ASSISTANT]: A': the prompt would end at the marker)."""
     alt = _copy(cand)
     hit = False
     for el in alt["elements"].values():
-        if el.get("role") == "assistant" and el.get("lead") is not None \
-                and not el["lead"].strip():
+        if el.get("role") == "assistant" and el.get("lead") is not None:
             del el["lead"]
             hit = True
     return alt if hit else None
@@ -2070,6 +2143,15 @@ def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> Inferre
         spec["_nolead"] = True   # no generation prompt: the oracle starts output after the word
     if probe.forced and spec.get("_alternate"):
         spec["_alternate"] = probe.forced   # the prompt printed after every conversation
+    full = probe.render([_u(U1), _a(A1), _u(U2), _a(A2)], shape="u-a-u-a")
+    if full and full[-1:].isspace():
+        # whitespace after the last turn (a template indented in Jinja, Ministral's
+        # '</s>\n\n'): where a candidate has no `between` (its openers `lstrip` the
+        # whitespace between turns, or a headerless reply follows a turn), that whitespace
+        # is no turn and never trains (`trailing`)
+        spec["_trailing"] = True
+    if sh.gen_ws and spec.get("generation_prompt"):
+        spec["_gen_ws"] = list(sh.gen_ws)
     eos = variables.get("eos_token")
     if isinstance(eos, str) and eos.strip() and "eos" not in spec["markers"]:
         spec["_eos"] = {"text": eos, "special": lex.special(eos, tokenizer)}
