@@ -38,6 +38,8 @@ FAMILIES += ("alpaca", "internlm2", "solar-instruct", "nemotron4", "falcon", "h2
              "openbuddy", "orion", "magicoder", "sea-lion", "instructlab")
 #: Added later (a third statement, for the same reason).
 FAMILIES += ("vicuna", "metharme")
+#: 2026 releases found in the wild (a fourth statement).
+FAMILIES += ("exaone4.5", "sarvam", "functionary-v2")
 
 
 def _facts(name: str) -> dict:
