@@ -772,6 +772,12 @@ def report(results: dict, info: dict, args) -> str:
                      f"{a['rate']:.1f} | {b['rate']:.1f} | "
                      f"{' '.join(f'{x:.2f}' for x in a['ratios'])} | "
                      f"{' '.join(f'{x:.2f}' for x in b['ratios'])} |")
+    load = _start_load(info)
+    if load is not None and load > 4:
+        lines += ["", f"**A loaded machine**: the 1-minute load average was {load:.1f} when this "
+                  "run started (other tenants' work on the same cores). Every ratio is lower than "
+                  "on a quiet machine, and the wall-clock rows (Compile) most; compare with a "
+                  "measurement taken in the same minutes, not with a quiet run."]
     lines += ["", history()]
     lines += ["", "Per-token cost of the 1M-token sequence against a whole sample's (ns per token, "
               "ours, median of the rounds):", "", "| format | whole ns/token | 1M cut ns/token | ratio (≤ 1.2) |",
@@ -825,6 +831,14 @@ def report(results: dict, info: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _start_load(info: dict) -> float | None:
+    """The 1-minute load average at the run's start, from Machine's line (None if unknown)."""
+    try:
+        return float(info.get("load average (start / end)", "").split()[0])
+    except (IndexError, ValueError):
+        return None
+
+
 def targets(results: dict) -> list[tuple[str, str, bool]]:
     """The issue's targets against this run's numbers: (target, measured, met)."""
     out = []
@@ -859,17 +873,28 @@ def targets(results: dict) -> list[tuple[str, str, bool]]:
 # for kimi-k2 and kimi-k3 in HISTORY_ROWS order). report() renders them as tables.
 HISTORY_ROWS = (*(CLASS_LABEL[c] for c in CLASSES), "text mode against the regex")
 HISTORY = (
-    ("At commit 0610040 (this session's start, main), the same classes measured by this bench's\n"
+    ("At commit b8a3cfd (this session's start, main), measured by this bench AT THE SAME TIME as\n"
+     "the table above (two processes side by side on the same loaded machine, load average\n"
+     "13.10 12.64 10.47 / 12.96 13.36 11.86; kimi-k3 rounds: truncated 2.38 2.12 2.64, 1M cut\n"
+     "6.09 5.88 2.23):",
+     ((3.59, 6.59), (2.96, 2.38), (4.64, 7.15), (4.05, 6.08), (4.36, 5.49), (4.22, 5.88),
+      (5.98, 8.72), (0.63, 0.84), (1.37, 1.01))),
+    ("docs/performance.md at b8a3cfd (the same code, a quiet machine: load average\n"
+     "0.75 1.17 1.73 / 0.95 1.12 1.65; kimi-k3 rounds: truncated 3.13 2.81 3.39, 1M cut\n"
+     "7.96 4.62 2.92):",
+     ((4.29, 6.19), (3.74, 3.13), (5.85, 7.92), (4.84, 5.85), (4.63, 5.98), (3.50, 4.62),
+      (8.17, 10.42), (0.86, 1.02), (1.93, 1.16))),
+    ("At commit 0610040 (the previous session's start, main), the same classes measured by this bench's\n"
      "bench_classes a few minutes before the table above, on the same machine (load average\n"
      "3.38 7.22 9.31 / 3.33 6.28 8.81):",
      ((4.25, 5.15), (2.95, 2.60), (5.48, 6.86), (4.15, 5.33), (4.01, 5.35), (2.83, 4.12),
       (8.25, 9.24), (0.78, 0.97), (1.76, 1.13))),
-    ("Last session's final table (docs/performance.md at 52995ed: the id classes measured on\n"
+    ("The final table two sessions ago (docs/performance.md at 52995ed: the id classes measured on\n"
      "the id-path branch before its merge, the text row on the merged tree; load average\n"
      "3.81 4.96 7.32 / 4.26 4.62 6.76):",
      ((3.92, 5.61), (3.00, 2.79), (5.27, 6.93), (4.20, 5.80), (4.00, 6.19), (3.83, 4.89),
       (8.19, 10.25), (0.81, 1.03), (1.97, 1.45))),
-    ("At commit 13390b7 (the previous session's start), measured by this same bench on the same\n"
+    ("At commit 13390b7 (the start of the session before), measured by this same bench on the same\n"
      "machine (load average 4.26 4.62 6.76 / 3.56 4.31 6.42; the machine was shared and loaded\n"
      "all session, which lowers every ratio against the earlier tables below):",
      ((3.99, 5.47), (2.95, 2.72), (5.06, 6.70), (4.32, 5.96), (4.04, 5.54), (3.30, 4.78),
