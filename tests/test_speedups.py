@@ -488,9 +488,19 @@ def test_a_retry_resumes_the_sample_handed_back_and_only_that_one():
     assert type(S.run(fm.plan, x, {}, False, None)) is tuple
     assert S.run(fm.plan, y, hit[1], hit[2], None, False, True) == want_y
     assert type(S.run(fm.plan, x, {}, False, None)) is tuple
-    x2 = [*x, *y]
-    assert S.run(fm.plan, x2, hit[1], hit[2], None, False, True) == \
-        fmt.parse_ids(x2, enc).mask()
+    # nor from tables read with another plan (another format's engine on the same list)
+    f3 = cg.load_format("kimi-k3")
+    fm3 = f3._fast_masker(enc)
+    h3 = fm3._c_policy(f3.default_policy)
+    assert type(S.run(fm.plan, x, {}, False, None)) is tuple
+    fresh = S.run(fm3.plan, x, h3[1], h3[2], None)
+    assert type(S.run(fm.plan, x, {}, False, None)) is tuple
+    assert S.run(fm3.plan, x, h3[1], h3[2], None, False, True) == fresh
+    x2 = [*x, *y]  # (learned first: two samples back to back meet new configurations)
+    want2 = fmt.loss_mask(x2, enc)
+    assert want2 == fmt.parse_ids(x2, enc).mask()
+    assert type(S.run(fm.plan, x, {}, False, None)) is tuple
+    assert S.run(fm.plan, x2, hit[1], hit[2], None, False, True) == want2
     # numpy in, resumed into the same output buffer
     a = np.asarray(x, dtype=np.int64)
     out = np.zeros(len(a), dtype=np.int64)

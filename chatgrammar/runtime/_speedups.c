@@ -466,7 +466,8 @@ done:
  *     the sample needs the Python engine (an unknown special id, a soft marker's piece, a
  *     syntax error, a header prefix not memoised yet, ...). Never raises for input reasons.
  *     `resume` (after gen_ok): the call retries the sample the previous call handed back
- *     (the same object, as long): its symbol tables are still in the scratch buffers, so
+ *     (the same object, as long, with the same plan object; another thread's call in between
+ *     resets it): its symbol tables are still in the scratch buffers, so
  *     pass 1 (reading every id) is skipped; any other call reads the sample afresh.
  */
 typedef struct {
@@ -478,7 +479,7 @@ typedef struct {
     /* the sample whose symbol tables (pass 1) the buffers above hold, while run() has handed
      * it back to Python (a strong reference, dropped at the next call): a retry on the same
      * object (`resume`) skips pass 1, the only pass that reads every id */
-    PyObject *held;
+    PyObject *held, *held_plan;  /* (and the plan they were read with) */
     Py_ssize_t held_n, held_T;
 } scratch_t;
 
@@ -1007,10 +1008,11 @@ run(PyObject *self, PyObject *args)
     Py_ssize_t T, nb, ns;
     int64_t tail;
     int r = 0;
-    if (resume && S_.held == ids && S_.held_n == n) {
+    if (resume && S_.held == ids && S_.held_plan == plan_o && S_.held_n == n) {
         T = S_.held_T;  /* the same sample again, handed back a moment ago: pass 1 is done */
     } else {
         Py_CLEAR(S_.held);
+        Py_CLEAR(S_.held_plan);
         r = find_symbols(&p, items, arr, n, &T);
     }
     if (r == 0)
@@ -1061,13 +1063,20 @@ hold:
             Py_INCREF(ids);
             S_.held = ids;
         }
+        if (S_.held_plan != plan_o) {
+            Py_CLEAR(S_.held_plan);
+            Py_INCREF(plan_o);
+            S_.held_plan = plan_o;
+        }
         S_.held_n = n;
         S_.held_T = T;
         keep = 1;
     }
 done:
-    if (!keep)
-        Py_CLEAR(S_.held);  /* an answer, an error or the Python engine's: nothing to resume */
+    if (!keep) {  /* an answer, an error or the Python engine's: nothing to resume */
+        Py_CLEAR(S_.held);
+        Py_CLEAR(S_.held_plan);
+    }
     Py_XDECREF(missing);
     if (av.obj) PyBuffer_Release(&av);
     if (ov.obj) PyBuffer_Release(&ov);

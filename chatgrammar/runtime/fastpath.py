@@ -387,6 +387,7 @@ class FastMasker:
             i: t for i, t in enumerate(lx.terms, start=1)
             if t in self.drv.cut_header_terms and gclass[i] == DECODE} \
             if self.has_values and not self.has_split else {}
+        self._alias_of: dict[bytes, bytes] = {}  # cut item key -> its _alias (bounded)
         self.stats = {"fast": 0, "slow": 0, "harvest": 0, "c": 0, "alias": 0}
         self.reasons: dict[str, int] = {}   # slow samples by why
         self._why = None
@@ -583,6 +584,12 @@ class FastMasker:
         code = sym >> 2
         if code not in self.cut_codes or (sym & 3) not in (NONE, RUN):
             return None
+        # (a new cut item asks for its alias three times: C's fill, the learn, its memo entry)
+        got = self._alias_of.get(key)
+        if got is not None:
+            return got
+        if len(self._alias_of) >= 1024:
+            self._alias_of.clear()
         m = int(self.budget[code])
         take = min(vlen, m)
         vals = np.frombuffer(key, dtype=np.int64, count=take, offset=len(key) - 8 * take)
@@ -590,9 +597,10 @@ class FastMasker:
         text = self.lexplan.header_value(vals, 0, vlen, m) if take else \
             ("\u2026" if vlen > m else "")
         reading = self.drv.cut_reading(self.cut_codes[code], text)
-        return b"".join((b"cut-header\0", key[:mend - 8], (sym << 16).to_bytes(8, sys.byteorder,
-                         signed=True), key[mend:len(key) - 8 * take],
-                         repr(reading).encode()))
+        got = self._alias_of[key] = b"".join((
+            b"cut-header\0", key[:mend - 8], (sym << 16).to_bytes(8, sys.byteorder, signed=True),
+            key[mend:len(key) - 8 * take], repr(reading).encode()))
+        return got
 
     def _resolve(self, key: bytes):
         """The memoised item of ``key`` through its :meth:`_alias` (registered under ``key``
@@ -1242,7 +1250,9 @@ class FastMasker:
             if it is None or it.unstable:
                 self._forget_key(key)  # (the C executor's view of it too)
             return
-        cturns = [dataclasses.replace(t, generation_prompt=False) for t in sturns]
+        # (the harvested turns are the memo's own: only a generation prompt needs a copy)
+        cturns = [dataclasses.replace(t, generation_prompt=False) if t.generation_prompt else t
+                  for t in sturns]
         try:
             tstarts = [slot_of[t.start] for t in sturns]
         except KeyError:
