@@ -472,6 +472,48 @@ def test_the_c_executor_hands_back_what_it_does_not_memoise():
 
 
 @needs_c
+def test_a_retry_resumes_the_sample_handed_back_and_only_that_one():
+    fmt, enc, ids, fm, hit = _k2_run(6, 13)
+    for x in ids[:4]:
+        fmt.loss_mask(x, enc)
+    x, y = ids[0], ids[1]
+    want_x, want_y = fmt.parse_ids(x, enc).mask(), fmt.parse_ids(y, enc).mask()
+    # handed back (an empty memo), then resumed on the same object: the symbol tables C kept
+    missing = S.run(fm.plan, x, {}, False, None)
+    assert type(missing) is tuple
+    assert S.run(fm.plan, x, hit[1], hit[2], None, False, True) == want_x
+    # after an answer nothing is kept: `resume` on the same object reads it afresh
+    assert S.run(fm.plan, x, hit[1], hit[2], None, False, True) == want_x
+    # another sample (or the same one changed in length) is never resumed from x's tables
+    assert type(S.run(fm.plan, x, {}, False, None)) is tuple
+    assert S.run(fm.plan, y, hit[1], hit[2], None, False, True) == want_y
+    assert type(S.run(fm.plan, x, {}, False, None)) is tuple
+    # nor from tables read with another plan (another format's engine on the same list)
+    f3 = cg.load_format("kimi-k3")
+    fm3 = f3._fast_masker(enc)
+    h3 = fm3._c_policy(f3.default_policy)
+    assert type(S.run(fm.plan, x, {}, False, None)) is tuple
+    fresh = S.run(fm3.plan, x, h3[1], h3[2], None)
+    assert type(S.run(fm.plan, x, {}, False, None)) is tuple
+    assert S.run(fm3.plan, x, h3[1], h3[2], None, False, True) == fresh
+    x2 = [*x, *y]  # (learned first: two samples back to back meet new configurations)
+    want2 = fmt.loss_mask(x2, enc)
+    assert want2 == fmt.parse_ids(x2, enc).mask()
+    assert type(S.run(fm.plan, x, {}, False, None)) is tuple
+    assert S.run(fm.plan, x2, hit[1], hit[2], None, False, True) == want2
+    # numpy in, resumed into the same output buffer
+    a = np.asarray(x, dtype=np.int64)
+    out = np.zeros(len(a), dtype=np.int64)
+    assert type(S.run(fm.plan, a, {}, False, out)) is tuple
+    assert S.run(fm.plan, a, hit[1], hit[2], out, False, True) is True
+    assert out.tolist() == want_x
+    # a long sample with new items learns them and is answered (through the resumed retries)
+    big = [t for z in ids for t in z]
+    assert fmt.loss_mask(big[:len(big) - 7], enc) == fmt.parse_ids(big[:len(big) - 7],
+                                                                   enc).mask()
+
+
+@needs_c
 @pytest.mark.parametrize("name", ["chatml", "llama2", "mistral", "deepseek-v3", "gemma",
                                   "internlm2"])
 def test_the_c_executor_runs_literal_ended_headers_and_lstrip(name):

@@ -465,6 +465,10 @@ done:
  *     (native uint16); the caller fills them (and the end of input) and calls again. None:
  *     the sample needs the Python engine (an unknown special id, a soft marker's piece, a
  *     syntax error, a header prefix not memoised yet, ...). Never raises for input reasons.
+ *     `resume` (after gen_ok): the call retries the sample the previous call handed back
+ *     (the same object, as long, with the same plan object; another thread's call in between
+ *     resets it): its symbol tables are still in the scratch buffers, so
+ *     pass 1 (reading every id) is skipped; any other call reads the sample afresh.
  */
 typedef struct {
     int64_t *P, *mend, *K, *take, *off, *meta, *split, *bounds, *spans, *key;
@@ -472,6 +476,11 @@ typedef struct {
     /* walk: where the automaton's table lacks an entry (symbol index, configuration) */
     Py_ssize_t need_t;
     int64_t need_sid;
+    /* the sample whose symbol tables (pass 1) the buffers above hold, while run() has handed
+     * it back to Python (a strong reference, dropped at the next call): a retry on the same
+     * object (`resume`) skips pass 1, the only pass that reads every id */
+    PyObject *held, *held_plan;  /* (and the plan they were read with) */
+    Py_ssize_t held_n, held_T;
 } scratch_t;
 
 static scratch_t S_ = {0};
@@ -973,10 +982,10 @@ static PyObject *
 run(PyObject *self, PyObject *args)
 {
     PyObject *plan_o, *ids, *memo, *out_o, *missing = NULL;
-    int last_only, gen_ok = 0;
+    int last_only, gen_ok = 0, resume = 0, keep = 0;
     int64_t gen_at = -1;
-    if (!PyArg_ParseTuple(args, "OOO!pO|p:run", &plan_o, &ids, &PyDict_Type, &memo, &last_only,
-                          &out_o, &gen_ok))
+    if (!PyArg_ParseTuple(args, "OOO!pO|pp:run", &plan_o, &ids, &PyDict_Type, &memo,
+                          &last_only, &out_o, &gen_ok, &resume))
         return NULL;
     plan_t p;
     if (parse_plan(plan_o, &p) < 0)
@@ -1007,12 +1016,19 @@ run(PyObject *self, PyObject *args)
      * list cannot change under us. */
     Py_ssize_t T, nb, ns;
     int64_t tail;
-    int r = find_symbols(&p, items, arr, n, &T);
+    int r = 0;
+    if (resume && S_.held == ids && S_.held_plan == plan_o && S_.held_n == n) {
+        T = S_.held_T;  /* the same sample again, handed back a moment ago: pass 1 is done */
+    } else {
+        Py_CLEAR(S_.held);
+        Py_CLEAR(S_.held_plan);
+        r = find_symbols(&p, items, arr, n, &T);
+    }
     if (r == 0)
         r = walk(&p, T, &nb, &tail);
     if (r == 3) {
         res = walk_rest(&p, T);
-        goto done;
+        goto hold;
     }
     if (r == 0)
         r = item_spans(&p, memo, items, arr, n, T, nb, tail, last_only, gen_ok, &ns, &missing,
@@ -1024,7 +1040,7 @@ run(PyObject *self, PyObject *args)
     }
     if (r == 2) {
         res = PyList_AsTuple(missing);
-        goto done;
+        goto hold;
     }
     if (r > 0) {
         res = Py_None;
@@ -1047,7 +1063,29 @@ run(PyObject *self, PyObject *args)
         PyObject *t = Py_BuildValue("(LN)", (long long)gen_at, res);
         res = t;
     }
+    goto done;
+hold:
+    /* handed back for Python to fill the memo or the automaton: keep pass 1 for the retry */
+    if (res != NULL) {
+        if (S_.held != ids) {
+            Py_CLEAR(S_.held);
+            Py_INCREF(ids);
+            S_.held = ids;
+        }
+        if (S_.held_plan != plan_o) {
+            Py_CLEAR(S_.held_plan);
+            Py_INCREF(plan_o);
+            S_.held_plan = plan_o;
+        }
+        S_.held_n = n;
+        S_.held_T = T;
+        keep = 1;
+    }
 done:
+    if (!keep) {  /* an answer, an error or the Python engine's: nothing to resume */
+        Py_CLEAR(S_.held);
+        Py_CLEAR(S_.held_plan);
+    }
     Py_XDECREF(missing);
     if (av.obj) PyBuffer_Release(&av);
     if (ov.obj) PyBuffer_Release(&ov);

@@ -187,7 +187,12 @@ class _Automaton:
         st = tuple(stack)
         if st not in self.ids and len(self.stacks) >= _MAX_STACKS:
             return -1
-        v = self._intern(st) << 3 | flags
+        nsid = self._intern(st)
+        if self.end_flags[nsid] is None:
+            # the end of input from a new configuration, now: the C walk then never hands a
+            # sample back (and reads it again) only because an input ends there
+            self.end(nsid)
+        v = nsid << 3 | flags
         self.table[sid][sym] = v
         return v
 
@@ -382,6 +387,7 @@ class FastMasker:
             i: t for i, t in enumerate(lx.terms, start=1)
             if t in self.drv.cut_header_terms and gclass[i] == DECODE} \
             if self.has_values and not self.has_split else {}
+        self._alias_of: dict[bytes, bytes] = {}  # cut item key -> its _alias (bounded)
         self.stats = {"fast": 0, "slow": 0, "harvest": 0, "c": 0, "alias": 0}
         self.reasons: dict[str, int] = {}   # slow samples by why
         self._why = None
@@ -498,10 +504,12 @@ class FastMasker:
         an int64 array), automaton entries its walk lacks (filled here: the walk goes on
         in C, not in the Python engine), or a last turn that may be a generation prompt."""
         plan = self.plan
+        # (each retry resumes the same sample: C keeps its symbol tables, so a 1M-token
+        # sequence is read once however many entries it makes the memo learn)
         if type(r) is bytes:
             if not self._c_auto(r):
                 return None
-            r = _speedups.run(plan, ids, hit[1], hit[2], out)
+            r = _speedups.run(plan, ids, hit[1], hit[2], out, False, True)
             if type(r) is bytes:
                 return None  # (an entry the automaton does not memoise: too deep, too many)
         if type(r) is tuple and type(r[0]) is tuple:
@@ -512,7 +520,7 @@ class FastMasker:
                     return _Reference(self._c_whole(ids, policy, strict))
                 if not learned:
                     return None
-            r = _speedups.run(plan, ids, hit[1], hit[2], out)
+            r = _speedups.run(plan, ids, hit[1], hit[2], out, False, True)
         if type(r) is tuple and len(r) == 2 and type(r[0]) is int:
             # the last turn may be a generation prompt (the driver's rule decides); r[1] is
             # the answer when it is not
@@ -576,6 +584,12 @@ class FastMasker:
         code = sym >> 2
         if code not in self.cut_codes or (sym & 3) not in (NONE, RUN):
             return None
+        # (a new cut item asks for its alias three times: C's fill, the learn, its memo entry)
+        got = self._alias_of.get(key)
+        if got is not None:
+            return got
+        if len(self._alias_of) >= 1024:
+            self._alias_of.clear()
         m = int(self.budget[code])
         take = min(vlen, m)
         vals = np.frombuffer(key, dtype=np.int64, count=take, offset=len(key) - 8 * take)
@@ -583,9 +597,10 @@ class FastMasker:
         text = self.lexplan.header_value(vals, 0, vlen, m) if take else \
             ("\u2026" if vlen > m else "")
         reading = self.drv.cut_reading(self.cut_codes[code], text)
-        return b"".join((b"cut-header\0", key[:mend - 8], (sym << 16).to_bytes(8, sys.byteorder,
-                         signed=True), key[mend:len(key) - 8 * take],
-                         repr(reading).encode()))
+        got = self._alias_of[key] = b"".join((
+            b"cut-header\0", key[:mend - 8], (sym << 16).to_bytes(8, sys.byteorder, signed=True),
+            key[mend:len(key) - 8 * take], repr(reading).encode()))
+        return got
 
     def _resolve(self, key: bytes):
         """The memoised item of ``key`` through its :meth:`_alias` (registered under ``key``
@@ -626,23 +641,21 @@ class FastMasker:
         the full pipeline must parse the sample itself (:meth:`_c_whole`)."""
         n = len(ids)
         items = self.items
-        arr = None  # the sample as int64, converted once (by the C packer for a list)
         for key, w0, w1, a in keys:
             if key in items or self._resolve(key) is not None:
                 continue
-            if arr is None:
-                arr = ids_input(ids)[0]
             canon = self._canon
             if canon is not None and w1 == n and a > w0 and key[16:24] != b"\xff" * 8:
                 # An item cut by the end of input: its key holds everything its parse
                 # depends on, so any short whole first item can stand before it (a window
                 # that does not teach the key falls back to the real one below).
-                self._learn_from(np.concatenate([canon, arr[a:w1]]))
+                self._learn_from(np.concatenate([canon, ids_input(ids[a:w1])[0]]))
                 if key in items:
                     continue
             if n < _WINDOW_MIN or w1 - w0 >= n:
                 return None  # the window is the sample: the full pipeline parses it
-            if not self._learn_from(np.array(arr[w0:w1])):
+            # (only the window's ids are converted: a 1M-token sample is not read again)
+            if not self._learn_from(np.array(ids_input(ids[w0:w1])[0])):
                 return False
         return self._c_fill(keys, hit)
 
@@ -1239,7 +1252,9 @@ class FastMasker:
             if it is None or it.unstable:
                 self._forget_key(key)  # (the C executor's view of it too)
             return
-        cturns = [dataclasses.replace(t, generation_prompt=False) for t in sturns]
+        # (the harvested turns are the memo's own: only a generation prompt needs a copy)
+        cturns = [dataclasses.replace(t, generation_prompt=False) if t.generation_prompt else t
+                  for t in sturns]
         try:
             tstarts = [slot_of[t.start] for t in sturns]
         except KeyError:
