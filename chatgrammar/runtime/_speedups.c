@@ -25,8 +25,15 @@
  *     arr and lut are C-contiguous int64 buffers. Position i is a marker when
  *     lo <= arr[i] < lo + len(lut) - 1 and lut[arr[i] - lo] != 0 (lut's last slot is a 0 kept
  *     for "above the range", as in the Python code). Returns the positions and their codes as
- *     native int64 bytes. Equivalent to the numpy `flatnonzero(arr >= lo)` / `lut.take` /
- *     `flatnonzero(codes)` sequence in FastMasker._lex.
+ *     native int64 bytes. Equivalent to the numpy `(arr >= lo).nonzero()` / `lut.take` /
+ *     `codes.nonzero()` sequence of lexers.IdPlan.find (the plan's one marker search).
+ *
+ * symbols(...) and run's find_symbols merge the markers into the symbol stream as the plan's
+ * one stream builder does (lexers.IdPlan.stream, which the reference lexer and the numpy fast
+ * path both are): same entries, same run shapes, same item-key words. They are executors of
+ * that plan, not a rule set of their own: every rule that decodes they read from the plan's
+ * memos, anything else they hand back, and FastMasker.verify_lex (CHATGRAMMAR_VERIFY=1,
+ * tests/test_one_engine.py) checks their tables against the builder's.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -329,8 +336,9 @@ merge_samples(PyObject *starts, Py_ssize_t S, Py_ssize_t N, const int64_t *cand,
 
 /* symbols(arr, starts, cand, codes, budget, budget1, has_values)
  *     -> (symb, meta, vals, off, B, bl)
- * FastMasker._lex after the marker pass, for formats without literal-ended headers or lstrip
- * markers (see the Python code for the meaning of each output; it is the reference). */
+ * FastMasker._lex after the marker pass (IdPlan.stream, then FastMasker._tables), for formats
+ * without literal-ended headers or lstrip markers (see the Python code for the meaning of
+ * each output; it is the reference). */
 static PyObject *
 symbols(PyObject *self, PyObject *args)
 {
@@ -675,8 +683,10 @@ find_symbols(const plan_t *p, PyObject **items, const int64_t *arr, Py_ssize_t n
     }
     s->P[T] = n;
     if (p->lstrip != NULL) {
-        /* FastMasker._absorb_lstrip: such a marker starts at the start of a whitespace-only
-         * run (at most 16 ids) right before it; the run is gone */
+        /* IdPlan.stream's lstrip rule (IdPlan.blank, from its memo): such a marker starts
+         * at the start of a whitespace-only run (at most 16 ids) right before it; the run is
+         * gone. (The builder splits headers first; the two orders agree wherever no lstrip
+         * marker follows a literal-ended header, which both hand back.) */
         for (Py_ssize_t t = 1; t < T; t++) {
             int64_t s0 = s->mend[t - 1], e0 = s->P[t];
             if (!p->lstrip[s->K[t]] || e0 - s0 <= 0 || e0 - s0 > 16)
@@ -698,8 +708,8 @@ find_symbols(const plan_t *p, PyObject **items, const int64_t *arr, Py_ssize_t n
         int64_t sym = k * 4 + (glen > 0);
         s->split[t] = s->P[t + 1];
         if (p->sbud != NULL && p->sbud[k] > 0 && glen > 0) {
-            /* FastMasker._split: the header ends with the first id whose prefix decodes
-             * to the literal (memoised per prefix by Python) */
+            /* IdPlan.stream's literal-ended header (IdPlan.split_prefix, from its memo):
+             * the header ends with the first id whose prefix decodes to the literal */
             int64_t a = s->mend[t], e = s->P[t + 1], lim = a + p->sbud[k], h = -1;
             if (lim > e)
                 lim = e;

@@ -7,11 +7,12 @@ a response", "assistant turn with one tool call" — so this module memoises the
 level, keyed by everything the item's parse can depend on:
 
 1. **Lexing, vectorised.** The rules are the lexing plan's (:class:`~chatgrammar.runtime.
-   lexers.IdPlan`, which the reference ``IdLexer`` executes too); this module and the C
-   accelerator are executors of it. Marker ids are found with numpy, or in one C pass by the
-   optional accelerator (``chatgrammar/runtime/_speedups.c``: list conversion, marker search,
-   symbol tables and list masks; the numpy code here is what it is tested against, and
-   :meth:`FastMasker.verify_lex` checks both against the reference). No Python code looks
+   lexers.IdPlan`), and so is the one builder of the symbol stream, ``IdPlan.stream``: the
+   reference ``IdLexer`` reads its token list from that stream, and this module its symbol
+   tables (:meth:`FastMasker._symbols`). Marker ids are found with numpy, or in one C pass by
+   the optional accelerator (``chatgrammar/runtime/_speedups.c``: list conversion, marker
+   search, symbol tables and list masks), an executor of the same plan that
+   :meth:`FastMasker.verify_lex` checks against the builder. No Python code looks
    at ordinary ids one by one. Each marker and the run of ordinary ids after it form one *symbol*: the marker's
    kind and the run's shape (none / text / header / header + text). The runs the lexer decodes
    (headers) contribute their ids to the key; content runs contribute only their presence.
@@ -40,8 +41,8 @@ _learn_window`). The result is always exactly ``parse_ids(...).mask_array(policy
    pieces, generation prompts' markers), the same automaton table (``_Automaton.table``) and
    the same item memo (keys are the bytes :func:`_item_key` builds; per policy a packed
    record of the item's spans, :func:`_c_record`). The two lexing rules that decode (a
-   literal-ended header's end, :meth:`FastMasker._split`; an ``lstrip`` marker's whitespace,
-   :meth:`FastMasker._absorb_lstrip`) it reads from those rules' memos. It applies only what
+   literal-ended header's end, :meth:`IdPlan.split_prefix`; an ``lstrip`` marker's
+   whitespace, :meth:`IdPlan.blank`) it reads from those rules' memos. It applies only what
    the Python engine memoised and hands back anything else (:meth:`FastMasker.run_c`).
    An item cut inside a header whose cut text the parse reads only through
    :meth:`Driver.cut_reading` is memoised under that reading too (:meth:`FastMasker._alias`).
@@ -75,7 +76,7 @@ if os.environ.get("CHATGRAMMAR_PURE"):
 from ..core.compile import HEADER, TEXT
 from .parse import unknown_marker_ids
 from ..errors import ParseError, VerifyError
-from .lexers import BODY, DECODE, LSTRIP_MAX, SPLIT, IdLexer, as_id_array
+from .lexers import BODY, DECODE, SPLIT, IdLexer, as_id_array
 from .parse import Source, plain_reduce
 from .policy import MaskPolicy, last_run
 from .spans import Conversation, Issue
@@ -331,7 +332,9 @@ class FastMasker:
         plan = self.lexplan = lx.plan  # the lexing rules: one plan, this is an executor
         k = len(lx.terms)
         self.nsym = (k + 1) * 4
-        gclass, budget = plan.gclass, plan.budget
+        # the id markers' codes (0..k): the plan's soft markers without an id are found in
+        # decoded runs, which this executor hands back
+        gclass, budget = plan.gclass[:k + 1], plan.budget[:k + 1]
         if int(budget.max(initial=0)) >= 60_000:
             self.enabled = False
             self.disabled = "a header budget of 60k tokens or more"
@@ -341,8 +344,9 @@ class FastMasker:
             self.disabled = refused
         self.gclass = gclass
         self.split_budget = budget.tolist()
-        self.has_split = bool((gclass == SPLIT).any())
-        self.lstrip_code = plan.lstrip_code
+        self.has_split = plan.has_split
+        lstrip = None if plan.lstrip_code is None else plan.lstrip_code[:k + 1]
+        self.lstrip_code = lstrip if lstrip is not None and lstrip.any() else None
         self.space_memo = plan.space_memo
         self.split_delim = plan.delim
         # Special/added ids of markers the format does not know (parse.unknown_marker_ids) are
@@ -400,8 +404,8 @@ class FastMasker:
     def _c_plan(self):
         """The lexing plan and automaton as the C executor takes them (``_speedups.run``):
         the same tables :meth:`_lex` / :meth:`_walk` use, with the memos of the two rules
-        that decode (literal-ended headers: :meth:`_split`'s, ``lstrip``:
-        :meth:`_absorb_lstrip`'s), which the C executor reads and the Python engine fills.
+        that decode (literal-ended headers: :meth:`IdPlan.split_prefix`'s, ``lstrip``:
+        :meth:`IdPlan.blank`'s), which the C executor reads and the Python engine fills.
         None where the accelerator is not built."""
         if _speedups is None or not hasattr(_speedups, "run") or not self.enabled:
             return None
@@ -910,58 +914,32 @@ class FastMasker:
         return self._symbols(arr, starts, cand, codes, slow)
 
     def _symbols(self, arr, starts, cand, codes, slow):
-        """The symbol tables of :meth:`_lex` from the marker positions and codes, in numpy
-        (the reference of ``_speedups.symbols``, plus the ``lstrip`` and literal-ended header
-        rules the C pass does not take)."""
+        """The symbol tables of :meth:`_lex` from the marker positions and codes: the plan's
+        one stream builder (:meth:`IdPlan.stream`, which hands back in ``slow`` what this
+        executor does not take), then the memo's view of it (:meth:`_tables`). This is
+        what ``_speedups.symbols`` and the C executor's ``find_symbols`` are checked
+        against (:meth:`verify_lex`)."""
+        return self._tables(arr, self.lexplan.stream(arr, starts, cand, codes, handback=slow),
+                            slow)
+
+    def _tables(self, arr, st, slow):
+        """The memo's tables of a symbol stream: per entry its symbol (``code * 4`` + the
+        run's shape), its meta word and header ids (the item key), its slots (marker start,
+        run start, header end)."""
+        P, Kx, mend = st.P, st.K, st.mend
         N = len(arr)
-        S = len(starts) - 1
-        M = len(cand)
-        if S == 1:
-            bidx = None
-        else:
-            bof = np.asarray(starts[:-1], dtype=np.int64)
-            bidx = np.searchsorted(cand, bof, side="left") + np.arange(S)
-        T = M + S
-        P = np.empty(T + 1, dtype=np.int64)
-        Kx = np.zeros(T, dtype=np.int64)
-        if S == 1:
-            P[0] = 0
-            P[1:T] = cand
-            Kx[1:] = codes
-            mend = P[:-1] + 1
-            mend[0] = 0
-        else:
-            real = np.ones(T, dtype=bool)
-            real[bidx] = False
-            P[:-1][real] = cand
-            P[bidx] = bof
-            Kx[real] = codes
-            mend = P[:-1] + 1
-            mend[bidx] = bof
-        P[T] = N
-        if self.lstrip_code is not None:
-            self._absorb_lstrip(arr, P, Kx, mend, bidx, slow)
+        T = len(Kx)
         glen = P[1:] - mend
         sym = Kx * 4 + (glen > 0)
-        split_at = P[1:]
+        split_at = st.hend
         if self.has_split:
-            split_at = split_at.copy()
-            gcl = self.gclass[Kx]
-            for i in np.flatnonzero((gcl == SPLIT) & (glen > 0)).tolist():
-                j = 0 if bidx is None else int(np.searchsorted(bidx, i, side="right")) - 1
-                if slow[j]:
-                    continue
-                h_end = self._split(arr, int(mend[i]), int(P[i + 1]), int(Kx[i]))
-                if h_end is None:
-                    slow[j] = "header literal not found within its budget, or straddling"
-                    continue
-                split_at[i] = h_end
-                sym[i] = Kx[i] * 4 + (HEAD_RUN if h_end < P[i + 1] else HEAD)
+            sp = st.sst == 1  # (the builder applies exact ends only for an executor)
+            sym[sp] = Kx[sp] * 4 + np.where(split_at[sp] < P[1:][sp], HEAD_RUN, HEAD)
         if self.has_values:
             take = np.minimum(glen, self.budget[Kx])
             vlen = np.minimum(glen, self.budget1[Kx])
             if self.has_split:
-                sp = gcl == SPLIT
+                sp = st.cls == SPLIT
                 take[sp] = vlen[sp] = (split_at - mend)[sp]
             off = np.zeros(T + 1, dtype=np.int64)
             np.cumsum(take, out=off[1:])
@@ -985,31 +963,8 @@ class FastMasker:
         slots[:, 2] = split_at
         B = slots.ravel().tolist()
         B.append(N)
-        bl = [0, T] if bidx is None else [*bidx.tolist(), T]
+        bl = [0, T] if st.bidx is None else [*st.bidx.tolist(), T]
         return symb, meta, vals, off_l, B, bl, slow
-
-    def _absorb_lstrip(self, arr, P, Kx, mend, bidx, slow) -> None:
-        """The plan's ``lstrip`` rule (:meth:`IdPlan.blank`) on the marker arrays: a marker
-        that absorbs whitespace before it starts at the start of a whitespace-only text run
-        right before it."""
-        blank = self.lexplan.blank
-        for i in np.flatnonzero(self.lstrip_code[Kx]).tolist():
-            s0, e0 = int(mend[i - 1]), int(P[i])
-            if not 0 < e0 - s0 <= LSTRIP_MAX:
-                continue
-            if self.gclass[Kx[i - 1]] == SPLIT:  # header + text: leave it to the slow path
-                j = 0 if bidx is None else int(np.searchsorted(bidx, i, side="right")) - 1
-                slow[j] = "lstrip after a literal-ended header"
-                continue
-            if blank(arr, s0, e0):
-                P[i] = s0  # the marker token now starts at the run; the run is gone
-
-    def _split(self, arr, s: int, e: int, code: int) -> int | None:
-        """End of a header that ends at a literal (the plan's rule,
-        :meth:`IdPlan.split_prefix`); None when the slow path must decide (no literal within
-        the budget, or a straddle)."""
-        k, r = self.lexplan.split_prefix(arr, s, e, code)
-        return k if r == 1 else None
 
     # ------------------------------------------------------------------ fast masks
     def _walk(self, lexed, j):
@@ -1270,13 +1225,16 @@ class FastMasker:
         it.progs[rkey] = _Prog(cturns, tstarts, slot_of, runs)
 
     def verify_lex(self, arr: np.ndarray, starts: list[int], j: int, lexed) -> bool:
-        """Sample ``j``'s symbol tables (``lexed``, from :meth:`_lex`: the numpy pass or the
-        C ``symbols`` pass) against the reference executor of the same plan
-        (:meth:`IdLexer.lex`): the same tokens at the same positions, and every header text
-        the reference reads is the one the item key determines (its ids, read within the
-        budget). ``CHATGRAMMAR_VERIFY=1`` runs it on every fast sample; tests/test_engine.py
-        on every bundled format's fixtures. False when the sample is the reference's alone
-        (the executors hand it back: soft markers, straddles, …).
+        """Sample ``j``'s symbol tables (``lexed``, from :meth:`_lex`: the C ``symbols``
+        pass, or the stream builder over a batch) against the one stream builder's on that
+        sample alone (:meth:`IdPlan.stream`, as the reference lexer runs it): the same
+        symbols, slots, key words and header ids; the reference's tokens read from that
+        stream (:meth:`IdPlan.tokens`) are the ones the symbols describe, and every header
+        text they hold is the one the item key determines (its ids, read within the
+        budget). ``CHATGRAMMAR_VERIFY=1`` runs it on every fast sample, the C executor's
+        included; tests/test_one_engine.py on every bundled format's fixtures. False when the
+        sample is the reference's alone (the executors hand it back: soft markers,
+        straddles, …).
 
         Raises:
             VerifyError: on any difference.
@@ -1289,8 +1247,14 @@ class FastMasker:
         syms = np.frombuffer(lexed[0], dtype=np.uint16)[b0:b1].tolist()
         B = [x - s0 for x in lexed[4][3 * b0:3 * b1 + 1]]
         boundary: list = []
-        toks = self.lx.lex(a, boundary)
-        ok = not boundary and self._same_tokens(toks, syms, B)
+        st = self.lx.stream(a, boundary)
+        want = self._tables(a, st, [None])
+        off = lexed[3]
+        ok = (not boundary and want[0] == lexed[0][2 * b0:2 * b1]
+              and want[1] == lexed[1][8 * b0:8 * b1] and want[4] == B
+              and (off is None or want[2] == lexed[2][8 * off[b0]:8 * off[b1]]))
+        toks = self.lexplan.tokens(a, st) if ok else None
+        ok = ok and self._same_tokens(toks, syms, B)
         if ok and self.has_values:
             ok = [t[3] for t in toks if t[0] in (TEXT, HEADER) and t[3] is not None] == \
                 self._key_reads(lexed, b0, b1, syms)

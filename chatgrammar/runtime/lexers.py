@@ -10,6 +10,7 @@ vectorised numpy pass. Python then loops over *markers*, never over characters o
 """
 from __future__ import annotations
 
+import bisect
 import re
 import struct
 from dataclasses import dataclass, field
@@ -196,20 +197,64 @@ def _text_gap(text, s, e, prev, toks, split_after, decode_after, split_max) -> N
 
 # What the lexer does with the run of ordinary ids after a marker (the marker's *gap class*)
 BODY, DECODE, SPLIT = 0, 1, 2
+# Stream.sst of a run that is no literal-ended header (or whose split an executor did not
+# apply: it hands the sample back); else IdPlan.split_prefix's answer (1, -1, 0)
+NO_SPLIT = 2
 # An lstrip marker absorbs a whitespace run of at most this many ids before it.
 LSTRIP_MAX = 16
 _MEMO_MAX = 100_000
+_TEXT_MEMO_MAX = 20_000
+# why an executor hands a sample back to the reference (FastMasker.reasons, fmt.stats())
+HANDBACK_SPLIT = "header literal not found within its budget, or straddling"
+HANDBACK_LSTRIP = "lstrip after a literal-ended header"
+
+
+class Stream:
+    """The symbol stream of one or more samples, as marker arrays (what :meth:`IdPlan.stream`
+    builds; the reference's token list, :meth:`IdPlan.tokens`, and the fast path's symbol
+    tables are read from it).
+
+    Entry ``t`` is a marker of code ``K[t]`` over ids ``[P[t], mend[t])`` (code 0: a sample's
+    begin, zero width; a soft marker found in decoded text may span several ids, or none),
+    then the run of ordinary ids after it, ``[mend[t], P[t + 1])`` (``P[T]`` is the input's
+    length).
+
+    Attributes:
+        P, K, mend: as above (int64; ``P`` has ``T + 1`` values).
+        hend: the end of the run's literal-ended header (``HEADER [mend, hend)``, then
+            ``TEXT [hend, P[t + 1])``); the run's end where it has none.
+        sst: ``NO_SPLIT``, or :meth:`IdPlan.split_prefix`'s answer for the run's header
+            (1: ends with an id, -1: a straddle, the header's last id is the body's; 0: no
+            literal within the budget, the whole run is header).
+        cls: the gap class of the run (``BODY``, ``DECODE``: its text is read as a header,
+            ``SPLIT``).
+        bidx: the index of each sample's begin entry (None: one sample).
+    """
+
+    __slots__ = ("P", "K", "mend", "hend", "sst", "cls", "bidx")
+
+    def __init__(self, P, K, mend, hend, sst, cls, bidx):
+        self.P, self.K, self.mend, self.hend = P, K, mend, hend
+        self.sst, self.cls, self.bidx = sst, cls, bidx
+
+    def sample_of(self, i: int) -> int:
+        """The sample entry ``i`` belongs to."""
+        return 0 if self.bidx is None else int(np.searchsorted(self.bidx, i, side="right")) - 1
 
 
 class IdPlan:
     """THE id-lexing plan of one (format, tokenizer) pair: every id-mode lexing rule lives
-    here, and the three executors read it — :class:`IdLexer` (the reference: a token list,
-    every case), the fast path's numpy pass (``FastMasker._symbols``) and the C executor
-    (``_speedups.run`` / ``symbols``), which take its tables and memos and hand back the
-    cases they do not execute (soft markers, straddles) to the reference.
+    here, and so does the one builder of the symbol stream, :meth:`stream`, which applies
+    them to marker arrays. The reference lexer (:class:`IdLexer`: :meth:`stream`, then
+    :meth:`tokens`) and the fast path's numpy pass (``FastMasker._symbols``: :meth:`stream`,
+    then the memo's key tables) are this builder; the C executor (``_speedups.run`` /
+    ``symbols``) executes the same plan from its tables and memos, handing back what it does
+    not execute (soft markers, straddles), and ``FastMasker.verify_lex`` proves it equal.
 
     Attributes:
         terms: marker terminal per code ``1..len(terms)`` (code 0: the begin of input).
+        soft_terms: soft markers without a single id, codes ``len(terms) + 1 ...`` (found
+            in decoded runs by :meth:`soft_search`; only the reference's stream holds them).
         marker_ids: terminal -> its single id.
         lut: code table indexed by ``id + 1`` (slot 0 catches negative ids, the last slot
             catches ids beyond every marker) → code (0 = ordinary id).
@@ -229,22 +274,32 @@ class IdPlan:
         self.adapter = adapter
         self._markers(cfg, adapter)
         k = len(self.terms)
-        gclass, budget = [BODY] * (k + 1), [0] * (k + 1)
-        for i, term in enumerate([None, *self.terms]):
-            gclass[i], budget[i] = self.rule(term)
-        self.gclass = np.asarray(gclass, dtype=np.int64)
-        self.budget = np.asarray(budget, dtype=np.int64)
-        self.by_code = list(zip(gclass, budget))  # the same, as Python ints (per marker)
+        # the run after a soft marker found in decoded text is read as a header where its
+        # marker's header ends at a marker (never split: the literal rule is an opener id's)
+        rules = [self.rule(t) for t in [None, *self.terms]] + [
+            (DECODE, cfg.decode_after[t]) if t in cfg.decode_after else (BODY, 0)
+            for t in self.soft_terms]
+        self.gclass = np.asarray([r[0] for r in rules], dtype=np.int64)
+        self.budget = np.asarray([r[1] for r in rules], dtype=np.int64)
+        self.by_code = rules  # the same, as Python ints (per marker)
+        self.has_split = bool((self.gclass == SPLIT).any())
         self.delim = {i: cfg.split_after[t] for i, t in enumerate(self.terms, start=1)
                       if t in cfg.split_after}
-        lcodes = [False] + [t in cfg.lstrip for t in self.terms]
+        every = [*self.terms, *self.soft_terms]
+        lcodes = [False] + [t in cfg.lstrip for t in every]
         self.lstrip_code = np.asarray(lcodes, dtype=bool) if any(lcodes) else None
+        # each code's terminal and text (the reference's marker tokens)
+        self._term_list = [None, *every]
+        self._text_list = [None, *(cfg.marker_text[t] for t in every)]
+        self.split_code = self.gclass == SPLIT
+        self.soft_code = {cfg.marker_text[t]: k + 1 + i for i, t in enumerate(self.soft_terms)}
         # the memos of the two rules that decode, read by the C executor too:
         # (code, prefix ids bytes) -> split_prefix's answer, and the same keyed as the C
         # executor looks it up (bytes(code) + prefix ids); run ids bytes -> blank or not
         self.split_memo: dict = {}
         self.split_c: dict = {}
         self.space_memo: dict = {}
+        self.text_memo: dict = {}  # run ids bytes -> decoded text (IdPlan.text)
         self._soft_lut: Any = False  # computed on first use (a pass over the vocabulary)
 
     def _markers(self, cfg: LexConfig, adapter: TokenizerAdapter) -> None:
@@ -270,6 +325,7 @@ class IdPlan:
             self.terms.append(term)
             self.lut[tid + 1] = len(self.terms)
         self.marker_range = self.restrict(self.lut)
+        self.soft_terms = [cfg.by_text[t] for t in soft_unmapped]
         self.soft_regex = (re.compile("|".join(re.escape(t) for t in
                                                sorted(soft_unmapped, key=len, reverse=True)))
                            if soft_unmapped else None)
@@ -313,21 +369,200 @@ class IdPlan:
         if accel is not None and arr.flags.c_contiguous:
             pos_b, code_b = accel.find_markers(arr, lo, lutr)
             return np.frombuffer(pos_b, dtype=np.int64), np.frombuffer(code_b, dtype=np.int64)
-        cand = np.flatnonzero(arr >= lo)
+        cand = (arr >= lo).nonzero()[0]
         if not len(cand):
             return cand, cand
         codes = lutr.take(arr[cand] - lo, mode="clip")
-        nz = np.flatnonzero(codes)
+        nz = codes.nonzero()[0]
         if len(nz) != len(cand):
             cand, codes = cand[nz], codes[nz]
         return cand, codes
 
+    # ------------------------------------------------------------- the symbol stream
+    def stream(self, arr, starts: list[int], cand, codes, *, handback: list | None = None,
+               boundary: list | None = None) -> Stream:
+        """THE builder of the symbol stream of the samples ``arr[starts[j]:starts[j + 1]]``
+        from their markers (``cand``, ``codes``: :meth:`find`'s answer), applying every rule
+        of the plan in the reference's order: literal-ended headers (:meth:`split_prefix`),
+        soft markers in decoded runs (:meth:`soft_search`), ``lstrip`` (:meth:`blank`).
+
+        Args:
+            handback: None for the reference (every case executed). For an executor that
+                hands samples back (the fast path): per sample, None or why it already goes
+                to the reference; the decoding rules skip those, anything the executor does
+                not take (a straddle, no literal within the budget, ``lstrip`` after a
+                literal-ended header) sets its reason there, and soft markers are not
+                searched (the executor hands back every sample that may spell one).
+            boundary: if given, collects ``(id index, note)`` for each span boundary that
+                falls inside a merged token, in input order (the reference's
+                ``Conversation.boundaries``).
+
+        Returns:
+            The :class:`Stream`.
+        """
+        st = _merge_begins(arr, starts, cand, codes)
+        st.cls = self.gclass[st.K]
+        straddles: list = []
+        if self.has_split:
+            if handback is not None and self.lstrip_code is not None:
+                self._lstrip_after_split(st, handback)
+            straddles = self._split_runs(arr, st, handback)
+        else:
+            st.hend = st.P[1:]  # (a view: the runs' ends, whatever lstrip moves)
+        if self.soft_regex is not None and handback is None:
+            st = self._soft_runs(arr, st, boundary)
+        elif boundary is not None:
+            boundary.extend(self._straddle_note(st, i) for i in straddles)
+        if self.lstrip_code is not None:
+            self._lstrip(arr, st, handback is not None)
+        return st
+
+    def _split_runs(self, arr, st: Stream, handback) -> list[int]:
+        """Each literal-ended header run split where :meth:`split_prefix` says (an executor
+        applies exact ends only); the entries whose header end straddles an id."""
+        P, K, mend = st.P, st.K, st.mend
+        st.hend = hend = P[1:].copy()
+        st.sst = sst = np.full(len(K), NO_SPLIT, dtype=np.int64)
+        idx = self.split_code[K].nonzero()[0].tolist()
+        if not idx:
+            return []
+        starts, ends, codes = mend[idx].tolist(), P[1:][idx].tolist(), K[idx].tolist()
+        done, rs, hs, straddles = [], [], [], []
+        for i, s, e, code in zip(idx, starts, ends, codes):
+            if s >= e:
+                continue
+            j = st.sample_of(i) if handback is not None else 0
+            if handback is not None and handback[j]:
+                continue
+            k, r = self.split_prefix(arr, s, e, code)
+            if handback is not None and r != 1:
+                handback[j] = HANDBACK_SPLIT
+                continue
+            done.append(i)
+            rs.append(r)
+            hs.append(k if r == 1 else (k - 1 if r == -1 else e))
+            if r == -1:
+                straddles.append(i)
+        if done:
+            sst[done] = rs
+            hend[done] = hs
+        return straddles
+
+    def _lstrip_after_split(self, st: Stream, handback: list) -> None:
+        """An executor hands back a sample where an ``lstrip`` marker follows a
+        literal-ended header's run of at most LSTRIP_MAX ids (the reference splits it,
+        then absorbs its text part)."""
+        P, K, mend = st.P, st.K, st.mend
+        i = self.lstrip_code[K].nonzero()[0]
+        if not len(i):
+            return
+        n = P[i] - mend[i - 1]
+        hit = i[(st.cls[i - 1] == SPLIT) & (n > 0) & (n <= LSTRIP_MAX)]
+        for t in hit.tolist():
+            handback[st.sample_of(t)] = HANDBACK_LSTRIP
+
+    def _lstrip(self, arr, st: Stream, executor: bool) -> None:
+        """The ``lstrip`` rule (:meth:`blank`) on the stream: a marker that absorbs
+        whitespace starts at the start of a whitespace-only text run right before it (the
+        text after a literal-ended header, or the whole run after any other marker); the
+        run is gone. Python loops over those markers only."""
+        P, K, mend = st.P, st.K, st.mend
+        has_split = self.has_split
+        for i in self.lstrip_code[K].nonzero()[0].tolist():
+            s0, e0 = int(mend[i - 1]), int(P[i])
+            if has_split and st.cls[i - 1] == SPLIT:
+                if executor or st.sst[i - 1] == NO_SPLIT:
+                    continue  # (handed back; or an empty run)
+                s0 = int(st.hend[i - 1])
+            if 0 < e0 - s0 <= LSTRIP_MAX and self.blank(arr, s0, e0):
+                P[i] = s0
+                if has_split:
+                    st.hend[i - 1] = s0  # (a header's end is its run's end, or s0 already)
+
+    def _straddle_note(self, st: Stream, i: int) -> tuple[int, str]:
+        return (int(st.hend[i]),
+                f"header end {self.delim[int(st.K[i])]!r} falls inside a merged token")
+
+    def _soft_runs(self, arr, st: Stream, boundary: list | None) -> Stream:
+        """Soft markers without a single id, found in the decoded runs (:meth:`soft_search`)
+        and inserted into the stream as entries of their own. A header run read as text
+        (``DECODE``) that holds one ends where the first one starts (:meth:`soft_cut`: an
+        element without an opener whose header runs to `USER:`), as text mode reads it; the
+        text after a literal-ended header is searched like any content run. Python loops over
+        runs (one decode each), never over ids."""
+        P, K, mend = st.P, st.K, st.mend
+        sst = st.sst if self.has_split else None
+        seg = mend if sst is None else np.where(sst != NO_SPLIT, st.hend, mend)
+        todo = P[1:] > seg
+        if sst is not None:
+            todo |= sst == -1
+        at: list[int] = []  # per soft marker found: the entry it follows
+        rows: list[list[int]] = []  # its entry: P, K, mend, cls (, sst, hend)
+        notes = [] if boundary is None else boundary
+        by_code = self.by_code
+        segl, ends, cls = seg.tolist(), P[1:].tolist(), st.cls.tolist()
+        for t in todo.nonzero()[0].tolist():
+            if sst is not None and sst[t] == -1:
+                notes.append(self._straddle_note(st, t))
+            s, e = segl[t], ends[t]
+            if s >= e:
+                continue
+            if cls[t] == DECODE:
+                cut = self.soft_cut(arr, s, e)
+                if cut is None:
+                    continue
+                s = cut
+            for a, b, code in self.soft_search(arr, s, e, notes):
+                at.append(t)
+                # the run after a zero-width soft marker is never read (no header text)
+                rows.append([a, code, b, by_code[code][0] if b > a else BODY, NO_SPLIT, b])
+        if not at:
+            return st
+        # the entries merged in order: old entry t, then the soft markers found after it
+        # (one list step per soft marker, the old entries copied in slices)
+        cols = [P[:-1], K, mend, st.cls] + ([] if sst is None else [sst, st.hend])
+        old = list(zip(*(c.tolist() for c in cols)))
+        rows_in: list = []
+        prev = 0
+        for t, r in zip(at, rows):
+            rows_in += old[prev:t + 1]
+            rows_in.append(r[:len(cols)])
+            prev = t + 1
+        rows_in += old[prev:]
+        new = np.array(rows_in, dtype=np.int64)
+        T, m = len(K), len(at)
+        nP = np.empty(T + m + 1, dtype=np.int64)
+        nP[:-1], nP[-1] = new[:, 0], P[-1]
+        out = Stream(nP, new[:, 1].copy(), new[:, 2].copy(), None, None, new[:, 3].copy(),
+                     None if st.bidx is None else
+                     st.bidx + np.searchsorted(np.asarray(at), st.bidx, side="left"))
+        if sst is None:
+            out.hend = nP[1:]
+        else:  # (a run that is no literal-ended header ends where the next entry starts)
+            out.sst = new[:, 4].copy()
+            out.hend = np.where(out.sst == NO_SPLIT, nP[1:], new[:, 5])
+        return out
+
+    # ------------------------------------------------------------- the rules that decode
     def header_value(self, arr, s: int, e: int, budget: int) -> str:
         """The text of a header run ``[s, e)`` read within ``budget`` ids: an over-long one
         is cut there and marked ``…`` (its checks then reject it)."""
-        dec = self.adapter.decode
-        return dec(arr[s:e].tolist()) if e - s <= budget else \
-            dec(arr[s:s + budget].tolist()) + "…"
+        return self.text(arr, s, e) if e - s <= budget else \
+            self.text(arr, s, s + budget) + "…"
+
+    def text(self, arr, s: int, e: int) -> str:
+        """``adapter.decode`` of ``arr[s:e]``, memoised on the ids for runs of at most 64
+        (headers repeat: role names, tags; a decode costs more than the lookup)."""
+        if e - s > 64:
+            return self.adapter.decode(arr[s:e].tolist())
+        key = arr[s:e].tobytes()
+        txt = self.text_memo.get(key)
+        if txt is None:
+            txt = self.adapter.decode(arr[s:e].tolist())
+            if len(self.text_memo) >= _TEXT_MEMO_MAX:
+                self.text_memo.clear()
+            self.text_memo[key] = txt
+        return txt
 
     def split_prefix(self, arr, s: int, e: int, code: int) -> tuple[int, int]:
         """Where the literal-ended header after marker ``code`` ends in ``[s, e)``: the first
@@ -354,6 +589,18 @@ class IdPlan:
                 return k, r
         return limit, 0
 
+    def split_text(self, arr, s: int, h: int, code: int, r: int) -> str:
+        """The text of the literal-ended header ``[s, h)`` after marker ``code``, for
+        :meth:`split_prefix`'s answer ``r``: up to and including the literal (a straddle:
+        the literal's end inside id ``h``, which the body holds), or the whole run read
+        within the budget (no literal there)."""
+        if r == 1:
+            return self.text(arr, s, h)
+        if r == -1:
+            txt, d = self.text(arr, s, h + 1), self.delim[code]
+            return txt[:txt.find(d) + len(d)]
+        return self.header_value(arr, s, h, self.by_code[code][1])
+
     def blank(self, arr, s: int, e: int) -> bool:
         """The ``lstrip`` rule: is ``[s, e)`` a whitespace run a marker absorbs? At most
         LSTRIP_MAX ids that decode to whitespace or to nothing (SentencePiece decodes a lone
@@ -369,6 +616,84 @@ class IdPlan:
             self.space_memo[key] = sp
         return sp
 
+    def soft_cut(self, arr, s: int, e: int) -> int | None:
+        """The id where the first soft marker of the decoded run ``[s, e)`` starts (the one
+        holding its first character); None when there is none."""
+        text, starts = self.adapter.decode_offsets(arr[s:e].tolist())
+        m = self.soft_regex.search(text)
+        if m is None:
+            return None
+        return s + bisect.bisect_right(starts, m.start()) - 1
+
+    def soft_search(self, arr, s: int, e: int, notes: list) -> list[tuple[int, int, int]]:
+        """The soft markers of the decoded run ``[s, e)`` as ``(start, end, code)`` id spans,
+        in order; each boundary inside a merged token is appended to ``notes``.
+
+        A token that straddles a marker's edge also carries the neighbouring text: it stays
+        with that text (the marker keeps at least one token), so no character of the text is
+        left out when the marker's block does not train (``</think>`` + ``"\\n\\n"`` merged
+        into ``">\\n\\n"``). A marker that starts in the token that ended the previous one
+        starts at that token's end (it may be zero-width): it still is a marker, never
+        silently text."""
+        text, starts = self.adapter.decode_offsets(arr[s:e].tolist())
+        found = list(self.soft_regex.finditer(text))
+        if not found:
+            return []
+        starts_a = starts + [len(text)]  # (ascending: bisect is numpy's searchsorted)
+        out = []
+        last = s
+        for k, m in enumerate(found):
+            cs, ce = m.span()
+            # the next soft marker starts right where this one ends (`<|model|><|user|>`): a
+            # token straddling the two holds no text, so it stays a marker's, never text
+            touching = k + 1 < len(found) and found[k + 1].start() == ce
+            t0 = bisect.bisect_right(starts_a, cs) - 1
+            t1 = bisect.bisect_left(starts_a, ce)
+            a, b = t0, max(t1, t0 + 1)
+            if starts_a[t0] != cs:
+                notes.append((s + t0, f"soft marker {m.group()!r} starts inside a token"))
+                if b - a > 1:
+                    a += 1
+            if starts_a[t1] != ce:
+                notes.append((s + b - 1, f"soft marker {m.group()!r} ends inside a token"))
+                if b - a > 1 and not touching:
+                    b -= 1
+            a, b = s + a, s + b
+            if a < last:
+                a = last
+                b = max(b, a)
+            out.append((a, b, self.soft_code[m.group()]))
+            last = b
+        return out
+
+    # ------------------------------------------------------------- the reference's tokens
+    def tokens(self, arr, st: Stream) -> list[Tok]:
+        """The reference's parser tokens, read from the stream: per entry its marker, then
+        its run (``TEXT``; or ``HEADER`` and the ``TEXT`` after it), with the text of the
+        runs the grammar reads (a header read within its budget, :meth:`header_value`; a
+        literal-ended one, :meth:`split_text`) and None for content. One step per entry (a
+        marker and the run after it: the list the driver reads), never per id."""
+        K, P, mend, cls = st.K.tolist(), st.P.tolist(), st.mend.tolist(), st.cls.tolist()
+        terms, texts, by_code = self._term_list, self._text_list, self.by_code
+        split = self.has_split
+        hend = st.hend.tolist() if split else None
+        sst = st.sst.tolist() if split else None
+        out: list[Tok] = []
+        app = out.append
+        for i, k in enumerate(K):
+            if k:
+                app((terms[k], P[i], mend[i], texts[k]))
+            s, e = mend[i], P[i + 1]
+            if split and sst[i] != NO_SPLIT:
+                h = hend[i]
+                app((HEADER, s, h, self.split_text(arr, s, h, k, sst[i])))
+                if e > h:
+                    app((TEXT, h, e, None))
+            elif e > s:
+                app((TEXT, s, e, self.header_value(arr, s, e, by_code[k][1])
+                     if cls[i] == DECODE else None))
+        return out
+
     @property
     def soft_lut(self) -> np.ndarray | None:
         """Boolean table over ids: True where the token may spell part of a soft marker the
@@ -378,10 +703,41 @@ class IdPlan:
         return self._soft_lut
 
 
+def _merge_begins(arr, starts: list[int], cand, codes) -> Stream:
+    """The stream's entries before any rule: each sample's begin (code 0, zero width) merged
+    before its markers (one id each)."""
+    N = len(arr)
+    S = len(starts) - 1
+    M = len(cand)
+    T = M + S
+    P = np.empty(T + 1, dtype=np.int64)
+    K = np.zeros(T, dtype=np.int64)
+    if S == 1:
+        bidx = None
+        P[0] = 0
+        P[1:T] = cand
+        K[1:] = codes
+        mend = P[:-1] + 1
+        mend[0] = 0
+    else:
+        bof = np.asarray(starts[:-1], dtype=np.int64)
+        bidx = np.searchsorted(cand, bof, side="left") + np.arange(S)
+        real = np.ones(T, dtype=bool)
+        real[bidx] = False
+        P[:-1][real] = cand
+        P[bidx] = bof
+        K[real] = codes
+        mend = P[:-1] + 1
+        mend[bidx] = bof
+    P[T] = N
+    return Stream(P, K, mend, None, None, None, bidx)
+
+
 @dataclass
 class IdLexer:
     """Id-mode lexer bound to one (format, tokenizer) pair: the reference executor of its
-    :class:`IdPlan` (every case, token list out).
+    :class:`IdPlan` (every case, token list out): the plan's marker search, its stream
+    builder and the tokens read from that stream.
 
     Attributes:
         plan: the lexing plan (marker table, gap classes, budgets, the decoding rules).
@@ -405,146 +761,16 @@ class IdLexer:
     def codes(self, arr: np.ndarray) -> np.ndarray:
         return self.plan.codes(arr)
 
+    def stream(self, arr: np.ndarray, boundary: list) -> Stream:
+        """The symbol stream of one id sequence, every rule applied (see :meth:`lex`)."""
+        plan = self.plan
+        pos, kinds = plan.find(arr, *plan.marker_range)
+        return plan.stream(arr, [0, len(arr)], pos, kinds, boundary=boundary)
+
     def lex(self, arr: np.ndarray, boundary: list) -> list[Tok]:
         """Tokens of an id sequence (token indices). ``boundary`` collects
         (token index, note) for span boundaries that fall inside a merged token."""
-        plan = self.plan
-        n = len(arr)
-        pos, kinds = plan.find(arr, *plan.marker_range)  # (numpy: the reference's own)
-        terms = plan.terms
-        toks: list[Tok] = []
-        append = toks.append
-        text_of = self.cfg.marker_text
-        soft = plan.soft_regex
-        prev = 0  # the code of the marker before the run (0: the input's start)
-        last = 0
-        for p, k in zip(pos.tolist(), kinds.tolist()):
-            if p > last:
-                self._gap(arr, last, p, prev, toks, boundary, soft)
-            term = terms[k - 1]
-            append((term, p, p + 1, text_of[term]))
-            prev, last = k, p + 1
-        if last < n:
-            self._gap(arr, last, n, prev, toks, boundary, soft)
-        if self.cfg.lstrip:
-            absorb_lstrip(toks, self.cfg.lstrip, lambda s, e: plan.blank(arr, s, e))
-        return toks
-
-    def _gap(self, arr, s, e, code, toks, boundary, soft) -> None:
-        cls, budget = self.plan.by_code[code]
-        if cls == SPLIT:
-            self._split_gap(arr, s, e, code, toks, boundary, soft)
-        elif cls == DECODE:
-            self._decode_gap(arr, s, e, budget, toks, boundary, soft)
-        else:
-            self._body(arr, s, e, toks, boundary, soft)
-
-    def _split_gap(self, arr, s, e, code, toks, boundary, soft) -> None:
-        """A literal-ended header (:meth:`IdPlan.split_prefix`), then the body after it."""
-        plan = self.plan
-        k, r = plan.split_prefix(arr, s, e, code)
-        dec = self.adapter.decode
-        if r == 1:
-            h_end = k
-            toks.append((HEADER, s, k, dec(arr[s:k].tolist())))
-        elif r == -1:
-            # The header's last token also carries body text: it is assigned to the body
-            # (so no trained character is left out) and the boundary is reported.
-            d = plan.delim[code]
-            txt = dec(arr[s:k].tolist())
-            boundary.append((k - 1, f"header end {d!r} falls inside a merged token"))
-            h_end = k - 1
-            toks.append((HEADER, s, h_end, txt[:txt.find(d) + len(d)]))
-        else:  # the header does not end within its budget (k: the budget's end): all header
-            h_end = e
-            toks.append((HEADER, s, e, dec(arr[s:k].tolist()) + "…" if k < e
-                         else dec(arr[s:e].tolist())))
-        if h_end < e:
-            self._body(arr, h_end, e, toks, boundary, soft)
-
-    def _decode_gap(self, arr, s, e, budget, toks, boundary, soft) -> None:
-        """A header run read within ``budget`` ids (:meth:`IdPlan.header_value`)."""
-        cut = self._soft_cut(arr, s, e, soft)
-        if cut is not None:
-            # A header that ends at a soft marker (an element without opener whose header
-            # runs to `USER:`): the header is the run up to it, the rest is a body, as text
-            # mode reads it. A token that straddles the marker's start (` USER`) stays with
-            # the header text, as `_body` keeps it with the text before a marker.
-            rest: list = []
-            self._body(arr, cut, e, rest, boundary, soft)
-            h_end = cut
-            if rest and rest[0][0] == TEXT and rest[0][1] == cut:
-                h_end, rest = rest[0][2], rest[1:]
-            if h_end > s:
-                self._decode_gap(arr, s, h_end, budget, toks, boundary, None)
-            toks.extend(rest)
-            return
-        toks.append((TEXT, s, e, self.plan.header_value(arr, s, e, budget)))
-
-    def _soft_cut(self, arr, s, e, soft) -> int | None:
-        """The token where the first soft marker of a header run starts (the one holding its
-        first character); None when there is none (or no soft marker at all)."""
-        if soft is None:
-            return None
-        text, starts = self.adapter.decode_offsets(arr[s:e].tolist())
-        m = soft.search(text)
-        if m is None:
-            return None
-        return s + int(np.searchsorted(np.asarray(starts), m.start(), side="right")) - 1
-
-    def _body(self, arr, s, e, toks, boundary, soft) -> None:
-        if soft is None:
-            toks.append((TEXT, s, e, None))
-            return
-        # Soft markers the tokenizer has no single id for: find them in the decoded run.
-        text, starts = self.adapter.decode_offsets(arr[s:e].tolist())
-        found = list(soft.finditer(text))
-        if not found:
-            toks.append((TEXT, s, e, None))
-            return
-        starts_a = np.asarray(starts + [len(text)])
-        last = s
-        for k, m in enumerate(found):
-            cs, ce = m.span()
-            # the next soft marker starts right where this one ends (`<|model|><|user|>`): a
-            # token straddling the two holds no text, so it stays a marker's, never text
-            touching = k + 1 < len(found) and found[k + 1].start() == ce
-            t0 = int(np.searchsorted(starts_a, cs, side="right")) - 1
-            t1 = int(np.searchsorted(starts_a, ce, side="left"))
-            a, b = t0, max(t1, t0 + 1)
-            # A token that straddles the marker's edge also carries the neighbouring text: it
-            # stays with that text (the marker keeps at least one token), so no character of
-            # the text is left out when the marker's block does not train (``</think>`` +
-            # ``"\n\n"`` merged into ``">\n\n"``); the boundary is reported on that token.
-            if starts_a[t0] != cs:
-                boundary.append((s + t0, f"soft marker {m.group()!r} starts inside a token"))
-                if b - a > 1:
-                    a += 1
-            if starts_a[t1] != ce:
-                boundary.append((s + b - 1, f"soft marker {m.group()!r} ends inside a token"))
-                if b - a > 1 and not touching:
-                    b -= 1
-            a, b = s + a, s + b
-            if a < last:
-                # it starts inside the token that ended the previous marker: it still is a
-                # marker (zero-width when that token holds all of it), never silently text
-                a = last
-                b = max(b, a)
-            if a > last:
-                toks.append((TEXT, last, a, self._header_value(arr, toks, last, a)))
-            toks.append((self.cfg.by_text[m.group()], a, b, m.group()))
-            last = b
-        if last < e:
-            toks.append((TEXT, last, e, self._header_value(arr, toks, last, e)))
-
-    def _header_value(self, arr, toks, s, e):
-        """The value of the text run ``[s, e)`` that follows ``toks[-1]``: its decoded text
-        when that is a soft marker found in decoded text whose header ends at a marker
-        (ChatGLM2's `[Round ` before `]\n\n问：`), read within the header budget as after a
-        marker id; None (never read) otherwise."""
-        if not toks or toks[-1][0] not in self.cfg.decode_after or toks[-1][1] == toks[-1][2]:
-            return None
-        return self.plan.header_value(arr, s, e, self.cfg.decode_after[toks[-1][0]])
+        return self.plan.tokens(arr, self.stream(arr, boundary))
 
 
 def _soft_lut(lx: IdPlan):
