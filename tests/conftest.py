@@ -8,8 +8,9 @@
   run); the default run keeps their guarantees at a smaller size.
 
 Cost (issue 14: the whole suite in about 5 minutes and under 4 GB on 2 cores): the whole suite
-runs on two pytest-xdist workers, file by file (``pytest_cmdline_main``; named files, ``-k``
-and ``--update-goldens`` stay in one process); the format-parametrised modules run format by
+runs on two pytest-xdist workers (``pytest_cmdline_main``; named files, ``-k`` and
+``--update-goldens`` stay in one process), sharing cost-balanced units, the heaviest files cut
+into chunks of formats (tests/xdist_balance.py); the format-parametrised modules run format by
 format; after each module the test helpers' cached tokenizers and the formats' per-tokenizer
 state are dropped (``_release_between_modules``).
 """
@@ -61,6 +62,21 @@ def pytest_cmdline_main(config):
         return
     config.option.numprocesses = 2
     config.option.dist = "loadfile"
+    config._chatgrammar_balanced = True  # tests/xdist_balance.py shares the work
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # xdist's (absent without it); before its own
+def pytest_xdist_make_scheduler(config, log):
+    """The whole suite's two workers get cost-balanced work units (tests/xdist_balance.py:
+    heavy files cut into chunks of formats, heaviest first) instead of whole files by number
+    of tests; an explicit ``-n``/``--dist`` keeps pytest-xdist's own scheduling (unless
+    ``CHATGRAMMAR_XDIST_BALANCE=1``: how the balancing is tried on a few files)."""
+    if not (getattr(config, "_chatgrammar_balanced", False)
+            or os.environ.get("CHATGRAMMAR_XDIST_BALANCE") == "1"):
+        return None
+    from tests.xdist_balance import BalancedScheduling
+
+    return BalancedScheduling(config, log)
 
 
 def _return_large_blocks_to_the_system() -> None:
