@@ -133,7 +133,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """``CHATGRAMMAR_TEST_CPULOG=FILE``: each test's CPU seconds (setup, call and teardown)
-    appended to FILE (wall time on a shared machine says little about a test's cost)."""
+    appended to FILE (wall time on a shared machine says little about a test's cost), with
+    the worker and its resident and peak memory after the test (which test raised the peak)."""
     log = os.environ.get("CHATGRAMMAR_TEST_CPULOG")
     if not log:
         yield
@@ -142,8 +143,20 @@ def pytest_runtest_protocol(item, nextitem):
 
     cpu = time.process_time()
     yield
+    status = _status()
     with open(log, "a", encoding="utf-8") as f:
-        f.write(f"{time.process_time() - cpu:.4f}\t{item.nodeid}\n")
+        f.write(f"{time.process_time() - cpu:.4f}\t{item.nodeid}\t"
+                f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t"
+                f"{status.get('VmRSS', '?').strip()}\t{status.get('VmHWM', '?').strip()}\n")
+
+
+def _status() -> dict:
+    """This process's /proc/self/status fields (empty where there is none)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            return dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return {}
 
 
 def pytest_collection_finish(session):
@@ -216,12 +229,7 @@ def _release_between_modules(request):
     _release()
     log = os.environ.get("CHATGRAMMAR_TEST_COSTLOG")
     if log:
-        status = {}
-        try:
-            with open("/proc/self/status", encoding="ascii") as f:
-                status = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            pass
+        status = _status()
         with open(log, "a", encoding="utf-8") as f:
             f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t{request.node.nodeid}\t"
                     f"{time.process_time() - cpu:.1f}\t{status.get('VmRSS', '?').strip()}\t"
