@@ -76,7 +76,9 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from tests.xdist_balance import BalancedScheduling
 
-    return BalancedScheduling(config, log)
+    sched = BalancedScheduling(config, log)
+    sched.split = tuple(p.split("::")[0] for p in BY_FORMAT + FRESH_PER_TEST)
+    return sched
 
 
 def _return_large_blocks_to_the_system() -> None:

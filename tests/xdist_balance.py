@@ -5,9 +5,9 @@ wall time was that of the worker that drew the heaviest files: a file's number o
 little about its cost (test_fuzz: 64 tests, ~50 CPU-s; test_wild: 240 tests, ~40 CPU-s), and a
 140 CPU-s file drawn last leaves the other worker idle. Here the work units are:
 
-- the heavy files (:data:`COST` above :data:`CHUNK_CPU_S`) cut into contiguous chunks of about
-  :data:`CHUNK_CPU_S` each. Their tests are ordered format by format (conftest.py), so a chunk
-  is a range of formats and each format's tokenizers are still built once per chunk;
+- the heavy files whose tests run format by format (conftest.py's ``BY_FORMAT`` and
+  ``FRESH_PER_TEST``) cut into contiguous chunks of about :data:`CHUNK_CPU_S` each: a chunk
+  is a range of formats, and each format's tokenizers are still built once;
 - every other file whole, as before.
 
 Units are handed out heaviest first, each to the worker that runs out of work first (the
@@ -28,13 +28,18 @@ from xdist.scheduler import LoadScopeScheduling
 # a test. A file not listed counts CPU_PER_TEST per test.
 COST = {
     "tests/test_formats.py": 139,
-    "tests/test_fastpath.py": 116,
-    "tests/test_reliability.py": 91,
-    "tests/test_fuzz.py": 52,
-    "tests/test_properties.py": 45,
+    "tests/test_fastpath.py": 117,
+    "tests/test_reliability.py": 95,
+    "tests/test_fuzz.py": 78,
+    "tests/test_speedups.py": 53,
     "tests/test_wild.py": 44,
-    "tests/test_speedups.py": 40,
+    "tests/test_one_engine.py": 39,
+    "tests/test_properties.py": 36,
     "tests/test_new_families.py": 34,
+    "tests/test_infer.py": 27,
+    "tests/test_cli.py": 22,
+    "tests/test_detect.py": 12,
+    "tests/test_textpath.py": 12,
 }
 CPU_PER_TEST = 0.05
 CHUNK_CPU_S = 25.0
@@ -44,12 +49,13 @@ def file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
-def plan(collection: list[str]) -> tuple[dict[str, str], dict[str, float]]:
+def plan(collection: list[str], split: tuple = ()) -> tuple[dict[str, str], dict[str, float]]:
     """The work units of a collection.
 
     Args:
         collection: the collected node ids, in the workers' order (by format in the modules
             tests/conftest.py orders so).
+        split: the files that may be cut into chunks (those ordered format by format).
 
     Returns:
         ``(scope_of, cost)``: each node id's unit, and each unit's estimated CPU seconds.
@@ -66,7 +72,7 @@ def plan(collection: list[str]) -> tuple[dict[str, str], dict[str, float]]:
     cost: dict[str, float] = {}
     for f, ids in by_file.items():
         total = COST.get(f, CPU_PER_TEST * len(ids))
-        chunks = max(1, min(len(ids), math.ceil(total / CHUNK_CPU_S)))
+        chunks = max(1, min(len(ids), math.ceil(total / CHUNK_CPU_S))) if f in split else 1
         for k in range(chunks):
             part = ids[k * len(ids) // chunks:(k + 1) * len(ids) // chunks]
             unit = f if chunks == 1 else f"{f}::part{k + 1}of{chunks}"
@@ -79,6 +85,7 @@ class BalancedScheduling(LoadScopeScheduling):
     """pytest-xdist's scope scheduling over the units of :func:`plan`, heaviest first."""
 
     _scope_of: dict[str, str] = {}
+    split: tuple = ()  # the files plan() may cut (set by tests/conftest.py)
 
     def _split_scope(self, nodeid: str) -> str:
         return self._scope_of.get(nodeid) or file_of(nodeid)
@@ -97,7 +104,7 @@ class BalancedScheduling(LoadScopeScheduling):
         self.collection = list(next(iter(self.registered_collections.values())))
         if not self.collection:
             return
-        self._scope_of, cost = plan(self.collection)
+        self._scope_of, cost = plan(self.collection, self.split)
         units: dict[str, dict[str, bool]] = {}
         for nodeid in self.collection:
             units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
