@@ -95,7 +95,8 @@ def measure(cmd: list[str], interval: float = 0.5) -> dict:
 
     Returns:
         A dict: ``rc``, ``wall_s``, ``peak_pss_mb`` and ``peak_rss_mb`` (largest sums over the
-        tree in one sample), ``processes`` (per pid: ``cmd``, ``cpu_s`` at its last sample,
+        tree in one sample), ``at_peak`` (when the PSS peak was sampled and each process's PSS
+        then), ``processes`` (per pid: ``cmd``, ``cpu_s`` at its last sample,
         ``peak_pss_mb``, ``peak_rss_mb``).
 
     Raises:
@@ -109,8 +110,10 @@ def measure(cmd: list[str], interval: float = 0.5) -> dict:
     proc = subprocess.Popen(cmd)
     procs: dict[int, dict] = {}
     peak_pss = peak_rss = 0
+    at_peak: dict = {}
     while proc.poll() is None:
         pss_sum = rss_sum = 0
+        sample: dict[int, float] = {}
         for pid in _tree(proc.pid):
             pss = _kb(f"/proc/{pid}/smaps_rollup", "Pss:")
             rss = _kb(f"/proc/{pid}/status", "VmRSS:")
@@ -123,10 +126,14 @@ def measure(cmd: list[str], interval: float = 0.5) -> dict:
             entry["peak_rss_mb"] = max(entry["peak_rss_mb"], rss / 1024)
             pss_sum += pss
             rss_sum += rss
+            sample[pid] = round(pss / 1024, 1)
+        if pss_sum > peak_pss:  # who held what at the summed peak
+            at_peak = {"t_s": round(time.monotonic() - start, 1), "pss_mb": sample}
         peak_pss, peak_rss = max(peak_pss, pss_sum), max(peak_rss, rss_sum)
         time.sleep(interval)
     return {"rc": proc.returncode, "wall_s": round(time.monotonic() - start, 1),
             "peak_pss_mb": round(peak_pss / 1024, 1), "peak_rss_mb": round(peak_rss / 1024, 1),
+            "at_peak": at_peak,
             "processes": {pid: p for pid, p in procs.items() if p["cpu_s"] >= 1.0}}
 
 
