@@ -8,8 +8,9 @@
   run); the default run keeps their guarantees at a smaller size.
 
 Cost (issue 14: the whole suite in about 5 minutes and under 4 GB on 2 cores): the whole suite
-runs on two pytest-xdist workers, file by file (``pytest_cmdline_main``; named files, ``-k``
-and ``--update-goldens`` stay in one process); the format-parametrised modules run format by
+runs on two pytest-xdist workers (``pytest_cmdline_main``; named files, ``-k`` and
+``--update-goldens`` stay in one process), sharing cost-balanced units, the heaviest files cut
+into chunks of formats (tests/xdist_balance.py); the format-parametrised modules run format by
 format; after each module the test helpers' cached tokenizers and the formats' per-tokenizer
 state are dropped (``_release_between_modules``).
 """
@@ -61,6 +62,23 @@ def pytest_cmdline_main(config):
         return
     config.option.numprocesses = 2
     config.option.dist = "loadfile"
+    config._chatgrammar_balanced = True  # tests/xdist_balance.py shares the work
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # xdist's (absent without it); before its own
+def pytest_xdist_make_scheduler(config, log):
+    """The whole suite's two workers get cost-balanced work units (tests/xdist_balance.py:
+    heavy files cut into chunks of formats, heaviest first) instead of whole files by number
+    of tests; an explicit ``-n``/``--dist`` keeps pytest-xdist's own scheduling (unless
+    ``CHATGRAMMAR_XDIST_BALANCE=1``: how the balancing is tried on a few files)."""
+    if not (getattr(config, "_chatgrammar_balanced", False)
+            or os.environ.get("CHATGRAMMAR_XDIST_BALANCE") == "1"):
+        return None
+    from tests.xdist_balance import BalancedScheduling
+
+    sched = BalancedScheduling(config, log)
+    sched.split = tuple(p.split("::")[0] for p in BY_FORMAT + FRESH_PER_TEST)
+    return sched
 
 
 def _return_large_blocks_to_the_system() -> None:
@@ -117,7 +135,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """``CHATGRAMMAR_TEST_CPULOG=FILE``: each test's CPU seconds (setup, call and teardown)
-    appended to FILE (wall time on a shared machine says little about a test's cost)."""
+    appended to FILE (wall time on a shared machine says little about a test's cost), with
+    the worker and its resident and peak memory after the test (which test raised the peak)."""
     log = os.environ.get("CHATGRAMMAR_TEST_CPULOG")
     if not log:
         yield
@@ -126,8 +145,20 @@ def pytest_runtest_protocol(item, nextitem):
 
     cpu = time.process_time()
     yield
+    status = _status()
     with open(log, "a", encoding="utf-8") as f:
-        f.write(f"{time.process_time() - cpu:.4f}\t{item.nodeid}\n")
+        f.write(f"{time.process_time() - cpu:.4f}\t{item.nodeid}\t"
+                f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t"
+                f"{status.get('VmRSS', '?').strip()}\t{status.get('VmHWM', '?').strip()}\n")
+
+
+def _status() -> dict:
+    """This process's /proc/self/status fields (empty where there is none)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            return dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return {}
 
 
 def pytest_collection_finish(session):
@@ -200,12 +231,7 @@ def _release_between_modules(request):
     _release()
     log = os.environ.get("CHATGRAMMAR_TEST_COSTLOG")
     if log:
-        status = {}
-        try:
-            with open("/proc/self/status", encoding="ascii") as f:
-                status = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            pass
+        status = _status()
         with open(log, "a", encoding="utf-8") as f:
             f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t{request.node.nodeid}\t"
                     f"{time.process_time() - cpu:.1f}\t{status.get('VmRSS', '?').strip()}\t"

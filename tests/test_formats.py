@@ -69,9 +69,12 @@ def _one_format_at_a_time(request):
     """Tests run format by format (tests/conftest.py orders them); when the format changes,
     the tokenizers built for the previous one are released: every loaded format drops its
     per-tokenizer state (detection binds each format to each tokenizer it sees) and the
-    tokenizer caches are emptied. Peak memory is then one format's tokenizers, not all."""
+    tokenizer caches are emptied, and the previous format's renderings dropped. Peak memory is
+    then one format's tokenizers and renderings, not all."""
     name = getattr(getattr(request.node, "callspec", None), "params", {}).get("name")
     if name and name != _current[0]:
+        if _current[0]:  # its renderings too (a memo: a later test of it would render again)
+            data(_current[0])._renders.clear()
         _current[0] = name
         import gc
 

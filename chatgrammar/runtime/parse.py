@@ -335,6 +335,8 @@ class Driver:
         # (whether that is a cut, an error or the turn's normal end is decided with its role)
         # state stack at end of input -> the synthetic terminators that close it (_finish)
         self._closings: dict[tuple, tuple] = {}
+        # (token, state stack) -> the lenient recovery's warning text (_skipped_note)
+        self._notes: dict[tuple, str] = {}
         self.cut_header_terms = self._cut_header_terms(spec)
         self.cut_header_openers = frozenset(t for t, how in self.cut_header_terms.items()
                                             if how == "open")
@@ -437,6 +439,23 @@ class Driver:
         order = {TEXT: 1, HEADER: 2, "$END": 3}
         return [self.describe(k) for k in sorted(keys, key=lambda k: (order.get(k, 0), k))]
 
+    def _skipped_note(self, ttype: str, state_stack: list) -> str:
+        """The lenient warning for a token the parse cannot take (the strict ParseError's
+        message and its first six expected constructs). Lenient recovery on a flood of stray
+        markers meets the same few configurations again and again: the text is kept per
+        (token, state stack) for short stacks, and no excerpt is built (a warning has none)."""
+        key = (ttype, tuple(state_stack)) if len(state_stack) <= 64 else None
+        note = self._notes.get(key) if key is not None else None
+        if note is None:
+            expected = self.expected(state_stack[-1], state_stack)
+            note = (f"skipped malformed input: unexpected {self.describe(ttype)}; expected "
+                    f"{', '.join(expected[:6])}")
+            if key is not None:
+                if len(self._notes) > 4096:
+                    self._notes.clear()
+                self._notes[key] = note
+        return note
+
     # ------------------------------------------------------------------ main loop
     def run(self, toks: list[tuple], src: Source, strict: bool,
             warnings: list[Issue]) -> list[Turn]:
@@ -477,13 +496,12 @@ class Driver:
                 i += 1
                 continue
             # ---- structure error
-            err = ParseError("unexpected " + self.describe(ttype), offset=tok[1],
-                             expected=self.expected(state_stack[-1], state_stack), mode=src.mode,
-                             format=self.spec.name, excerpt=src.excerpt(tok[1]))
             if strict:
-                raise err
-            warnings.append(Issue(tok[1], f"skipped malformed input: {err.message}; expected "
-                                          f"{', '.join(err.expected[:6])}"))
+                raise ParseError("unexpected " + self.describe(ttype), offset=tok[1],
+                                 expected=self.expected(state_stack[-1], state_stack),
+                                 mode=src.mode, format=self.spec.name,
+                                 excerpt=src.excerpt(tok[1]))
+            warnings.append(Issue(tok[1], self._skipped_note(ttype, state_stack)))
             if self._can_feed(state_stack, "$END"):
                 # everything before the bad token is complete: flush its pending reductions
                 # so finished turns are kept
@@ -524,11 +542,10 @@ class Driver:
                     self._closings.clear()
                 self._closings[key] = tuple(memo)
             return
-        err = ParseError("unexpected end of input", offset=end,
-                         expected=self.expected(state_stack[-1], state_stack), mode=src.mode,
-                         format=self.spec.name, excerpt=src.excerpt(end))
         if strict:
-            raise err
+            raise ParseError("unexpected end of input", offset=end,
+                             expected=self.expected(state_stack[-1], state_stack),
+                             mode=src.mode, format=self.spec.name, excerpt=src.excerpt(end))
         warnings.append(Issue(end, "dropped an unfinishable item at end of input"))
 
     def _finish_search(self, ctx, state_stack, value_stack, end, fed) -> bool:
