@@ -873,8 +873,16 @@ def targets(results: dict) -> list[tuple[str, str, bool]]:
 # for kimi-k2 and kimi-k3 in HISTORY_ROWS order). report() renders them as tables.
 HISTORY_ROWS = (*(CLASS_LABEL[c] for c in CLASSES), "text mode against the regex")
 HISTORY = (
-    ("At commit b8a3cfd (this session's start, main), measured by this bench AT THE SAME TIME as\n"
-     "the table above (two processes side by side on the same loaded machine, load average\n"
+    ("At commit b8a3cfd (this session's start, main), measured by this bench (`--no-chatml\n"
+     "--no-compile`) right after the table above, as two processes side by side: b8a3cfd and the\n"
+     "merged tree of the table above (quiet machine, load average 0.04 0.76 2.16 / 1.63 1.12\n"
+     "2.14). The merged tree gave in the same minute: kimi-k3 truncated 2.72x (rounds 2.72 2.43\n"
+     "3.07, ours 45.3 Mtok/s, against b8a3cfd's 35.1: the ratio moves with the scanner's timing,\n"
+     "about +-20% per run), kimi-k2 truncated 3.41x, every other class within that noise:",
+     ((5.06, 5.71), (4.07, 3.25), (5.49, 7.71), (4.86, 6.30), (4.40, 5.87), (4.73, 4.49),
+      (8.69, 11.14), (0.77, 1.10), (1.52, 1.20))),
+    ("At commit b8a3cfd, measured by this bench at the same time as the branch that resumed C's\n"
+     "hand-backs (two processes side by side on a loaded machine, load average\n"
      "13.10 12.64 10.47 / 12.96 13.36 11.86; kimi-k3 rounds: truncated 2.38 2.12 2.64, 1M cut\n"
      "6.09 5.88 2.23):",
      ((3.59, 6.59), (2.96, 2.38), (4.64, 7.15), (4.05, 6.08), (4.36, 5.49), (4.22, 5.88),
