@@ -145,6 +145,9 @@ class _SpecChecks:
                                 "preamble element may have neither: leading text)", base)
         if el.ends_with_parent:
             self.ends_with_parent(ename, el)
+        elif el.kind_when_cut is not None:
+            raise self.fail("`kind_when_cut` is for an `ends_with_parent` element (one that "
+                            "runs to its parent's close)", base + ("kind_when_cut",))
         if el.lead:
             if not all(el.lead):
                 raise self.fail("empty `lead`", base + ("lead",))

@@ -198,6 +198,12 @@ class Element(_Model):
         "so the grammar stays unambiguous (Llama 3's `<|python_tag|>` call runs to "
         "`<|eom_id|>`). The parent needs a close marker, or is itself `ends_with_parent` (a "
         "chain ending at the first closed ancestor: Functionary's `>>>` segments)."))
+    kind_when_cut: Optional[str] = Field(None, description=(
+        "An `ends_with_parent` block's kind when its parent has no close (the input ends "
+        "inside it, or the close is missing): Nemotron Nano v2 writes its last reply after a "
+        "prefilled `<think>\\n`, so a reply the template closes without `</think>` is the "
+        "answer (`kind: content`), while one cut by the end of input may still be reasoning "
+        "(`kind_when_cut: think`, which `thinking: false` drops)."))
     description: Optional[str] = Field(None, description="For humans.")
 
 

@@ -833,6 +833,11 @@ class _Ctx:
                 end = b.close_end = b.close_start
         b.end = end
         b.complete = complete and all(c.complete for c in b.children)
+        if not complete and b.children:
+            # an ends_with_parent block without its parent's close (``kind_when_cut``)
+            cut_kind = self.drv.spec.elements[b.children[-1].name].kind_when_cut
+            if cut_kind is not None:
+                b.children[-1].kind = cut_kind
         if el.header is not None:
             self._read_header(b, el, header_whole, hparts)
         if implicit is not None and el.close.roles:
