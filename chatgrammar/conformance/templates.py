@@ -792,6 +792,11 @@ class _Locator:
                 # nothing in common (a message glued to the previous one, e.g. opened by the
                 # marker that closes the tool outputs): its leading markers are the header
                 glue = openers.leading_glue(R[s:e], rx)
+                if R[s:s + glue].isspace():
+                    # only whitespace, no marker: the message's own leading text (vLLM's
+                    # DeepSeek-V3 tool template indents every reply after the `<｜Assistant｜>`
+                    # its previous message wrote, as its R1 template does after the prompt's)
+                    glue = 0
                 head, p = R[s:s + glue], glue
             else:
                 head, p = g[:cut], min(openers.prefill_start(g, rx), cut)

@@ -854,9 +854,9 @@ class _Ctx:
         closed by one of ``close.untrained_when_empty`` has no end span (the template's stop
         for the tool, not the model's)."""
         if not b.complete and b.children:
-            cut_kind = self.drv.spec.elements[b.children[-1].name].kind_when_cut
-            if cut_kind is not None:
-                b.children[-1].kind = cut_kind
+            cel = self.drv.spec.elements.get(b.children[-1].name)
+            if cel is not None and cel.kind_when_cut is not None:
+                b.children[-1].kind = cel.kind_when_cut
         if (b.close is not None and b.close in el.close.untrained_when_empty
                 and not b.children and (b.body_end or 0) <= (b.body_start or 0)):
             b.close_end = b.close_start
