@@ -36,6 +36,7 @@ Example:
 """
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any, Iterable
 
@@ -136,7 +137,24 @@ def _last_turn_problems(R: str, got: set, base: set, regions) -> list[str]:
     return _diff(R, got, want, "the last assistant message's default mask")
 
 
-def _end_marker_problems(R: str, got: set, base: set, regions, fmt) -> list[str]:
+def _repeated_openers(res, conv) -> set[int]:
+    """The headers of the later turns of a message the template renders as several assistant
+    turns, where the default check accepted that as the ``repeated-prompt`` deviation (the
+    repeated opener stays untrained under every policy: a turn's spans never depend on the
+    turn before it)."""
+    several = {int(m.group(1)) for d in res.deviations
+               for m in [re.match(r"message \[(\d+)\] \(assistant\) is rendered as several "
+                                  r"turns", d)] if m}
+    out: set[int] = set()
+    for i, _, start, _, end in res.regions:
+        if i in several:
+            out |= {k for t in conv.turns if t.role == "assistant" and start < t.start < end
+                    and t.body_start is not None for k in range(t.start, t.body_start)}
+    return out
+
+
+def _end_marker_problems(R: str, got: set, base: set, regions, fmt,
+                         repeated: set = frozenset()) -> list[str]:
     """``end_marker``: the default mask, each assistant message trained on to the end of its
     region (a message the default trains nothing of: from its output start). Beyond that only
     a turn's terminator may train, right after trained text, where a message's output
@@ -152,6 +170,7 @@ def _end_marker_problems(R: str, got: set, base: set, regions, fmt) -> list[str]
         starts |= {s0, start, end}
         if not inside:
             empty |= set(range(s0, end))
+    want -= repeated - base  # (a header the format trains part of, trained_after, stays)
     if not want <= got:
         return _diff(R, got & want, want, "the default mask up to the end of each assistant "
                      "message")
@@ -278,7 +297,7 @@ def policy_problems(name: str, R: str, got: set, base: set, case, res, conv, fmt
     if name == "last_turn_only":
         return _last_turn_problems(R, got, base, regions)
     if name == "end_marker":
-        return _end_marker_problems(R, got, base, regions, fmt)
+        return _end_marker_problems(R, got, base, regions, fmt, _repeated_openers(res, conv))
     if name == "roles+system":
         return _system_problems(R, got, base, case, res, conv, fmt)
     raise KeyError(name)

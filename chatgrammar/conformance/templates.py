@@ -690,7 +690,23 @@ class _Locator:
         self.P, self.tail, self.suffix = _message_starts(R, r, len(case.messages), variables,
                                                          self.openers, marker_rx)
         self.stable = {k: self.P[k] is not None for k in self.P}
+        self._drop_unrendered_calls(case)
         self._generic_g: str | None = None
+
+    def _drop_unrendered_calls(self, case: MatrixCase) -> None:
+        """An assistant message whose tool calls the template drops while it is the last
+        message (vLLM's Nemotron templates keep only its content there) is rendered in full
+        only once later messages exist: the rendering of the messages up to it ends before
+        its calls, so its end is located by the parse, not by that rendering."""
+        R, P = self.R, self.P
+        for out in case.outputs:
+            k = out.message_index + 1
+            s = P.get(k - 1) if k > 1 else 0
+            if not out.tool_calls or not self.stable.get(k) or s is None:
+                continue
+            names = [c.name for c in out.tool_calls]
+            if not any(nm in R[s:P[k]] for nm in names) and all(nm in R[P[k]:] for nm in names):
+                self.stable[k] = False
 
     def message_span(self, k: int, i: int, turns, runs, n_asst: int,
                      res: CaseResult) -> tuple[int, int] | str:
@@ -776,6 +792,11 @@ class _Locator:
                 # nothing in common (a message glued to the previous one, e.g. opened by the
                 # marker that closes the tool outputs): its leading markers are the header
                 glue = openers.leading_glue(R[s:e], rx)
+                if R[s:s + glue].isspace():
+                    # only whitespace, no marker: the message's own leading text (vLLM's
+                    # DeepSeek-V3 tool template indents every reply after the `<｜Assistant｜>`
+                    # its previous message wrote, as its R1 template does after the prompt's)
+                    glue = 0
                 head, p = R[s:s + glue], glue
             else:
                 head, p = g[:cut], min(openers.prefill_start(g, rx), cut)

@@ -145,6 +145,9 @@ class _SpecChecks:
                                 "preamble element may have neither: leading text)", base)
         if el.ends_with_parent:
             self.ends_with_parent(ename, el)
+        elif el.kind_when_cut is not None:
+            raise self.fail("`kind_when_cut` is for an `ends_with_parent` element (one that "
+                            "runs to its parent's close)", base + ("kind_when_cut",))
         if el.lead:
             if not all(el.lead):
                 raise self.fail("empty `lead`", base + ("lead",))
@@ -227,6 +230,10 @@ class _SpecChecks:
             if c not in close.markers:
                 raise self.fail(f"`follow_after` marker {c!r} is not one of this element's "
                                 "close markers", base + ("follow_after", i))
+        for i, c in enumerate(close.untrained_when_empty):
+            if c not in close.markers:
+                raise self.fail(f"`untrained_when_empty` marker {c!r} is not one of this "
+                                "element's close markers", base + ("untrained_when_empty", i))
         if close.follow_after and (not el.follow or close.header is not None or close.after):
             # the follow comes right after the marker, within the same alternative
             raise self.fail("`close.follow_after` needs a `follow` element, and a close "

@@ -124,6 +124,14 @@ class Close(_Model):
         "`<SPECIAL_11>User` turn, same opener, runs to the next one). A listed role's turn "
         "without its close is what `required` says. At the end of input every turn without "
         "its close is cut. Empty (default): all roles."))
+    untrained_when_empty: list[str] = Field(default_factory=list, description=(
+        "Close markers that, ending an empty body, are the template's and not the model's: "
+        "such a turn has no terminator span, so `end_marker` trains nothing of it. "
+        "FunctionGemma and Gemma 4 write a tool message as a model turn that opens with "
+        "`<start_function_response>` / `<|tool_response>`, and a second parallel response right "
+        "after the first: an empty model turn (or reply) that only stops for the tool. A "
+        "turn with text or blocks that stops with that marker (the model's own stop after its "
+        "calls) still trains it under `end_marker`. Each must be one of `markers`."))
 
 
 def _one_or_many(v: Any) -> Any:
@@ -198,6 +206,12 @@ class Element(_Model):
         "so the grammar stays unambiguous (Llama 3's `<|python_tag|>` call runs to "
         "`<|eom_id|>`). The parent needs a close marker, or is itself `ends_with_parent` (a "
         "chain ending at the first closed ancestor: Functionary's `>>>` segments)."))
+    kind_when_cut: Optional[str] = Field(None, description=(
+        "An `ends_with_parent` block's kind when its parent has no close (the input ends "
+        "inside it, or the close is missing): Nemotron Nano v2 writes its last reply after a "
+        "prefilled `<think>\\n`, so a reply the template closes without `</think>` is the "
+        "answer (`kind: content`), while one cut by the end of input may still be reasoning "
+        "(`kind_when_cut: think`, which `thinking: false` drops)."))
     description: Optional[str] = Field(None, description="For humans.")
 
 

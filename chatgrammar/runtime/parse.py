@@ -844,8 +844,22 @@ class _Ctx:
                 self._missing_close(b, el, implicit)
         if lead_run is not None and b.body_end > b.body_start:
             self._skip_lead(b, el.lead, lead_run)
+        self._end_rules(b, el)
         b.kind = self._kind(b, el)
         return b
+
+    def _end_rules(self, b: Block, el: Element) -> None:
+        """What a block's end says about its parts, once it is built: an ``ends_with_parent``
+        last child of a block without its close takes its ``kind_when_cut``; an empty body
+        closed by one of ``close.untrained_when_empty`` has no end span (the template's stop
+        for the tool, not the model's)."""
+        if not b.complete and b.children:
+            cel = self.drv.spec.elements.get(b.children[-1].name)
+            if cel is not None and cel.kind_when_cut is not None:
+                b.children[-1].kind = cel.kind_when_cut
+        if (b.close is not None and b.close in el.close.untrained_when_empty
+                and not b.children and (b.body_end or 0) <= (b.body_start or 0)):
+            b.close_end = b.close_start
 
     def _header(self, b: Block, el: Element, ch: list, i: int, pos: int, until, closes):
         """Read the header part of ``ch`` from ``i``: ``(i, pos, has_body, complete,
