@@ -965,3 +965,23 @@ def test_tool_results_as_assistant_turns_refusal_says_no_format_is_returned():
                                                 "conversations without tool messages"):
         inf.resolve_format(chat_template=_read("wild/theroyallab-stablelm.jinja"),
                            bos_token="<s>", eos_token="</s>")
+
+
+def test_a_tool_name_after_the_role_word_is_read_as_an_attribute():
+    # a ChatML layout that writes the tool's name in the tool result's header
+    # ('<|im_start|>tool name=get_weather\n'): the role is the word, the name an attribute
+    # allowed after 'tool' only, so 'assistant name=…' is no assistant turn
+    tpl = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] }}{% if m['role'] == 'tool' %}"
+           "{{ ' name=' + m['name'] }}{% endif %}{{ '\\n' + m['content'] + '<|im_end|>\\n' }}"
+           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    fmt = cg.infer_format(tpl)
+    assert len(fmt.verification.checked) >= 19 and not fmt.verification.refused
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "Let me check."},
+            {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "sunny"},
+            {"role": "assistant", "content": "Sunny."}]
+    text = render_chat(tpl, msgs)
+    assert "<|im_start|>tool name=get_weather\n" in text
+    assert fmt.parse(text).trained_text(OUTPUT_POLICY) == ["Let me check.", "Sunny."]
+    with pytest.raises(cg.ParseError):
+        fmt.parse(text.replace("tool name=get_weather", "assistant name=get_weather"))

@@ -1021,12 +1021,27 @@ def _more_names(renders: list, opener: str, kind: str, sep: str, known: set) -> 
     return out
 
 
+def _named_header(texts: dict) -> tuple | None:
+    """Where one role's header writes the message's name after the role word (a tool result's
+    ``tool name=get_weather\n``) and the others end with the separator that follows it: that
+    role's text becomes its word (in ``texts``), and ``(role, pattern)`` reads the name as an
+    attribute after that word only."""
+    for r, t in texts.items():
+        m = re.fullmatch(r"([A-Za-z_][\w.\-]*)( \w{1,16}=)" + re.escape(FN) + r"(\W*)", t)
+        if m and all(u.endswith(m.group(3)) and FN not in u for q, u in texts.items() if q != r):
+            texts[r] = m.group(1) + m.group(3)
+            word = re.escape(m.group(1))
+            return r, f"(?:(?<={word}){re.escape(m.group(2))}[^\n<>]{{1,64}})?"
+    return None
+
+
 def _role_names(roles: dict, lex: _Lexicon, where: str, opener: str = "",
                 renders: list | None = None) -> tuple[str, str, dict, str | None]:
     """For roles sharing an opener, headers ``NAME<sep>`` or ``NAME<marker>``: the header
     form (``until_text`` separator or ``until`` marker), the pattern, the aliases, the lead."""
     rests = {r: h.rest for r, h in roles.items()}
     shapes = {tuple(m for m, _ in rest) for rest in rests.values()}
+    named = None
     if all(s and s[0] is False for s in shapes) and len({s[:2] for s in shapes}) == 1 \
             and next(iter(shapes))[1:2] == (True,):
         until = {rest[1][1] for rest in rests.values()}
@@ -1041,6 +1056,7 @@ def _role_names(roles: dict, lex: _Lexicon, where: str, opener: str = "",
             lead = a[2][1]
     elif all(len(rest) >= 1 and not rest[0][0] for rest in rests.values()):
         texts = {r: rest[0][1] for r, rest in rests.items()}
+        named = _named_header(texts)
         # NAME then its separator: the separators' common head ends every header
         seps = [re.match(r"[A-Za-z_][\w.\-]*([^A-Za-z0-9]*)", t) for t in texts.values()]
         sep = os.path.commonprefix([m.group(1) for m in seps]) if all(seps) else ""
@@ -1080,7 +1096,8 @@ def _role_names(roles: dict, lex: _Lexicon, where: str, opener: str = "",
     alts = "|".join(re.escape(n) for n in sorted(by_name, key=len, reverse=True))
     if generic:
         alts += r"|(?!assistant\b)[A-Za-z_][\w.:-]{0,63}"
-    pattern = f"(?P<role>{alts})" + (re.escape(sep) if kind == "until_text" else "")
+    pattern = f"(?P<role>{alts})" + (named[1] if named and kind == "until_text" else "") \
+        + (re.escape(sep) if kind == "until_text" else "")
     aliases = {n: r for n, r in by_name.items() if n != r}
     return kind, sep, {"pattern": pattern, "aliases": aliases, "dup": dup}, lead
 
