@@ -661,7 +661,8 @@ def _assistant_head(lex: _Lexicon, sh: _Shape, g: str | None) -> str:
     if body.startswith(g) or g.startswith(body):
         return g if body.startswith(g) else body
     renamed = _renamed_prompt(body, g)
-    if renamed:
+    others = [h for r, h in list(sh.heads.items()) + list(sh.first.items()) if r != "assistant"]
+    if renamed and not any(re.search(r"\b" + re.escape(renamed[1]) + r"\b", h) for h in others):
         # the prompt names the assistant otherwise than the history (Asimov's '### Assistant: '
         # vs '### assistant: ', saiga's '<s>bot\n' vs '<s>assistant\n'): the history's header
         # is the assistant's, the prompt's name opens an assistant turn too (never another
