@@ -1068,6 +1068,10 @@ def _role_names(roles: dict, lex: _Lexicon, where: str, opener: str = "",
                                  "separator", where=where)
         names = {r: t[:t.index(sep)] for r, t in texts.items()}
         kind, lead = "until_text", None
+    elif not any(p.strip() for rest in rests.values() for _, p in rest):
+        raise InferenceError(f"roles {', '.join(roles)} share the opener {opener!r} and write "
+                             "nothing after it: only a turn's position says whose it is, which "
+                             "a system message or a dropped turn makes lie", where=where)
     else:
         raise InferenceError(f"the headers of roles {', '.join(roles)} have no common form: "
                              + ", ".join(f"{r}: {''.join(p for _, p in h.rest)!r}"
