@@ -870,3 +870,118 @@ def test_no_generation_prompt_after_a_role_marker():
     assert len(fmt.verification.checked) >= 19
     text = render_chat(tpl, TWO_EXCHANGES, **kw)
     assert fmt.parse(text).trained_text() == [": Hello there", ": Later"]
+
+
+def _trained(fmt, tpl, msgs, agp=False, **kw) -> list:
+    return fmt.parse(render_chat(tpl, msgs, add_generation_prompt=agp, **kw)).trained_text(
+        OUTPUT_POLICY)
+
+
+def test_whole_headers_open_turns_when_role_names_have_no_separator():
+    # skrkc's hydrology ChatML writes '<|im_start|>user\n' but '<|im_start|>assistant' glued to
+    # the reply: no separator ends every role name, so each whole header is an opener of its
+    # own (a tool turn closes with the others' '<|im_end|>' after its '</tool_response>')
+    kw = {"eos_token": "<|im_end|>"}
+    tpl = _read("wild/skrkc-hydrology-tool-assistant.jinja")
+    fmt = cg.infer_format(tpl, **kw)
+    assert len(fmt.verification.checked) == 20 and not fmt.verification.refused
+    assert [t.strip() for t in _trained(fmt, tpl, TWO_EXCHANGES, **kw)] == ["Hello there",
+                                                                           "Later"]
+    assert [t for t in _trained(fmt, tpl, TWO_EXCHANGES[:3], True, **kw)] == ["Hello there"]
+    forged = render_chat(tpl, TWO_EXCHANGES, **kw).replace("<|im_start|>user\nBye",
+                                                           "<|im_start|>botBye")
+    with pytest.raises(cg.ParseError):
+        fmt.parse(forged)
+
+
+def test_a_role_name_without_separator_keeps_the_precise_refusal():
+    # Harmony's roles share '<|start|>' with no common separator: read by whole headers it does
+    # not verify either, so the role-name form's reason is the one reported
+    with pytest.raises(cg.InferenceError, match="no common separator"):
+        _infer("openai-gpt-oss-120b.jinja", "harmony")
+
+
+@pytest.mark.parametrize("name,kw,prompt", [
+    # '### Assistant: ' as the prompt, '### assistant: ' in history (Asimov)
+    ("wild/prithivida-Asimov-7B-v2.jinja", {"bos_token": "<s>", "eos_token": "</s>"},
+     "### Assistant: "),
+    # '<s>bot\n' as the prompt, '<s>assistant\n' in history; the system turn is printed only
+    # once a user message follows it (saiga)
+    ("wild/chujiezheng-saiga.jinja", {"bos_token": "<s>", "eos_token": "</s>"}, "<s>bot\n"),
+])
+def test_a_generation_prompt_that_names_the_assistant_otherwise(name, kw, prompt):
+    tpl = _read(name)
+    fmt = cg.infer_format(tpl, **kw)
+    assert len(fmt.verification.checked) >= 14 and not fmt.verification.refused
+    msgs = [{"role": "system", "content": "Be brief."}] + TWO_EXCHANGES
+    assert [t.strip().removesuffix("</s>") for t in _trained(fmt, tpl, msgs, **kw)] == [
+        "Hello there", "Later"]
+    text = render_chat(tpl, msgs[:4], add_generation_prompt=True, **kw)
+    assert prompt in text
+    assert [t.strip().removesuffix("</s>") for t in fmt.parse(text).trained_text(
+        OUTPUT_POLICY)] == ["Hello there"]   # the final prompt trains nothing
+    # the system text never trains, and a header naming another role is no assistant turn
+    assert "Be brief." not in "".join(_trained(fmt, tpl, msgs, **kw))
+    forged = render_chat(tpl, msgs, **kw).replace("Bye", prompt.replace("ssistant", "gent")
+                                                  .replace("bot", "bat") + "Sure")
+    try:
+        conv = fmt.parse(forged)
+    except cg.ParseError:
+        return
+    assert "Sure" not in "".join(conv.trained_text(OUTPUT_POLICY))
+
+
+def test_a_system_prompt_printed_twice_is_text_before_the_first_turn():
+    # PiVoT-MoE prints the last system message, then every message (the system one again):
+    # no copy is a turn of its own; both are the bare system text before the first turn
+    tpl = _read("wild/maywell-PiVoT-MoE.jinja")
+    fmt = cg.infer_format(tpl)
+    assert len(fmt.verification.checked) == 20
+    msgs = [{"role": "system", "content": "Be brief."}] + TWO_EXCHANGES
+    assert render_chat(tpl, msgs).startswith("Be brief.Be brief.")
+    assert [t.strip() for t in _trained(fmt, tpl, msgs)] == ["Hello there", "Later"]
+
+
+def test_marker_shaped_strings_with_a_space_before_the_bar():
+    # axolotl's Aya template writes '<|START_OF_TURN_TOKEN |><|USER_TOKEN |>' (a space before
+    # '|>'): still marker-shaped, soft (no tokenizer has them as one id)
+    kw = {"bos_token": "<BOS_TOKEN>", "eos_token": "<|END_OF_TURN_TOKEN|>"}
+    tpl = _read("wild/axolotl-aya.jinja")
+    fmt = cg.infer_format(tpl, **kw)
+    assert len(fmt.verification.checked) >= 14
+    assert {"<|USER_TOKEN |>", "<|CHATBOT_TOKEN |>"} <= {m.text for m in
+                                                        fmt.spec.markers.values()}
+    assert not any(m.special for m in fmt.spec.markers.values() if " " in m.text)
+    assert [t.strip() for t in _trained(fmt, tpl, TWO_EXCHANGES, **kw)] == ["Hello there",
+                                                                           "Later"]
+
+
+def test_tool_results_as_assistant_turns_refusal_says_no_format_is_returned():
+    # StableLM's template prints every non-user message as '<|ASSISTANT|>': from the text a
+    # tool result cannot be told from a reply, and a mask sees only the text, so even a
+    # format for conversations without tool messages would be a silent wrong mask on one
+    # with them: the whole template is refused, saying so
+    with pytest.raises(cg.InferenceError, match="no format is returned, not even for "
+                                                "conversations without tool messages"):
+        inf.resolve_format(chat_template=_read("wild/theroyallab-stablelm.jinja"),
+                           bos_token="<s>", eos_token="</s>")
+
+
+def test_a_tool_name_after_the_role_word_is_read_as_an_attribute():
+    # a ChatML layout that writes the tool's name in the tool result's header
+    # ('<|im_start|>tool name=get_weather\n'): the role is the word, the name an attribute
+    # allowed after 'tool' only, so 'assistant name=…' is no assistant turn
+    tpl = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] }}{% if m['role'] == 'tool' %}"
+           "{{ ' name=' + m['name'] }}{% endif %}{{ '\\n' + m['content'] + '<|im_end|>\\n' }}"
+           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    fmt = cg.infer_format(tpl)
+    assert len(fmt.verification.checked) >= 19 and not fmt.verification.refused
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "Let me check."},
+            {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "sunny"},
+            {"role": "assistant", "content": "Sunny."}]
+    text = render_chat(tpl, msgs)
+    assert "<|im_start|>tool name=get_weather\n" in text
+    assert fmt.parse(text).trained_text(OUTPUT_POLICY) == ["Let me check.", "Sunny."]
+    with pytest.raises(cg.ParseError):
+        fmt.parse(text.replace("tool name=get_weather", "assistant name=get_weather"))

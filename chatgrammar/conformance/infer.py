@@ -42,6 +42,7 @@ _ALL = (SYS, U1, A1, U2, A2, U3, RS1, RS2, FN, ARGK, ARGV, TR1)
 #: Strings shaped like special tokens (used when no tokenizer says which strings are special).
 _MARKERISH = re.compile(
     r"<\|[^<>|\s]{0,48}\|>"                      # <|im_start|>, <|user|>
+    r"|<\|[A-Z_]{1,48} \|>"                      # axolotl's Aya <|USER_TOKEN |> (a typo)
     r"|<｜[^<>\s]{1,48}?｜>"                     # DeepSeek's <｜User｜>
     r"|<</?[A-Z_]{1,16}>>"                       # <<SYS>>
     r"|</?[A-Za-z_][\w:.\-]{0,40}\|?>"           # <s>, </s>, <think>, <start_of_turn>, <turn|>
@@ -161,6 +162,10 @@ def _locate(probe: _Probe, msgs: list[dict], R: str, shape: str, **kw: Any) -> l
         pos = R.find(s, last_end)
         if pos < 0:
             continue  # dropped, or moved before an earlier message
+        if m["role"] == "system" and R.find(s, pos + len(s)) >= 0:
+            # the system prompt printed twice (PiVoT-MoE prints the last system message, then
+            # every message): no copy is the turn's own, the text is before the first turn
+            continue
         own = probe.render(msgs[:i + 1], shape=shape, **kw)
         if own is not None and s not in own:
             probe.folded.add(m["role"])
@@ -288,6 +293,8 @@ class _Shape:
     after_tool_head: str | None = None
     reply_after_reply: bool = False                # a headerless answer after a dropped tool
     blocks: list = field(default_factory=list)     # fixed (open, close) blocks before headers
+    renamed: tuple | None = None                   # (history, prompt) names of the assistant
+    unjoined: Exception | None = None              # why the role-name forms failed
     notes: list = field(default_factory=list)
 
 
@@ -653,6 +660,17 @@ def _assistant_head(lex: _Lexicon, sh: _Shape, g: str | None) -> str:
         return body   # the prompt closes the last turn first ('<|im_end|>\n' + header)
     if body.startswith(g) or g.startswith(body):
         return g if body.startswith(g) else body
+    renamed = _renamed_prompt(body, g)
+    others = [h for r, h in list(sh.heads.items()) + list(sh.first.items()) if r != "assistant"]
+    if renamed and not any(re.search(r"\b" + re.escape(renamed[1]) + r"\b", h) for h in others):
+        # the prompt names the assistant otherwise than the history (Asimov's '### Assistant: '
+        # vs '### assistant: ', saiga's '<s>bot\n' vs '<s>assistant\n'): the history's header
+        # is the assistant's, the prompt's name opens an assistant turn too (never another
+        # role's: a name no probed role writes), and the prompt is a generation prompt
+        sh.renamed = renamed
+        sh.notes.append(f"the generation prompt {g!r} names the assistant {renamed[1]!r}, the "
+                        f"history {renamed[0]!r}: both open assistant turns")
+        return body
     cut = _snap(lex, body, len(os.path.commonprefix([body, g])))
     ps = lex.pieces(body[:cut])
     while ps and ps[-1][0]:
@@ -660,6 +678,22 @@ def _assistant_head(lex: _Lexicon, sh: _Shape, g: str | None) -> str:
     sh.notes.append(f"the generation prompt {g!r} differs from the assistant header {body!r}: "
                     f"header taken as {body[:cut]!r}")
     return body[:cut]
+
+
+def _renamed_prompt(body: str, g: str) -> tuple | None:
+    """``(history name, prompt name)`` where the assistant header ``body`` and the prompt
+    ``g`` differ only in the role word between a shared (non-blank) lead and separator."""
+    cp = len(os.path.commonprefix([body, g]))
+    while cp and body[cp - 1].isalnum():
+        cp -= 1
+    if not body[:cp].strip():
+        return None
+    a = re.match(r"([A-Za-z][\w-]*)(\W*)$", body[cp:])
+    b = re.match(r"([A-Za-z][\w-]*)(\W*)$", g[cp:])
+    if not a or not b or a.group(1) == b.group(1) or a.group(2).rstrip() != b.group(2).rstrip() \
+            or not a.group(2).strip(" ") or b.group(2)[:len(a.group(2))] != a.group(2):
+        return None   # (the separator must be there, the prompt's may end with more space)
+    return a.group(1), b.group(1)
 
 
 def _reasoning(probe: _Probe, lex: _Lexicon, sh: _Shape, h_a: str) -> None:
@@ -988,12 +1022,27 @@ def _more_names(renders: list, opener: str, kind: str, sep: str, known: set) -> 
     return out
 
 
+def _named_header(texts: dict) -> tuple | None:
+    """Where one role's header writes the message's name after the role word (a tool result's
+    ``tool name=get_weather\n``) and the others end with the separator that follows it: that
+    role's text becomes its word (in ``texts``), and ``(role, pattern)`` reads the name as an
+    attribute after that word only."""
+    for r, t in texts.items():
+        m = re.fullmatch(r"([A-Za-z_][\w.\-]*)( \w{1,16}=)" + re.escape(FN) + r"(\W*)", t)
+        if m and all(u.endswith(m.group(3)) and FN not in u for q, u in texts.items() if q != r):
+            texts[r] = m.group(1) + m.group(3)
+            word = re.escape(m.group(1))
+            return r, f"(?:(?<={word}){re.escape(m.group(2))}[^\n<>]{{1,64}})?"
+    return None
+
+
 def _role_names(roles: dict, lex: _Lexicon, where: str, opener: str = "",
                 renders: list | None = None) -> tuple[str, str, dict, str | None]:
     """For roles sharing an opener, headers ``NAME<sep>`` or ``NAME<marker>``: the header
     form (``until_text`` separator or ``until`` marker), the pattern, the aliases, the lead."""
     rests = {r: h.rest for r, h in roles.items()}
     shapes = {tuple(m for m, _ in rest) for rest in rests.values()}
+    named = None
     if all(s and s[0] is False for s in shapes) and len({s[:2] for s in shapes}) == 1 \
             and next(iter(shapes))[1:2] == (True,):
         until = {rest[1][1] for rest in rests.values()}
@@ -1008,6 +1057,7 @@ def _role_names(roles: dict, lex: _Lexicon, where: str, opener: str = "",
             lead = a[2][1]
     elif all(len(rest) >= 1 and not rest[0][0] for rest in rests.values()):
         texts = {r: rest[0][1] for r, rest in rests.items()}
+        named = _named_header(texts)
         # NAME then its separator: the separators' common head ends every header
         seps = [re.match(r"[A-Za-z_][\w.\-]*([^A-Za-z0-9]*)", t) for t in texts.values()]
         sep = os.path.commonprefix([m.group(1) for m in seps]) if all(seps) else ""
@@ -1018,6 +1068,10 @@ def _role_names(roles: dict, lex: _Lexicon, where: str, opener: str = "",
                                  "separator", where=where)
         names = {r: t[:t.index(sep)] for r, t in texts.items()}
         kind, lead = "until_text", None
+    elif not any(p.strip() for rest in rests.values() for _, p in rest):
+        raise InferenceError(f"roles {', '.join(roles)} share the opener {opener!r} and write "
+                             "nothing after it: only a turn's position says whose it is, which "
+                             "a system message or a dropped turn makes lie", where=where)
     else:
         raise InferenceError(f"the headers of roles {', '.join(roles)} have no common form: "
                              + ", ".join(f"{r}: {''.join(p for _, p in h.rest)!r}"
@@ -1047,7 +1101,8 @@ def _role_names(roles: dict, lex: _Lexicon, where: str, opener: str = "",
     alts = "|".join(re.escape(n) for n in sorted(by_name, key=len, reverse=True))
     if generic:
         alts += r"|(?!assistant\b)[A-Za-z_][\w.:-]{0,63}"
-    pattern = f"(?P<role>{alts})" + (re.escape(sep) if kind == "until_text" else "")
+    pattern = f"(?P<role>{alts})" + (named[1] if named and kind == "until_text" else "") \
+        + (re.escape(sep) if kind == "until_text" else "")
     aliases = {n: r for n, r in by_name.items() if n != r}
     return kind, sep, {"pattern": pattern, "aliases": aliases, "dup": dup}, lead
 
@@ -1099,7 +1154,8 @@ def _heads(lex: _Lexicon, sh: _Shape, h_a: str) -> tuple[dict, list, bool]:
             # "<bos>You are an exceptionally intelligent coding assistant …\n\n")
             preamble = [p for _, p in ps[:k]]
             bare = True
-    if sh.first_sys is not None and user.strip() and not bare:
+    _folded_system_turn(lex, sh, user, openers)
+    if sh.first_sys is not None and user.strip() and not bare and "system" not in sh.first:
         # a system message rendered as bare text before the first user turn, only once a user
         # message follows it (AmberChat's "<s>SYSTEM\n###Human: …", ChatQA's "System: …")
         fs = sh.first_sys
@@ -1135,6 +1191,25 @@ def _heads(lex: _Lexicon, sh: _Shape, h_a: str) -> tuple[dict, list, bool]:
     return cut, preamble, bare
 
 
+def _folded_system_turn(lex: _Lexicon, sh: _Shape, user: str, openers: set) -> None:
+    """A system message rendered only once a user message follows it, as a turn of its own
+    (saiga: ``<s>system\nS</s>\n<s>user\n…``, printed at the first user turn): its header
+    (an opener of the other turns, then text) and terminator (a marker) are the system's."""
+    fs = sh.first_sys
+    if fs is None or "system" in sh.first or not user.strip() or SYS not in fs:
+        return
+    at = fs.rfind(user.lstrip())
+    if at < 0:
+        return
+    head, term = fs[:fs.index(SYS)], fs[fs.index(SYS) + len(SYS):at]
+    ps = [q for q in lex.pieces(head) if q[0] or q[1].strip()]
+    tm = [q for q in lex.pieces(term) if q[1].strip()]
+    if len(ps) >= 2 and ps[-2][0] and ps[-2][1] in openers and not ps[-1][0] and tm \
+            and tm[0][0] and all(m for m, _ in tm):
+        sh.first["system"] = head
+        sh.terms.setdefault("system", term)
+
+
 def _close(plan: _Plan, lex: _Lexicon, sh: _Shape, roles: list[str]) -> dict | None:
     """The close of an element: the terminators' first markers (a role whose terminator
     holds the others' close further on — a tool result's ``</tool_response><|im_end|>`` —
@@ -1143,6 +1218,11 @@ def _close(plan: _Plan, lex: _Lexicon, sh: _Shape, roles: list[str]) -> dict | N
     firsts = [parts[r][0][0] for r in ("assistant", "user", "system") if r in parts
               and parts[r][0]]
     primary = max(firsts, key=firsts.count) if firsts else None
+    if primary is None and roles == ["tool"]:
+        # a tool turn with an opener of its own (_joined_openers) closes as the others do
+        every = [_term_parts(lex, sh.terms.get(r))[0] for r in ("assistant", "user", "system")]
+        firsts = [m[0] for m in every if m]
+        primary = max(firsts, key=firsts.count) if firsts else None
     closes: list[str] = []
     after: list[str] = []
     with_close: list[str] = []
@@ -1215,6 +1295,13 @@ def _turn_element(plan: _Plan, lex: _Lexicon, sh: _Shape, opener: str,
         el["header"] = {kind: plan.m(sep) if kind == "until" else sep,
                         "pattern": pat["pattern"], "max_tokens": 32}
         plan.aliases.update(pat["aliases"])
+        if sh.renamed and "assistant" in roles:
+            # the prompt's name for the assistant reads as the assistant (_renamed_prompt)
+            if not re.search(r"[(|]" + re.escape(re.escape(sh.renamed[1])) + r"[|)]",
+                             pat["pattern"]):
+                pat["pattern"] = pat["pattern"].replace(
+                    "(?P<role>", "(?P<role>" + re.escape(sh.renamed[1]) + "|", 1)
+            plan.aliases[sh.renamed[1]] = "assistant"
         if lead:
             el["lead"] = lead
         roles = {r: c for r, c in roles.items() if r not in pat["dup"]}
@@ -1222,6 +1309,47 @@ def _turn_element(plan: _Plan, lex: _Lexicon, sh: _Shape, opener: str,
     if close:
         el["close"] = close
     return name, el
+
+
+def _opener_turns(plan: _Plan, lex: _Lexicon, sh: _Shape, opener: str, roles: dict) -> list:
+    """The elements of the roles sharing ``opener``: one turn element (role names read from
+    the header), or one per role where whole headers tell them apart (:func:`_joined_openers`)."""
+    # a prompt naming the assistant otherwise is told by whole headers: the checker's oracle
+    # (and a reader) then sees the prompt's header as one marker
+    split = _joined_openers(lex, sh, opener, roles) \
+        if sh.renamed and "assistant" in roles and len(roles) > 1 else None
+    try:
+        if not split:
+            return [_turn_element_or_merged(plan, lex, sh, opener, roles)]
+    except InferenceError as exc:
+        split = _joined_openers(lex, sh, opener, roles)
+        if split is None:
+            raise
+        sh.unjoined = exc
+    return [_turn_element(plan, lex, sh, c.opener, {r: c}) for r, c in split.items()]
+
+
+def _joined_openers(lex: _Lexicon, sh: _Shape, opener: str, roles: dict) -> dict | None:
+    """Roles sharing an opener whose role names no common separator ends (hydrology's
+    ChatML writes ``<|im_start|>user\n`` but ``<|im_start|>assistant`` glued to the reply;
+    Asimov's ``### user: `` / ``### assistant: ``): each role's whole header, opener and
+    role text, becomes one soft opener marker of its own, so the roles are told by it (the
+    ``role_by_marker`` shape); None where a header holds another marker or two are alike."""
+    texts = {}
+    for r, c in roles.items():
+        if c.glue or not c.rest or c.rest[0][0] or not c.rest[0][1].strip():
+            return None
+        # what follows the role text (a tool's <tool_response>) is body, as with role names
+        texts[r] = opener + c.rest[0][1]
+        if any(v in texts[r] for v in _ALL):
+            return None   # a value in the header (a tool's name): no fixed opener
+    if len(set(texts.values())) < len(texts) or any(
+            a != b and b.startswith(a) for a in texts.values() for b in texts.values()):
+        return None   # one header a prefix of another: the longer could never be read
+    lex.extra = tuple(dict.fromkeys(lex.extra + tuple(texts.values())))
+    sh.notes.append("the roles' headers share an opener but no separator: each whole header "
+                    "is an opener of its own")
+    return {r: _Head([], t, []) for r, t in texts.items()}
 
 
 def _turn_element_or_merged(plan: _Plan, lex: _Lexicon, sh: _Shape, opener: str,
@@ -1250,6 +1378,24 @@ def _turn_element_or_merged(plan: _Plan, lex: _Lexicon, sh: _Shape, opener: str,
         sh.notes.append(f"tool results are rendered as {'/'.join(others)} turns (opener "
                         f"{opener!r}): they parse as such, never trained")
     return _turn_element(plan, lex, sh, opener, others)
+
+
+def _renamed_opener(plan: _Plan, lex: _Lexicon, sh: _Shape) -> None:
+    """Where the generation prompt names the assistant otherwise (``sh.renamed``) and the
+    assistant turn has an opener of its own holding the history's name, the prompt's form of
+    that opener opens an assistant turn too."""
+    if not sh.renamed:
+        return
+    texts = {n: t for t, n in plan.names.by_text.items()}
+    for e in plan.top:
+        el = plan.elements[e]
+        t = texts.get(el.get("open")) if isinstance(el.get("open"), str) else None
+        if el.get("role") != "assistant" or not t or sh.renamed[0] not in t:
+            continue
+        k = t.rindex(sh.renamed[0])
+        alt = t[:k] + sh.renamed[1] + t[k + len(sh.renamed[0]):]
+        lex.extra = tuple(dict.fromkeys(lex.extra + (alt,)))
+        el["open"] = [el["open"], plan.m(alt)]
 
 
 def _blocks(plan: _Plan, sh: _Shape) -> list[str]:
@@ -1352,7 +1498,7 @@ def _system_text(plan: _Plan, lex: _Lexicon, sh: _Shape, cut: dict, children: li
     return el
 
 
-def _prompts_and_plain_text(spec: dict, sh: _Shape, h_a: str) -> None:
+def _prompts_and_plain_text(spec: dict, sh: _Shape, h_a: str, betweens: list) -> None:
     """The spec's generation prompts, and what it declares written as plain text (a policy
     that drops such calls or reasoning then warns: runtime.policy.warn_untyped)."""
     # a rendering that ends with the header short of its trailing space is a prompt too
@@ -1362,6 +1508,10 @@ def _prompts_and_plain_text(spec: dict, sh: _Shape, h_a: str) -> None:
     bare_h = [h_a.strip()] if h_a.strip() != h_a.lstrip() and any(
         r.endswith(h_a.strip()) for r in sh.renders) else []
     gens = [g for g in dict.fromkeys([h_a.lstrip()] + sh.gens + bare_h) if g]
+    # a prompt that starts with a between-turn marker (Aya's '<|START_OF_TURN_TOKEN |>' before
+    # '<|CHATBOT_TOKEN |>', the turn's opener): the final turn is what follows it
+    gens = list(dict.fromkeys(gens + [g[len(b):] for g in gens for b in betweens
+                                      if g.startswith(b) and g[len(b):].strip()]))
     if gens:
         spec["generation_prompt"] = gens
     if sh.plain_calls:
@@ -1389,15 +1539,16 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
             sh.notes.append("tool results are rendered with the assistant's header")
             roles = {r: c for r, c in roles.items() if r != "tool"}
         if opener is not None:
-            ename, el = _turn_element_or_merged(plan, lex, sh, opener, roles)
-            plan.elements[ename] = el
-            plan.top.append(ename)
+            for ename, el in _opener_turns(plan, lex, sh, opener, roles):
+                plan.elements[ename] = el
+                plan.top.append(ename)
             continue
         if set(roles) - {"assistant"}:
             raise InferenceError(f"{', '.join(sorted(set(roles) - {'assistant'}))} turns have "
                                  "no header to tell them by", where="role headers")
         plan.elements["reply"] = _reply(plan, lex, sh, h_a)
     _headerless_replies(plan, sh)
+    _renamed_opener(plan, lex, sh)
     if sh.decl:
         plan.elements["tool_declarations"] = {"open": plan.m(sh.decl[0]), "role": "system",
                                               "close": {"markers": [plan.m(sh.decl[1])]}}
@@ -1457,7 +1608,7 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
     spec["_closing"] = [plan.m(b) for b in betweens]
     if plan.aliases:
         spec["role_aliases"] = dict(plan.aliases)
-    _prompts_and_plain_text(spec, sh, h_a)
+    _prompts_and_plain_text(spec, sh, h_a, betweens)
     spec["policy"] = {"roles": ["assistant"]}
     if "tool results are rendered with the assistant's header" in sh.notes:
         spec["_alternate"] = True
@@ -2139,6 +2290,18 @@ def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> Inferre
     lex = _Lexicon(specials=_tokenizer_specials(tokenizer))
     sh, h_a = _shape(probe, lex)
     spec = _design(lex, sh, h_a, tokenizer, name)
+    try:
+        return _infer_spec(template, variables, tokenizer, name, probe, lex, sh, h_a, spec)
+    except InferenceError:
+        if sh.unjoined is not None:
+            # read by whole headers (_joined_openers) it did not verify either: the reason the
+            # role-name forms gave is the one to report (Harmony's "no common separator")
+            raise sh.unjoined from None
+        raise
+
+
+def _infer_spec(template: str, variables: dict, tokenizer: Any, name: str, probe: "_Probe",
+                lex: _Lexicon, sh: "_Shape", h_a: str, spec: dict) -> InferredFormat:
     if not [g for g in sh.gens if g.strip()]:
         spec["_nolead"] = True   # no generation prompt: the oracle starts output after the word
     if probe.forced and spec.get("_alternate"):
@@ -2237,8 +2400,10 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
         if fails and tool_as_assistant and all("tool-results" in _tags(f.case) for f in fails):
             first_problem = InferenceError(
                 "the template renders tool results as assistant turns (with the assistant's "
-                "header): no spec can tell them apart, a tool result would train as assistant "
-                "text; refused (conversations without tool messages are captured: "
+                "header): in the rendered text a tool result cannot be told from a reply, so it "
+                "would train as assistant text; no format is returned, not even for "
+                "conversations without tool messages, since a mask is computed from the text "
+                "alone and cannot know that a conversation has none (the spec is right on "
                 + ", ".join(c.case for c in res.cases if c.status == "pass") + ")",
                 where="case " + fails[0].case, details=fails[0].details + "\n\n" + text)
             break
