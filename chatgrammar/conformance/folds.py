@@ -74,6 +74,12 @@ def moved(R: str, messages: list[dict], outputs, conv) -> dict[tuple[str, str], 
         content that does not train with its own role but trains as the turn of role ``dst``
         that holds it; ``("content", "think")``: an assistant message's content inside a span
         the format types as reasoning (kind ``think``), nowhere as content.
+
+    Example:
+        >>> case = get_case("tool-call")                                 # doctest: +SKIP
+        >>> R = render_case(unsloth_chatml, case).text                   # doctest: +SKIP
+        >>> list(moved(R, case.messages, case.outputs, chatml.parse(R)))  # doctest: +SKIP
+        [('tool', 'system')]
     """
     found: dict[tuple[str, str], set[int]] = {}
     for m in messages:
@@ -150,6 +156,10 @@ def with_role_folds(fmt: Format, folds: dict[str, str]) -> Format:
     Returns:
         A new format of the same class and name (``fmt`` itself when ``folds`` is what its
         spec declares already).
+
+    Example:
+        >>> with_role_folds(load_format("chatml"), {"tool": "system"}).spec.role_folds
+        {'tool': 'system'}
     """
     if dict(fmt.spec.role_folds) == dict(folds):
         return fmt
@@ -180,6 +190,10 @@ def declare_folds(fmt: Format, template: str | None, variables: dict | None = No
 
     Returns:
         ``fmt``, or a copy that declares the folds (:func:`with_role_folds`).
+
+    Example:
+        >>> declare_folds(load_format("mistral"), ciscai_template).spec.role_folds  # doctest: +SKIP
+        {'system': 'user'}
     """
     if not template:
         return fmt
