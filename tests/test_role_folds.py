@@ -98,6 +98,12 @@ def _mask_calls(fmt, text: str, policy) -> list[tuple[str, list]]:
     return out
 
 
+def test_the_folded_format_is_one_object_per_template():
+    """Detecting twice hands back the same format (its memo and tokenizer state stay warm)."""
+    text = (DATA / "folds" / "unsloth-chatml.jinja").read_text(encoding="utf-8")
+    assert cg.detect_format(chat_template=text) is cg.detect_format(chat_template=text)
+
+
 def test_a_detected_fold_survives_pickling():
     """A worker process (hf.map_fn with num_proc) gets the fold with the format."""
     fmt, _ = _resolve("folds/unsloth-chatml.jinja")

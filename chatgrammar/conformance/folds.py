@@ -43,6 +43,7 @@ _MOVABLE = ("system", "tool")
 _OUTPUT = MaskPolicy(roles=("assistant",), thinking=True, tool_calls=True)
 
 _cache: dict[tuple, dict] = {}
+_made: dict[tuple, tuple] = {}
 _lock = threading.Lock()
 
 
@@ -209,4 +210,16 @@ def declare_folds(fmt: Format, template: str | None, variables: dict | None = No
             folds = {}
         with _lock:
             _cache[key] = folds
-    return with_role_folds(fmt, {**fmt.spec.role_folds, **folds}) if folds else fmt
+    if not folds:
+        return fmt
+    # (one folded format per format and folds: its memo and per-tokenizer state stay warm
+    # across calls, as the bundled format's do)
+    made = (id(fmt), tuple(sorted(folds.items())))
+    with _lock:
+        hit = _made.get(made)
+    if hit is not None and hit[0] is fmt:
+        return hit[1]
+    new = with_role_folds(fmt, {**fmt.spec.role_folds, **folds})
+    with _lock:
+        _made[made] = (fmt, new)
+    return new
