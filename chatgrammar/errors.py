@@ -226,6 +226,9 @@ class DeviationWarning(UserWarning):
     (``tool_calls=False``, ``thinking=False``) and the format declares that its templates
     write some of them as plain text (the spec's ``plain_text_tool_calls`` /
     ``plain_text_reasoning``): no grammar tells those from the answer, so they train as
-    assistant text. Never an error, strict or lenient.
+    assistant text. Never an error, strict or lenient. The same at mask time for a format
+    resolved for a template that writes a message as another role's turn (the spec's
+    ``role_folds``: Unsloth's ChatML tool results as system turns) when the policy trains one
+    side of it and not the other (``roles=("assistant", "system")``).
     """
 

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
+from chatgrammar.conformance.folds import declare_folds  # noqa: E402
 from chatgrammar.conformance.policies import POLICIES, check_policies, is_warned  # noqa: E402
 from chatgrammar.conformance.templates import check_template  # noqa: E402
 from chatgrammar.errors import ChatGrammarError  # noqa: E402
@@ -152,13 +153,21 @@ def inference_counts(cells: dict) -> str:
             "(docs/inference.md says which side is wrong where they differ).")
 
 
-def policy_results(results: list) -> dict:
+def policy_results(results: list, template_dir: Path | None = None) -> dict:
     """(format, template) -> policy name -> ``["case: problem", …]`` for every checked pair
-    (:func:`chatgrammar.conformance.policies.check_policies` on its passing cases)."""
+    (:func:`chatgrammar.conformance.policies.check_policies` on its passing cases). With
+    ``template_dir``, the format as resolved for the template: with the messages it writes
+    as another role's turn declared (``role_folds``, :func:`declare_folds`), as a user gets
+    it from ``detect_format(chat_template=…)``."""
     out = {}
     for r in results:
         if not r.error:
-            out[(r.format, r.template)] = check_policies(load_format(r.format), r)
+            fmt = load_format(r.format)
+            path = template_dir / r.template if template_dir is not None else None
+            if path is not None and path.is_file():
+                variables = dict(templates_of(r.format)).get(r.template) or {}
+                fmt = declare_folds(fmt, path.read_text(encoding="utf-8"), variables)
+            out[(r.format, r.template)] = check_policies(fmt, r)
     return out
 
 
@@ -174,7 +183,8 @@ def policy_lines(policies: dict) -> list[str]:
              "mode (parse and fast path) agrees. \"untyped\": the template writes the call or "
              "the reasoning as plain text, with no marker a grammar could tell it by. "
              "\"warned\": such a case where the format declares it (`plain_text_tool_calls`, "
-             "`plain_text_reasoning`) and says so at mask time with a `DeviationWarning`: "
+             "`plain_text_reasoning`; `role_folds`: the template writes a message as another "
+             "role's turn) and says so at mask time with a `DeviationWarning`: "
              "wrong, never silent.", "",
              "| policy | pairs right | pairs warned | pairs wrong |", "|---|---:|---:|---:|"]
     for name in POLICIES:
@@ -336,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"conformance: error: {exc}", file=sys.stderr)
         return 2
     cells = None if args.no_inference else inference_cells(formats, Path(args.templates))
-    pols = None if args.no_policies else policy_results(results)
+    pols = None if args.no_policies else policy_results(results, Path(args.templates))
     report = markdown(results, missing, formats, cells, pols)
     if args.write:
         Path(args.write).write_text(report, encoding="utf-8")

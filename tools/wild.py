@@ -387,7 +387,9 @@ def table(results: list[WildResult]) -> str:
               "pythonic, Phi-4-mini JSON: no grammar can tell it from the answer), or in tags "
               "the format does not read as markers (Qwen2.5-Coder's `<tools>`). `warned`: such "
               "a template whose format declares it (`plain_text_tool_calls` / "
-              "`plain_text_reasoning`) and says so with a `cg.DeviationWarning` when the "
+              "`plain_text_reasoning`; or `role_folds`: the template writes a message as "
+              "another role's turn, Unsloth's ChatML tool results as system turns) and says so "
+              "with a `cg.DeviationWarning` when the "
               "policy is asked for: wrong, never silent (`policy_warned` in expected.yaml)."]
     lines += [
         "",

@@ -27,6 +27,7 @@ import yaml
 from ..errors import ChatGrammarError, DeviationWarning, InferenceError
 from ..runtime.format import Format
 from .render import RenderTimeout, TemplateError, compile_template, render_chat
+from .folds import declare_folds
 from ..core.spec import parse_spec
 
 __all__ = ["infer_format", "InferredFormat", "Verification", "CrossCheck", "cross_check"]
@@ -2566,6 +2567,9 @@ def infer_format(chat_template: str, *, tokenizer: Any = None, **template_kwargs
     except Exception as exc:  # a shape the derivation did not foresee: refuse, never crash
         raise InferenceError(f"inference cannot read this template ({type(exc).__name__}: "
                              f"{exc})", where="derivation") from exc
+    # messages the template writes as another role's turn: declared (spec key role_folds),
+    # so a policy they change warns at mask time (chatgrammar.conformance.folds)
+    fmt = declare_folds(fmt, chat_template, variables)
     with _cache_lock:
         _CACHE[key] = (fmt.spec_yaml, fmt.verification)
         while len(_CACHE) > _CACHE_SIZE:

@@ -43,6 +43,7 @@ from typing import Any, Iterable
 from ..errors import DeviationWarning, ParseError
 from ..runtime.policy import MaskPolicy
 from ..runtime.spans import merge_spans
+from .folds import moved
 from .matrix import get_case
 
 __all__ = ["POLICIES", "WARNED", "check_policies", "is_warned"]
@@ -328,11 +329,28 @@ def is_warned(problem: str) -> bool:
     return problem.partition(": ")[2].startswith(WARNED)
 
 
-def _warned(problems: list[str], said: list) -> bool:
+def _warned(problems: list[str], said: list, shifted: set[int] = frozenset()) -> bool:
     """Every problem is plain-text reasoning or a plain-text tool call still training (each
-    policy of POLICIES drops one kind), and the format said so at mask time."""
+    policy of POLICIES drops one kind), or is at a char of text the template moved into
+    another role's turn or into reasoning (``shifted``: the format's ``role_folds``,
+    :func:`chatgrammar.conformance.folds.moved`), and the format said so at mask time."""
     told = any(issubclass(w.category, DeviationWarning) for w in said)
-    return told and all(_UNTYPED in p for p in problems)
+    return told and all(_UNTYPED in p or _at(p) in shifted for p in problems)
+
+
+def _at(problem: str) -> int | None:
+    """The char a problem is at (``"… char 167 …"``), or None."""
+    m = re.search(r"\bchar (\d+)", problem)
+    return int(m.group(1)) if m else None
+
+
+def _shifted(fmt, R: str, case, conv) -> set[int]:
+    """The chars of ``R`` that the template moved as the format declares (``role_folds``)."""
+    folds = getattr(fmt.spec, "role_folds", None)
+    if not folds:
+        return set()
+    found = moved(R, case.messages, case.outputs, conv)
+    return {k for (src, dst), chars in found.items() if folds.get(src) == dst for k in chars}
 
 
 def check_policies(fmt, result, *, policies: dict[str, MaskPolicy] | None = None,
@@ -350,7 +368,8 @@ def check_policies(fmt, result, *, policies: dict[str, MaskPolicy] | None = None
         Policy name -> ``["case: problem", …]`` (empty: every passing case trains right
         under that policy). A problem the format warned about at mask time (tool calls or
         reasoning it declares written as plain text, ``plain_text_tool_calls`` /
-        ``plain_text_reasoning``: a
+        ``plain_text_reasoning``; text its template moves into another role's turn, the
+        format's ``role_folds``: a
         :class:`~chatgrammar.DeviationWarning`) reads ``"case: warned: problem"``
         (:func:`is_warned`): wrong, never silent.
 
@@ -369,6 +388,7 @@ def check_policies(fmt, result, *, policies: dict[str, MaskPolicy] | None = None
         R, case = res.text, get_case(res.case)
         conv = fmt.parse(R)
         base = _chars(merge_spans((s.start, s.end) for s in conv.spans(OUTPUT_POLICY)))
+        shifted = _shifted(fmt, R, case, conv)
         for name, policy in policies.items():
             # what the format says at mask time (a plain-text tool-call DeviationWarning)
             with warnings.catch_warnings(record=True) as said:
@@ -380,6 +400,6 @@ def check_policies(fmt, result, *, policies: dict[str, MaskPolicy] | None = None
                 problems.append(ids_problem)
             if problems:
                 more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-                mark = WARNED if _warned(problems, said) else ""
+                mark = WARNED if _warned(problems, said, shifted) else ""
                 out[name].append(f"{res.case}: {mark}{problems[0]}{more}")
     return out

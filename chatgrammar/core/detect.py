@@ -926,6 +926,12 @@ def explain_detection(tokenizer: Any = None, *, chat_template: Any = None,
         why = _with_verification(name, why, rule, verification, ruled_by_check, candidates,
                                  by_name, template_source, notes)
     fmt = by_name[name]
+    if vtemplates:
+        # messages the template writes as another role's turn: declared on the format taken
+        # for it (spec key role_folds), so a policy they change warns at mask time
+        from ..conformance.folds import declare_folds
+        for t in vtemplates:
+            fmt = declare_folds(fmt, t, (verification.get(name) or {}).get("vars"))
     return Detection(format=name, path=str(fmt.path), matched=matched, candidates=verified,
                      decided_by=why, rule=rule, evidence=evidence, inputs=inputs, notes=notes,
                      verification=verification, fmt=fmt)

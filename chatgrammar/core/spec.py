@@ -335,6 +335,19 @@ class FormatSpec(_Model):
         "the format has no such marker): it is content. `true`, or a string saying how. Then "
         "a mask with `thinking=False` issues a `DeviationWarning`, as for "
         "`plain_text_tool_calls`."))
+    role_folds: dict[str, str] = Field(default_factory=dict, description=(
+        "Messages a template writes as something else: key a message role (`tool`, "
+        "`system`) or `content` (an assistant message's content), value the role of the "
+        "turn the template writes it in (`system`: Unsloth's ChatML renders every role but "
+        "user and assistant, tool results included, as a system turn; `user`: a Mistral "
+        "template folds the system prompt into the last user turn) or `think` (written as "
+        "reasoning: the first gpt-oss template writes content beside a tool call as an "
+        "`analysis` message). No grammar tells such text from the turn that holds it, so it "
+        "trains as that turn's text. Set per template by detection and inference "
+        "(`resolve_format`, `infer_format`), not in a family's spec. Then a mask whose "
+        "policy trains one side and not the other (`roles` with `system` but not `tool`; "
+        "`thinking=False`) issues a `DeviationWarning`, as for `plain_text_tool_calls`; the "
+        "default policy never does."))
     detect: Detector = Field(default_factory=Detector, description=(
         "The detector: evidence that a tokenizer / chat template speaks this format, and "
         "precedence over other formats."))

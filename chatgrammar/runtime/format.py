@@ -73,6 +73,9 @@ class Format:
     def __reduce__(self):
         # Picklable for worker processes: rebuilt (from the compile cache) on the other side.
         from ..core.registry import load_format
+        if self.spec.role_folds:   # (declared for a template: chatgrammar.conformance.folds)
+            from ..conformance.folds import _reload
+            return (_reload, (self.path, dict(self.spec.role_folds)))
         return (load_format, (self.path,))
 
     # ------------------------------------------------------------------ text mode

@@ -57,10 +57,11 @@ class MaskPolicy:
         else:
             object.__setattr__(self, "roles", tuple(self.roles))
         object.__setattr__(self, "exclude_kinds", tuple(self.exclude_kinds))
-        # (whether a kind may be dropped: the one test the mask entry points make before
-        # runtime.policy.warn_untyped, on their hot path)
+        # (whether a kind may be dropped or a role other than the assistant's trains: the one
+        # test the mask entry points make before runtime.policy.warn_untyped, on their hot
+        # path)
         object.__setattr__(self, "_drops", not (self.thinking and self.tool_calls)
-                           or bool(self.exclude_kinds))
+                           or bool(self.exclude_kinds) or self.roles != ("assistant",))
 
     def allows(self, kind: str) -> bool:
         """Whether spans of ``kind`` train under this policy."""
@@ -136,11 +137,36 @@ PLAIN_TEXT = {"tool_call": ("plain_text_tool_calls", "tool_calls", "tool calls")
               "think": ("plain_text_reasoning", "thinking", "reasoning")}
 
 
+#: The key of :func:`plain_text_kinds`'s answer that holds the spec's ``role_folds``.
+FOLDS = "role_folds"
+
+
 def plain_text_kinds(spec: Any) -> dict | None:
     """The kinds a spec declares its templates write as plain text (kind -> its key's value:
-    ``True`` or how they are written), or None when it declares none."""
+    ``True`` or how they are written) and, under :data:`FOLDS`, the messages they write as
+    another role's turn or as reasoning (the spec's ``role_folds``), or None when it declares
+    none."""
     out = {k: getattr(spec, key) for k, (key, _, _) in PLAIN_TEXT.items() if getattr(spec, key)}
+    folds = getattr(spec, FOLDS, None)
+    if folds:
+        out[FOLDS] = dict(folds)
     return out or None
+
+
+def _fold_says(src: str, dst: str, policy: MaskPolicy) -> str | None:
+    """What a fold (``src`` written as ``dst``, a ``role_folds`` entry) does under ``policy``,
+    or None when the policy trains both sides alike."""
+    if dst == "think":  # (an assistant message's content written as reasoning)
+        if "assistant" in policy.roles and not policy.allows("think"):
+            return ("some assistant content is written as reasoning: thinking=False drops it "
+                    "with the reasoning")
+        return None
+    if (src in policy.roles) == (dst in policy.roles):
+        return None
+    what = "content" if src == "content" else f"{src} messages"
+    how = (f"train as {dst} text" if dst in policy.roles
+           else f"do not train with the {src} role")
+    return f"its template writes some {what} as {dst} turns: they {how}"
 
 
 def warn_untyped(name: str, plain: dict, policy: MaskPolicy, stacklevel: int = 3) -> None:
@@ -159,11 +185,22 @@ def warn_untyped(name: str, plain: dict, policy: MaskPolicy, stacklevel: int = 3
 
     Example:
         >>> warn_untyped("llama3", {"tool_call": True}, MaskPolicy())  # (silent: calls train)
+
+    A format resolved for a template that writes a message as another role's turn (the
+    spec's ``role_folds``, under :data:`FOLDS` in ``plain``) warns the same way when the
+    policy trains one side of the fold and not the other: such text trains as the turn that
+    holds it (Unsloth's ChatML tool results as system text under ``roles=("assistant",
+    "system")``).
     """
+    for src, dst in (plain.get(FOLDS) or {}).items():
+        said = _fold_says(src, dst, policy)
+        if said:
+            warnings.warn(f"{name}: {said}, which no grammar tells apart (the spec's "
+                          f"{FOLDS}: {src}: {dst})", DeviationWarning, stacklevel=stacklevel)
     if "assistant" not in policy.roles:
         return
     for kind, how in plain.items():
-        if policy.allows(kind):
+        if kind == FOLDS or policy.allows(kind):
             continue
         key, field_, what = PLAIN_TEXT[kind]
         how = f" ({how})" if isinstance(how, str) else ""
