@@ -497,3 +497,61 @@ def test_adapter_follows_a_tokenizer_that_gains_special_tokens():
     after = adapt(tok)
     assert after is not before
     assert after.token_id("<|cg_new|>", True) == tok.convert_tokens_to_ids("<|cg_new|>")
+
+
+# ----------------------------------------------------------------------------- P8: list masks, learning parses
+
+_K3_TURNS = ('<|open|>message role="user"<|sep|>hi there<|close|>message<|sep|><|end_of_msg|>'
+             '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>let me see'
+             '<|close|>think<|sep|><|open|>response<|sep|>hello, how can I help?'
+             '<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>')
+
+
+def test_long_list_masks_equal_the_reference_under_every_policy():
+    # The C executor writes a list mask in one forward pass over spans in order (abutting
+    # spans of consecutive blocks, a cut last turn, last_turn_only's selection): a long
+    # packed sequence and its cuts give the reference's mask, served by the C executor once
+    # the memo is warm.
+    from tests.kimi_tokenizers import kimi_k3_encoding
+
+    enc = kimi_k3_encoding()
+    fmt = cg.load_format("kimi-k3")
+    one = enc.encode(_K3_TURNS, allowed_special="all")
+    big = one * 300
+    cuts = [big, big[:len(big) - 7], big[:len(one) * 150 + 26]]  # (+23: a generation prompt)
+    for policy in POLICIES:
+        for ids in cuts:
+            fmt.loss_mask(ids, enc, policy=policy)  # (learns what is new)
+            c0 = fmt.stats()["ids"]["c"]
+            got = fmt.loss_mask(ids, enc, policy=policy)
+            assert got == fmt.parse_ids(ids, enc).mask(policy), (policy, len(ids))
+            if fmt._fast_masker(enc).plan is not None:
+                assert fmt.stats()["ids"]["c"] == c0 + 1, policy
+
+
+def test_learning_parses_leave_generation_prompts_to_each_answer():
+    # A parse that only teaches the memo (Driver.run(gen_prompt=False)) does not mark the
+    # last turn a generation prompt: the memo keeps turns unmarked, and each answer applies
+    # the driver's rule to its own last turn. A generation prompt learned from such a parse
+    # still trains nothing; the same turn with one more token is an ordinary cut turn.
+    from chatgrammar.runtime.parse import Source
+    from tests.kimi_tokenizers import kimi_k3_encoding
+
+    enc = kimi_k3_encoding()
+    fmt = cg.load_format("kimi-k3")
+    gp = enc.encode(_K3_TURNS[:_K3_TURNS.index("<|open|>message role=\"assistant\"")]
+                    + '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>',
+                    allowed_special="all")
+    lx = fmt.id_lexer(enc)
+    arr = np.asarray(gp, dtype=np.int64)
+    src = Source("ids", len(arr), arr=arr, adapter=lx.adapter)
+    marked = fmt._driver.run(lx.lex(arr, []), src, True, [])
+    unmarked = fmt._driver.run(lx.lex(arr, []), src, True, [], gen_prompt=False)
+    assert marked[-1].generation_prompt and not unmarked[-1].generation_prompt
+    fm = fmt._fast_masker(enc)
+    fm.forget()
+    assert fm._learn_from(arr)  # learn only
+    for ids in (gp, gp + enc.encode("ok"), gp[:-1]):
+        assert fmt.loss_mask(ids, enc) == fmt.parse_ids(ids, enc).mask(), len(ids)
+    assert not any(t.generation_prompt for it in fm.items.values() for p in it.progs.values()
+                   for t in p.turns)

@@ -873,6 +873,15 @@ def targets(results: dict) -> list[tuple[str, str, bool]]:
 # for kimi-k2 and kimi-k3 in HISTORY_ROWS order). report() renders them as tables.
 HISTORY_ROWS = (*(CLASS_LABEL[c] for c in CLASSES), "text mode against the regex")
 HISTORY = (
+    ("At commit 2cfb8ce (session 8's start, main), measured by this bench (`--no-chatml\n"
+     "--no-compile --no-write`) as two processes side by side with the branch that writes list\n"
+     "masks in one pass and lightens learning parses (loaded machine, load average\n"
+     "12.82 12.59 10.65 / 11.16 13.54 12.99). The branch gave in the same minutes: kimi-k3\n"
+     "truncated 2.57x (rounds 2.57 2.28 3.38; 2cfb8ce's rounds 2.72 2.22 2.81), kimi-k2 truncated\n"
+     "2.82x, kimi-k3 1M cut 5.19x and 1.18x a sample's cost per token (2cfb8ce: 0.93x), every\n"
+     "class within the run-to-run noise of this load:",
+     ((3.95, 5.08), (2.59, 2.72), (4.53, 6.85), (3.54, 5.24), (3.93, 6.77), (3.47, 5.26),
+      (7.75, 8.55), (0.64, 0.83), (1.36, 1.09))),
     ("At commit b8a3cfd (this session's start, main), measured by this bench (`--no-chatml\n"
      "--no-compile`) right after the table above, as two processes side by side: b8a3cfd and the\n"
      "merged tree of the table above (quiet machine, load average 0.04 0.76 2.16 / 1.63 1.12\n"
@@ -967,16 +976,33 @@ NOTES = """- **One engine.** Every class above runs the same memoised core
   window parses are most of what the truncated class pays beyond the whole-sample rate (on
   kimi-k3 about 5 of the first 200 fresh samples have a new cut shape, ~0.5 ms of parse and
   learning each: ~2.5 ms against ~4.5 ms for the C executor over all 200; with the memo warm
-  the same samples run at ~5.5× the scanner); the rate of new cut shapes falls as the memo fills. The cut item's
+  the same samples run at ~5.5× the scanner); the rate of new cut shapes falls as the memo fills.
+  Where that learning goes (kimi-k3, 15 new cut shapes in 600 fresh samples after the bench's
+  warm-up, CPU time per shape, median of reps; ~450-650 µs in all): the driver's parse of the
+  window ~250 (the prefix's tokens ~100, the closing search and the synthetic terminators'
+  reductions ~100, reading the window's ids ~45), the memo's own learning ~135 (the window's
+  symbol tables, its walk, checking them against the reference tokens, the items' programs),
+  filling the C memo ~75 (the item's spans under the policy: `Conversation.spans`), the C
+  executor's retries ~40. No step dominates, so no constant-factor change makes a new cut
+  shape cost what the scanner pays (~130 µs per 2048-id sample). The cut item's
   key holds every sibling before the cut (think, response, each tool call and its argument
   headers), so on this workload nearly every new cut shape is a new prefix: what would
-  remove most of those parses is memoising the nested elements of an item on their own, not
-  the item whole.
+  remove most of those parses is memoising the nested elements of an item on their own (a
+  cut inside a nested element resuming the driver from the enclosing structure's state, with
+  the elements before it already built), not the item whole. Learning parses skip the
+  generation-prompt mark (the memo keeps none) and the closing search keeps its candidate
+  order per parser state; asking the driver for the closing of every new configuration as the
+  automaton meets it was tried and moved the search rather than saving it (the configurations
+  a new cut shape ends in are mostly new themselves).
 - **1M-token sequence.** One call per round; its rounds used to vary by 2-3× because the
   first round's cut at an unseen configuration made the C executor hand the sequence back
   twice (an automaton entry, then the cut item) and each retry read all 1M ids again (and
   the learn converted the whole list to learn one window). Retries now resume, so the learning
-  round costs ~25% more than the others instead of ~2×.
+  round costs ~25% more than the others instead of ~2×. Its mask is a list of 1M slots (8 MB,
+  past L2): the executor writes it in one forward pass over the spans in order, each slot once
+  (it used to write zeros everywhere and then the spans again, a second pass that a sample's
+  list, in cache, hardly pays). What is left per token over a sample's is the memory the
+  sequence lives in (its ids are read once, its header ids a second time for the item keys).
 - **List input.** A Python list of ints must be read one object at a time: the executor does
   that read (~1.5 ns per token) and builds the returned list (~1 ns per token, and as much
   again when the caller frees it); the scanner spends ~25-45 ns per token. What is left per call

@@ -948,15 +948,39 @@ list_mask(Py_ssize_t n, Py_ssize_t ns)
         return NULL;
     }
     PyObject **it = ((PyListObject *)out)->ob_item;
-    for (Py_ssize_t i = 0; i < n; i++)
-        it[i] = zero;
     Py_ssize_t ones = 0;
-    for (Py_ssize_t k = 0; k < ns; k++)
-        for (int64_t i = s->spans[3 * k]; i < s->spans[3 * k + 1]; i++)
-            if (it[i] != one) {
-                it[i] = one;
-                ones++;
+    /* Spans in order and disjoint (what item_spans gives, item after item): each slot is
+     * written once, in one forward pass. A list of a million slots is 8 MB, past the cache:
+     * writing it all with zeros and then the spans again cost ~1.5 ns per token more on a
+     * 1M-token sequence than on a sample whose list stays in cache. */
+    int sorted = 1;
+    for (Py_ssize_t k = 1; k < ns && sorted; k++)
+        if (s->spans[3 * k] < s->spans[3 * k - 2])
+            sorted = 0;
+    if (sorted) {
+        Py_ssize_t i = 0;
+        for (Py_ssize_t k = 0; k < ns; k++) {
+            Py_ssize_t a = s->spans[3 * k], b = s->spans[3 * k + 1];
+            for (; i < a; i++)
+                it[i] = zero;
+            if (b > i) {
+                ones += b - i;
+                for (; i < b; i++)
+                    it[i] = one;
             }
+        }
+        for (; i < n; i++)
+            it[i] = zero;
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++)
+            it[i] = zero;
+        for (Py_ssize_t k = 0; k < ns; k++)
+            for (int64_t i = s->spans[3 * k]; i < s->spans[3 * k + 1]; i++)
+                if (it[i] != one) {
+                    it[i] = one;
+                    ones++;
+                }
+    }
     /* one reference per slot, added at once (the small ints are shared) */
 #if PY_VERSION_HEX >= 0x030C0000
     for (Py_ssize_t i = 0; i < n; i++)

@@ -1152,7 +1152,9 @@ class FastMasker:
                                boundaries=boundaries)
         toks = lx.lex(arr, boundaries)
         src.recording = True
-        turns = self.drv.run(toks, src, strict, warnings)
+        # (a parse only to learn leaves generation prompts unmarked: _learn_item stores every
+        # turn unmarked, and each answer applies the driver's rule to its own last turn)
+        turns = self.drv.run(toks, src, strict, warnings, gen_prompt=mask)
         conv = Conversation(format=fmt.name, mode="ids", length=len(arr), turns=turns,
                             warnings=warnings, boundaries=[Issue(p, m) for p, m in boundaries],
                             default_policy=fmt.default_policy)

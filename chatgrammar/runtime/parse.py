@@ -335,6 +335,7 @@ class Driver:
         # (whether that is a cut, an error or the turn's normal end is decided with its role)
         # state stack at end of input -> the synthetic terminators that close it (_finish)
         self._closings: dict[tuple, tuple] = {}
+        self._closing_cands: dict[int, tuple] = {}  # parser state -> closing candidates
         # (token, state stack) -> the lenient recovery's warning text (_skipped_note)
         self._notes: dict[tuple, str] = {}
         self.cut_header_terms = self._cut_header_terms(spec)
@@ -458,7 +459,10 @@ class Driver:
 
     # ------------------------------------------------------------------ main loop
     def run(self, toks: list[tuple], src: Source, strict: bool,
-            warnings: list[Issue]) -> list[Turn]:
+            warnings: list[Issue], gen_prompt: bool = True) -> list[Turn]:
+        """The turns of ``toks`` (see the module docstring). ``gen_prompt=False`` leaves the
+        last turn's generation-prompt mark unset: the fast path's learning parses do (its
+        memo keeps no mark; the rule is applied to each sample it answers)."""
         start_state = self.tables.start_state
         turns: list[Turn] = []
         ctx = _Ctx(self, src, strict, warnings, turns)
@@ -516,7 +520,8 @@ class Driver:
                 i += 1
             resync_at = i
         self._finish(ctx, state_stack, value_stack, src, strict, warnings)
-        self._mark_generation_prompt(turns, src, toks)
+        if gen_prompt:
+            self._mark_generation_prompt(turns, src, toks)
         return turns
 
     def _finish(self, ctx, state_stack, value_stack, src, strict, warnings) -> None:
@@ -574,17 +579,22 @@ class Driver:
                     fed.append("$END")
                 self._feed(ctx, state_stack, value_stack, ("$END", end, end, SYNTH))
                 return True
-            acts = states[state_stack[-1]]
-            # A close marker that also opens an element or is some body's inner marker
-            # (DeepSeek's `</think>` / `<think>`) may be shifted into a body instead of
-            # closing anything: try it after the pure closers, and never twice from the same
-            # configuration (that would cycle).
-            amb = self.ambiguous_terms
-            cands = [k for k in acts if k in prefs[0] and k not in amb] + \
-                    [k for k in acts if k in prefs[0] and k in amb] + \
-                    [k for k in acts if k in prefs[1]] + \
+            top_state = state_stack[-1]
+            cands = self._closing_cands.get(top_state)
+            if cands is None:
+                acts = states[top_state]
+                # A close marker that also opens an element or is some body's inner marker
+                # (DeepSeek's `</think>` / `<think>`) may be shifted into a body instead of
+                # closing anything: try it after the pure closers, and never twice from the
+                # same configuration (that would cycle). (The order depends on the state
+                # only: kept per state.)
+                amb = self.ambiguous_terms
+                cands = self._closing_cands[top_state] = tuple(
+                    [k for k in acts if k in prefs[0] and k not in amb] +
+                    [k for k in acts if k in prefs[0] and k in amb] +
+                    [k for k in acts if k in prefs[1]] +
                     sorted(k for k in acts if k.startswith("M_") and k not in prefs[0]
-                           and k not in prefs[1])
+                           and k not in prefs[1]))
             for c in cands:
                 key = (state_stack[-1], len(state_stack), c)
                 if key in tried:
