@@ -13,7 +13,8 @@ text) or is a random stream of markers and text, and runs :func:`check_contract`
   both modes.
 
 The loop is seeded (reproducible; ``CHATGRAMMAR_FUZZ_SEED`` picks another campaign) and bounded
-by time: ``CHATGRAMMAR_FUZZ_SECONDS`` (default 20; 60 with ``--runslow``) split evenly over
+by time: ``CHATGRAMMAR_FUZZ_SECONDS`` (default 8; 20 with ``CHATGRAMMAR_LONG=1``, the tests
+marked ``long``; 60 with ``--runslow``) split evenly over
 the formats, each format getting at least ``MIN_CASES`` cases per mode
 (``CHATGRAMMAR_FUZZ_MIN_CASES``: 30 by default, 300 with ``--runslow``, which is the
 campaign that sizes the guarantee; the default run keeps every check at the smaller size). A failure
@@ -42,11 +43,13 @@ import chatgrammar as cg
 from chatgrammar.conformance.matrix import get_case, iter_renderable
 from tests.fuzz_tokenizers import (QWEN_BASE_VOCAB, REAL_TOKENIZERS, check_contract,
                                    encode_rendered, format_encoding, format_templates,
-                                   named_tokenizer)
+                                   named_tokenizer, sized)
 
 FORMATS = cg.list_formats()
-# 20 s in the default run, 60 s with --runslow (tests/conftest.py sets the variable)
-FUZZ_SECONDS = float(os.environ.get("CHATGRAMMAR_FUZZ_SECONDS", "20"))
+# 8 s in the default run, 20 s with CHATGRAMMAR_LONG=1 (the default before issue 14's sizing),
+# 60 s with --runslow (tests/conftest.py sets the variable); split over the formats, so the
+# clock matters less than MIN_CASES, which holds in every run
+FUZZ_SECONDS = float(os.environ.get("CHATGRAMMAR_FUZZ_SECONDS", sized("8", "20")))
 FUZZ_SEED = int(os.environ.get("CHATGRAMMAR_FUZZ_SEED", "0"))  # another seed: another campaign
 # per format and mode, whatever the clock says: 30 in the default run (each format still
 # reaches valid and invalid inputs in both modes: asserted), 300 with --runslow
@@ -162,6 +165,7 @@ def _deep_opener(fmt, seed_units: list, markers: set):
 
 # ------------------------------------------------------------------------------ the loops
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", FORMATS)
 def test_fuzz_format(name):
     fmt = cg.load_format(name)
@@ -230,6 +234,7 @@ SOFT_FORMATS = [n for n in FORMATS
                 if any(not m.special for m in cg.load_format(n).spec.markers.values())]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", SOFT_FORMATS)
 def test_fuzz_soft_markers_as_text(name):
     """A tokenizer without single ids for the soft markers (``<think>`` as ordinary BPE text):
@@ -241,6 +246,7 @@ def test_fuzz_soft_markers_as_text(name):
                    FUZZ_SECONDS / max(1, len(FORMATS)) / 5, MIN_CASES // 5)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("tokenizer", sorted(REAL_TOKENIZERS))
 def test_fuzz_real_tokenizers(tokenizer):
     """Real tokenizers (transformers' fast and slow, BPE and SentencePiece; tiktoken's Qwen2.5)
@@ -308,6 +314,7 @@ def _mutate_spec(d, rng: random.Random):
     return d
 
 
+@pytest.mark.long
 def test_fuzz_specs():
     """Mutated bundled specs (keys deleted, values replaced or swapped, keys added): loading
     raises SpecError / CompileError or builds a Format — never another exception — and a

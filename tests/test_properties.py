@@ -19,6 +19,9 @@ replaced by a private-use placeholder (:func:`tests.fuzz_tokenizers.mask_markers
 - text mode on the real text agrees with the reference char for char when nothing was typed;
   with typed markers it either agrees, or raises a ParseError, or parses differently (the
   documented text-mode limit) — and never breaks the contract (``check_contract``).
+
+Sized (marker ``long``): 20 hypothesis examples per (format, template) in the default run, 40
+with ``CHATGRAMMAR_LONG=1`` (or ``--runslow``); docs/reliability.md, "Budgets".
 """
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ marker strings typed in messages are right in id mode, specs are data (safe YAML
 checked for catastrophic backtracking and run on bounded strings only), templates render in a
 sandbox with a time limit, and million-token / 100 MB inputs run in bounded memory.
 The randomised side of the contract lives in test_properties.py and test_fuzz.py.
+
+Sized (marker ``long``): the odd-input marker floods repeat 1,500 / 1,000 / 200 times in the
+default run and 5,000 / 3,000 / 500 times with ``CHATGRAMMAR_LONG=1`` (or ``--runslow``);
+docs/reliability.md, "Budgets".
 """
 from __future__ import annotations
 
