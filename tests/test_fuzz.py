@@ -459,13 +459,14 @@ def test_every_prefix_trains_what_is_there(name):
     marker_ids = {u[0] for m in fmt.spec.markers.values()
                   if len(u := encode_rendered(enc, m.text)) == 1}
     trims = any(el.trim_end for el in fmt.spec.elements.values())
+    # (masks compared as arrays: mask_array() is what mask() lists, without a list per prefix)
     for k, text in enumerate(renders):
         ids = encode_rendered(enc, text)
         whole = fmt.parse_ids(ids, enc)
-        full = np.asarray(whole.mask())
+        full = whole.mask_array()
         for n in range(len(ids) + 1):
             conv = fmt.parse_ids(ids[:n], enc)
-            got, want = np.asarray(conv.mask()), _cut_expectation(fmt, conv, full[:n],
+            got, want = conv.mask_array(), _cut_expectation(fmt, conv, full[:n],
                                                                   whole=whole)
             if lstrip_ids:
                 # a marker of whitespace (Granite Code's blank-line close "\n\n") is no text
@@ -480,7 +481,7 @@ def test_every_prefix_trains_what_is_there(name):
                 raise AssertionError(f"{name}: ids[:{n}] trains token {bad} differently from "
                                      f"the whole rendering\n{enc.decode(ids[:n])!r}")
         whole_t = fmt.parse(text)
-        full_t = np.asarray(whole_t.mask())
+        full_t = whole_t.mask_array()
         # every prefix for the first rendering; around each marker for the others
         if k == 0:
             cuts = range(len(text) + 1)
@@ -498,7 +499,7 @@ def test_every_prefix_trains_what_is_there(name):
                 if text[n - j:n] in prefixes_of:
                     end = n - j
                     break
-            got, want = np.asarray(conv.mask()), _cut_expectation(fmt, conv, full_t[:n], end,
+            got, want = conv.mask_array(), _cut_expectation(fmt, conv, full_t[:n], end,
                                                                   whole_t)
             want[end:] = 0
             if lstrip_texts:
