@@ -98,7 +98,6 @@ def pytest_configure(config):
     _return_large_blocks_to_the_system()
     config.addinivalue_line("markers", "slow: long-input / large fuzz sizes; run with --runslow")
     if config.getoption("--runslow"):  # the longer fuzz campaign (tests/test_fuzz.py)
-        os.environ.setdefault("CHATGRAMMAR_LONG", "1")  # and the full budgets (marker long)
         os.environ.setdefault("CHATGRAMMAR_FUZZ_SECONDS", "60")
         os.environ.setdefault("CHATGRAMMAR_FUZZ_MIN_CASES", "300")
 
