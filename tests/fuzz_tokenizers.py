@@ -28,11 +28,30 @@ Example:
 """
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
 from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
+
+def long_run() -> bool:
+    """Whether this is the longer run: ``CHATGRAMMAR_LONG=1`` in the environment (``--runslow``
+    sets it too, tests/conftest.py). The long-input, fuzz and property tests marked ``long``
+    (pyproject's markers) then run at their full budgets; the default run keeps every check at
+    a smaller size (issue 14: the suite in about 5 minutes on 2 cores)."""
+    return os.environ.get("CHATGRAMMAR_LONG", "") not in ("", "0")
+
+
+def sized(default: Any, long: Any) -> Any:
+    """``long`` in the longer run (:func:`long_run`), else ``default``.
+
+    Example:
+        >>> sized(1_000, 5_000) in (1_000, 5_000)
+        True
+    """
+    return long if long_run() else default
+
 
 # Placeholders for marker strings typed inside message text: one private-use character per
 # marker (U+F0000 plane 15, never produced by the tests' text strategies or by templates).
@@ -180,13 +199,21 @@ _PARTS_PRELUDE = (
     "{%- set messages = _cg.items -%}")
 
 def format_test_facts(fmt: Any) -> dict:
-    """The format's ``formats/<name>.tests.yaml`` (its test facts), or ``{}``."""
-    import yaml
-
+    """The format's ``formats/<name>.tests.yaml`` (its test facts), or ``{}`` (shared between
+    callers: treat as read-only)."""
     p = Path(fmt.path).with_name(f"{fmt.name}.tests.yaml")
     if not p.is_file():
         return {}
-    return yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    return _parsed_facts(p.read_text(encoding="utf-8"))
+
+
+@lru_cache(maxsize=8)
+def _parsed_facts(text: str) -> dict:
+    # keyed by the file's content: the property tests ask once per drawn conversation, and
+    # parsing a large tests.yaml (llama4's) each time was most of a test's cost
+    import yaml
+
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
 
 
 def rejected_by_design(fmt: Any, messages: list) -> str | None:

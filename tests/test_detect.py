@@ -377,9 +377,10 @@ def test_every_bundled_template_detects_as_its_format_verified():
     verified for that format: verification never loses a right answer."""
     import yaml
 
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the same data, ~7x faster
     for facts_file in sorted((ROOT / "formats").glob("*.tests.yaml")):
         name = facts_file.name[: -len(".tests.yaml")]
-        for t in (yaml.safe_load(facts_file.read_text(encoding="utf-8")) or {}).get(
+        for t in (yaml.load(facts_file.read_text(encoding="utf-8"), Loader=loader) or {}).get(
                 "templates") or []:
             src = (TEMPLATES / t["file"]).read_text(encoding="utf-8")
             try:

@@ -7,6 +7,10 @@ marker strings typed in messages are right in id mode, specs are data (safe YAML
 checked for catastrophic backtracking and run on bounded strings only), templates render in a
 sandbox with a time limit, and million-token / 100 MB inputs run in bounded memory.
 The randomised side of the contract lives in test_properties.py and test_fuzz.py.
+
+Sized (marker ``long``): the odd-input marker floods repeat 1,500 / 1,000 / 200 times in the
+default run and 5,000 / 3,000 / 500 times with ``CHATGRAMMAR_LONG=1`` (or ``--runslow``);
+docs/reliability.md, "Budgets".
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from chatgrammar.core.spec import parse_spec
 from tests.hang_guard import hang_guard
 from tests.fuzz_tokenizers import (check_contract, encode_rendered, expected_token_mask,
                                    format_encoding, format_templates, mask_markers,
-                                   placeholder_table, token_char_starts, unmask)
+                                   placeholder_table, sized, token_char_starts, unmask)
 
 FORMATS = cg.list_formats()
 
@@ -71,6 +75,16 @@ def test_parse_error_carries_offset_expected_markers_and_excerpt(k2):
     assert "im_user '<|im_user|>'" in info.value.expected
 
 
+# marker floods: in the default run each is still longer than Python's recursion limit (a
+# parser that recursed per marker would fail), and the lenient recovery of every stray
+# marker is exercised thousands of times; the longer run (CHATGRAMMAR_LONG=1) floods 5000 /
+# 3000 / 500 times, as before
+FLOOD = sized(1500, 5000)  # the first marker, repeated
+FLOOD_WITH_TEXT = sized(1000, 3000)  # the last marker and a character, repeated
+FLOOD_IDS = sized(200, 500)  # every marker id, reversed, repeated
+
+
+@pytest.mark.long
 @pytest.mark.parametrize("name", FORMATS)
 def test_odd_inputs_never_break_the_contract(name):
     """Empty input, whitespace, lone markers, marker floods, NULs, lone surrogates, undecodable
@@ -79,7 +93,8 @@ def test_odd_inputs_never_break_the_contract(name):
     enc = format_encoding(fmt)
     markers = [m.text for m in fmt.spec.markers.values()]
     texts = ["", " ", "\n\n", "\x00", "\ud800", "\ufffd" * 3, "".join(markers),
-             "".join(reversed(markers)), markers[0] * 5000, (markers[-1] + "x") * 3000,
+             "".join(reversed(markers)), markers[0] * FLOOD,
+             (markers[-1] + "x") * FLOOD_WITH_TEXT,
              "".join(m[:-1] for m in markers), "x" * 100_000]
     for text in texts:
         check_contract(fmt, text, "text")
@@ -87,7 +102,7 @@ def test_odd_inputs_never_break_the_contract(name):
             check_contract(fmt, encode_rendered(enc, text), "ids", enc)
     marker_ids = [enc.encode_single_token(m) for m in markers]  # a marker may hold another
     for ids in ([], [-1], [2 ** 63 - 1], [enc.n_vocab + 5] * 3, marker_ids,
-                marker_ids[::-1] * 500, [marker_ids[0], -5, 10 ** 12, marker_ids[-1]]):
+                marker_ids[::-1] * FLOOD_IDS, [marker_ids[0], -5, 10 ** 12, marker_ids[-1]]):
         check_contract(fmt, ids, "ids", enc)
         check_contract(fmt, np.asarray(ids, dtype=np.int64), "ids", enc)
 
