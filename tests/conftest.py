@@ -100,6 +100,8 @@ def pytest_configure(config):
     if config.getoption("--runslow"):  # the longer fuzz campaign (tests/test_fuzz.py)
         os.environ.setdefault("CHATGRAMMAR_FUZZ_SECONDS", "60")
         os.environ.setdefault("CHATGRAMMAR_FUZZ_MIN_CASES", "300")
+        # and the full budgets of the tests marked ``long`` (sized down by default)
+        os.environ.setdefault("CHATGRAMMAR_LONG", "1")
 
 
 # modules whose tests run format by format (each format's tokenizers are built once, used by

@@ -10,6 +10,7 @@ benchmark workload (where the fast path must actually be taken).
 from __future__ import annotations
 
 import importlib.util
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -100,10 +101,10 @@ def _build_samples(fmt) -> list:
 
 def _slow_masks(fmt, samples, policies, strict) -> dict:
     """``{(policy index, sample index): parse_ids(...).mask(policy)}`` (``ParseError`` where
-    it raises): the full pipeline's answer for every sample under every policy, from ONE parse per sample (a parse does not depend on the
-    policy: ``mask(policy)`` reads it; a strict ParseError is every policy's answer). The
-    tests compare each fast answer, first pass and memo pass, with these; the fast calls
-    themselves are made in the same order as before."""
+    it raises): the full pipeline's answer for every sample under every policy, from ONE
+    parse per sample (a parse does not depend on the policy: ``mask(policy)`` reads it; a
+    strict ParseError is every policy's answer). The tests compare each fast answer, first
+    pass and memo pass, with these; the fast calls are made in the same order as before."""
     out = {}
     for i, (enc, ids) in enumerate(samples):
         try:
@@ -318,19 +319,21 @@ def _every_cut_samples(fmt, limit=3):
             for j, text in enumerate(_rendered(fmt)[:limit])]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", cg.list_formats())
-def test_truncation_at_every_cut_is_the_reference_and_served_fast(name, request):
+def test_truncation_at_every_cut_is_the_reference_and_served_fast(name):
     """Truncation is a case of the memoised core (an item cut by the end of input is keyed by
     the configuration it ends in): at every cut, the fast answer is the reference's, under
     several policies (last_turn_only included) and in both modes; a second pass is served
     from the memo.
 
-    Budget (issue 14: long inputs sized, the longer run behind ``--runslow``): per encoding
-    (soft markers as ids, and as text) the first two complete renders; the default run cuts
-    the first at every position and the second at every third position (and its last);
-    ``--runslow`` cuts both at every position (the budget before issue 14's sizing)."""
+    Budget (issue 14: long inputs sized, marker ``long``): per encoding (soft markers as ids,
+    and as text) the first two complete renders; the default run cuts the first at every
+    position and the second at every third position (and its last); the longer run
+    (``CHATGRAMMAR_LONG=1``, or ``--runslow``) cuts both at every position (the budget before
+    issue 14's sizing)."""
     fmt = cg.load_format(name)
-    every = request.config.getoption("--runslow")
+    every = os.environ.get("CHATGRAMMAR_LONG", "") not in ("", "0")
     cuts = [(enc, ids[:k]) for enc, ids, j in _every_cut_samples(fmt, 2)
             for k in _cut_points(len(ids), 1 if every or j == 0 else 3)]
     combos = ((None, True), (None, False), (cg.MaskPolicy(last_turn_only=True), True),
