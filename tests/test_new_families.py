@@ -67,17 +67,23 @@ def _special_ids(name: str, template: str | None = None) -> dict:
     return dict(_facts(name).get("special_ids") or {})
 
 
-@lru_cache(maxsize=4)  # each holds Qwen's ranks (~35 MB); tests run family by family
 def _encoding(name: str, template: str | None = None):
     """Qwen's BPE with the family's special ids at their real ids (ordinary ranks renumbered
     around them: the order of merges, hence every tokenisation of text, is Qwen's)."""
-    from tests.format_kit import renumbered_encoding
-
     specials = {str(k): int(v) for k, v in _special_ids(name, template).items()}
     taken = set(specials.values())
     assert len(taken) == len(specials), f"{name}: two special tokens share an id"
+    return _encoding_of(name, tuple(specials.items()))
+
+
+@lru_cache(maxsize=4)  # each holds Qwen's ranks (~35 MB); tests run family by family
+def _encoding_of(name: str, specials: tuple):
+    # keyed by the special ids (content), not by the template asked about: a family's
+    # templates that share its ids, and its bare tokenizer, are one build
+    from tests.format_kit import renumbered_encoding
+
     # (format_kit's ranks are read once per module, renumbered without a sort of the table)
-    return renumbered_encoding.__wrapped__(f"{name}-test", tuple(specials.items()))
+    return renumbered_encoding.__wrapped__(f"{name}-test", specials)
 
 
 def _chars(spans) -> set[int]:
