@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -28,13 +27,7 @@ POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
             cg.MaskPolicy(last_turn_only=True)]
 
 
-@lru_cache(maxsize=1)
 def _bench():
-    """tools/bench.py as a module, loaded once per test module (tests/conftest.py clears the
-    ``lru_cache`` of every tests.* module after each module): its ``kimi_encoding`` builds a
-    Qwen-ranks tiktoken vocabulary (~1.5 CPU-s), which a fresh module per test rebuilt every
-    time. The per-tokenizer state of the formats follows a tokenizer's content, not the
-    object, so sharing one encoding object between tests changes no state a test sees."""
     path = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
     spec = importlib.util.spec_from_file_location("cg_bench", path)
     mod = importlib.util.module_from_spec(spec)
