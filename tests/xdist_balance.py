@@ -28,11 +28,11 @@ from xdist.scheduler import LoadScopeScheduling
 # a test. A file not listed counts CPU_PER_TEST per test. SA8 (issue 14) scaled its files'
 # figures by the ratio of their tests' CPU after/before its changes, each file run alone,
 # before and after, on the same (loaded) machine the same night (CHATGRAMMAR_TEST_CPULOG; a
-# full-suite run could not finish there): test_formats x0.85, test_fastpath ~x0.78,
+# full-suite run could not finish there): test_formats x0.85, test_fastpath x0.73,
 # test_speedups x0.96 (same minute), test_one_engine x0.88, test_new_families x0.78.
 COST = {
     "tests/test_formats.py": 119,
-    "tests/test_fastpath.py": 91,
+    "tests/test_fastpath.py": 85,
     "tests/test_properties.py": 84,
     "tests/test_reliability.py": 95,
     "tests/test_fuzz.py": 78,
