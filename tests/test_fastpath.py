@@ -10,6 +10,7 @@ benchmark workload (where the fast path must actually be taken).
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
@@ -35,26 +36,77 @@ def _bench():
 
 
 def _samples(fmt) -> list[list[int]]:
+    """``(encoding, ids)`` of each complete render of the format's first engine template, with
+    two cuts of it, for both soft-marker encodings (shared between the tests of one format,
+    see :class:`_OneFormatMemo`: treat as read-only)."""
+    return _OneFormatMemo.get(fmt, "samples", lambda: _build_samples(fmt))
+
+
+class _OneFormatMemo:
+    """The test inputs of one format, built once while the tests of that format run
+    (tests/conftest.py runs this module format by format: four tests of a format render the
+    same templates and encode the same samples). Keyed by the format's name and its spec's
+    source text (content, never an object's id); only the current format's inputs are kept
+    (memory: one format's renders), and ``cache_clear`` (called by tests/conftest.py after
+    each module, as for every ``lru_cache`` of a tests.* module) drops them."""
+
+    _key: tuple | None = None
+    _got: dict = {}
+
+    @classmethod
+    def get(cls, fmt, what: str, build):
+        key = (fmt.name, fmt.source)
+        if cls._key != key:
+            cls._key, cls._got = key, {}
+        if what not in cls._got:
+            cls._got[what] = build()
+        return cls._got[what]
+
+    @classmethod
+    def cache_clear(cls) -> None:
+        cls._key, cls._got = None, {}
+
+    @classmethod
+    def cache_info(cls) -> dict:
+        return {"format": cls._key and cls._key[0], "inputs": sorted(cls._got)}
+
+
+def _rendered(fmt) -> list[str]:
+    """The texts of the built-in matrix the format's first engine template renders (the
+    cases it refuses left out), rendered once per format (:class:`_OneFormatMemo`)."""
+    return _OneFormatMemo.get(fmt, "rendered", lambda: [
+        r.text for _name, tpl, kw in engine_templates(fmt)[:1]
+        for r in iter_renderable(tpl, **kw) if r.text is not None])
+
+
+def _build_samples(fmt) -> list:
     out = []
     for soft in (True, False):
         enc = format_encoding(fmt, soft_as_specials=soft)
-        for _name, tpl, kw in engine_templates(fmt)[:1]:
-            for r in iter_renderable(tpl, **kw):
-                if r.text is None:
-                    continue
-                ids = encode_rendered(enc, r.text)
-                out.append((enc, ids))
-                for cut in (len(ids) // 3, len(ids) - 2):
-                    if 0 < cut < len(ids):
-                        out.append((enc, ids[:cut]))
+        for text in _rendered(fmt):
+            ids = encode_rendered(enc, text)
+            out.append((enc, ids))
+            for cut in (len(ids) // 3, len(ids) - 2):
+                if 0 < cut < len(ids):
+                    out.append((enc, ids[:cut]))
     return out
 
 
-def _slow(fmt, ids, enc, policy, strict):
-    try:
-        return fmt.parse_ids(ids, enc, strict=strict).mask(policy)
-    except ParseError:
-        return ParseError
+def _slow_masks(fmt, samples, policies, strict) -> dict:
+    """``{(policy index, sample index): parse_ids(...).mask(policy)}`` (``ParseError`` where
+    it raises): the full pipeline's answer for every sample under every policy, from ONE
+    parse per sample (a parse does not depend on the policy: ``mask(policy)`` reads it; a
+    strict ParseError is every policy's answer). The tests compare each fast answer, first
+    pass and memo pass, with these; the fast calls are made in the same order as before."""
+    out = {}
+    for i, (enc, ids) in enumerate(samples):
+        try:
+            conv = fmt.parse_ids(ids, enc, strict=strict)
+        except ParseError:
+            conv = None
+        for k, policy in enumerate(policies):
+            out[k, i] = ParseError if conv is None else conv.mask(policy)
+    return out
 
 
 def _fast(fmt, ids, enc, policy, strict):
@@ -69,11 +121,12 @@ def test_fast_path_agrees_with_full_pipeline_on_every_format(name):
     fmt = cg.load_format(name)
     samples = _samples(fmt)
     assert samples, f"no template of {name} rendered"
-    for policy in POLICIES[:3]:
+    slow = {strict: _slow_masks(fmt, samples, POLICIES[:3], strict) for strict in (False, True)}
+    for k, policy in enumerate(POLICIES[:3]):
         for strict in (False, True):
             for _ in range(2):  # the second pass is served from the memo
-                for enc, ids in samples:
-                    want = _slow(fmt, ids, enc, policy, strict)
+                for i, (enc, ids) in enumerate(samples):
+                    want = slow[strict][k, i]
                     got = _fast(fmt, ids, enc, policy, strict)
                     assert got == want, (name, policy, strict, enc.decode(ids)[:300])
 
@@ -163,16 +216,14 @@ def _text_result(fmt, text, strict):
 def test_text_memo_gives_the_full_parse_on_every_format(name):
     fmt = cg.load_format(name)
     ref = _reference(fmt)
-    texts = []
-    for _name, tpl, kw in engine_templates(fmt)[:1]:
-        for r in iter_renderable(tpl, **kw):
-            if r.text is not None:
-                texts += [r.text, r.text[:len(r.text) // 2], r.text[:-3]]
+    texts = [x for r in _rendered(fmt) for x in (r, r[:len(r) // 2], r[:-3])]
     assert texts
     for strict in (True, False):
+        # the reference (memo off: the same full parse every time) once per text
+        want = [_text_result(ref, t, strict) for t in texts]
         for _ in range(2):  # the second pass is served from the memo
-            for t in texts:
-                assert _text_result(fmt, t, strict) == _text_result(ref, t, strict), t[:300]
+            for t, w in zip(texts, want):
+                assert _text_result(fmt, t, strict) == w, t[:300]
 
 
 def test_text_memo_serves_the_workload_and_returns_fresh_objects():
@@ -247,39 +298,47 @@ def test_complete_renders_are_served_by_the_memo(name):
 
 # ----------------------------------------------------------------------------- one engine
 
+def _cut_points(n: int, stride: int) -> list[int]:
+    """The cuts ``1..n-1`` at ``stride`` (every cut at 1; the last one always)."""
+    return sorted(set(range(1, n, stride)) | ({n - 1} if n > 1 else set()))
+
+
 def _every_cut_samples(fmt, limit=3):
     """Complete renders of the format's first template (both soft-marker encodings), at most
-    ``limit`` per encoding; the test cuts each at every position."""
-    out = []
-    for soft in (True, False):
-        enc = format_encoding(fmt, soft_as_specials=soft)
-        k = 0
-        for _name, tpl, kw in engine_templates(fmt)[:1]:
-            for r in iter_renderable(tpl, **kw):
-                if r.text is None or k >= limit:
-                    continue
-                out.append((enc, encode_rendered(enc, r.text)))
-                k += 1
-    return out
+    ``limit`` per encoding: ``(encoding, ids, j)``, ``j`` the render's rank for its
+    encoding; the test cuts each."""
+    return [(enc, encode_rendered(enc, text), j)
+            for enc in (format_encoding(fmt, soft_as_specials=soft) for soft in (True, False))
+            for j, text in enumerate(_rendered(fmt)[:limit])]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", cg.list_formats())
 def test_truncation_at_every_cut_is_the_reference_and_served_fast(name):
-    # Truncation is a case of the memoised core (an item cut by the end of input is keyed by
-    # the configuration it ends in): at every cut, the fast answer is the reference's, under
-    # several policies (last_turn_only included) and in both modes; a second pass is served
-    # from the memo.
+    """Truncation is a case of the memoised core (an item cut by the end of input is keyed by
+    the configuration it ends in): at every cut, the fast answer is the reference's, under
+    several policies (last_turn_only included) and in both modes; a second pass is served
+    from the memo.
+
+    Budget (issue 14: long inputs sized, marker ``long``): per encoding (soft markers as ids,
+    and as text) the first two complete renders; the default run cuts the first at every
+    position and the second at every third position (and its last); the longer run
+    (``CHATGRAMMAR_LONG=1``, or ``--runslow``) cuts both at every position (the budget before
+    issue 14's sizing)."""
     fmt = cg.load_format(name)
-    cuts = [(enc, ids[:k]) for enc, ids in _every_cut_samples(fmt, 2)
-            for k in range(1, len(ids))]
-    for policy, strict in ((None, True), (None, False), (cg.MaskPolicy(last_turn_only=True), True),
-                           (cg.MaskPolicy(thinking=False, end_marker=True, truncated=False),
-                            False)):
-        if True:
-            for _ in range(2):
-                for enc, ids in cuts:
-                    assert _fast(fmt, ids, enc, policy, strict) == \
-                        _slow(fmt, ids, enc, policy, strict), (name, policy, strict, len(ids))
+    every = os.environ.get("CHATGRAMMAR_LONG", "") not in ("", "0")
+    cuts = [(enc, ids[:k]) for enc, ids, j in _every_cut_samples(fmt, 2)
+            for k in _cut_points(len(ids), 1 if every or j == 0 else 3)]
+    combos = ((None, True), (None, False), (cg.MaskPolicy(last_turn_only=True), True),
+              (cg.MaskPolicy(thinking=False, end_marker=True, truncated=False), False))
+    slow = {strict: _slow_masks(fmt, cuts, [p for p, s in combos if s == strict], strict)
+            for strict in (True, False)}
+    for policy, strict in combos:
+        k = [p for p, s in combos if s == strict].index(policy)
+        for _ in range(2):
+            for i, (enc, ids) in enumerate(cuts):
+                assert _fast(fmt, ids, enc, policy, strict) == slow[strict][k, i], \
+                    (name, policy, strict, len(ids))
     fm = [fmt._fast_masker(enc) for enc, _ in cuts[:1]][0]
     assert fm.stats["fast"] > 0 or name in NEVER_FAST
 

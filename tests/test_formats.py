@@ -69,34 +69,62 @@ def _one_format_at_a_time(request):
     """Tests run format by format (tests/conftest.py orders them); when the format changes,
     the tokenizers built for the previous one are released: every loaded format drops its
     per-tokenizer state (detection binds each format to each tokenizer it sees) and the
-    tokenizer caches are emptied, and the previous format's renderings dropped. Peak memory is
-    then one format's tokenizers and renderings, not all."""
+    tokenizer caches are emptied, and the previous format's data (renderings, goldens, cases:
+    memos, a later test of it would build them again) dropped. Peak memory is then one
+    format's tokenizers and renderings, not all.
+
+    What survives the switch (the formats' compiled parsers, built lazily as each format is
+    first used, pytest's reports) is then moved out of the collector's sight (``gc.freeze``,
+    as tests/conftest.py does after collection): the collection at each switch, and the
+    interpreter's own full collections, otherwise walk the whole growing heap again (the
+    switch cost grew from 0.06 to 0.5 CPU-s over the suite: ~22 CPU-s). What a frozen object
+    still references is freed by reference counting as before."""
     name = getattr(getattr(request.node, "callspec", None), "params", {}).get("name")
     if name and name != _current[0]:
-        if _current[0]:  # its renderings too (a memo: a later test of it would render again)
-            data(_current[0])._renders.clear()
         _current[0] = name
         import gc
 
-        from tests import format_kit, fuzz_tokenizers
-
-        for fmt in {cg.load_format(n) for n in BUNDLED}:
-            for attr in ("_states", "_by_obj"):  # per-tokenizer state (lexers, fast path)
-                cache = getattr(fmt, attr, None)
-                if cache is not None:  # a dict, or a WeakKeyDictionary
-                    cache.clear()
-        from chatgrammar.runtime import tokenizers as cg_tokenizers
-
-        for attr in ("_ADAPTERS",):  # adapters hold their tokenizer
-            cache = getattr(cg_tokenizers, attr, None)
-            if hasattr(cache, "clear"):
-                cache.clear()
-        format_kit.id_encoding.cache_clear()
-        format_kit.renumbered_encoding.cache_clear()
-        format_kit.real_tokenizer.cache_clear()
-        fuzz_tokenizers._encoding.cache_clear()
+        _drop_format_data()
         gc.collect()
+        gc.freeze()
     yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _unfreeze_after_the_module():
+    """After the module, what the switches froze is back in the collector's sight (one full
+    collection, then what survives is frozen again, as after collection): garbage in a cycle
+    that a switch froze and that became garbage later (an evicted compiled template) is
+    freed here instead of staying for the rest of the worker's run."""
+    yield
+    import gc
+
+    _drop_format_data()
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
+def _drop_format_data() -> None:
+    """Every format's per-tokenizer state, the adapters, the tokenizer caches and the
+    formats' data (:func:`data`: rebuilt from its files when next needed)."""
+    from chatgrammar.runtime import tokenizers as cg_tokenizers
+    from tests import format_kit, fuzz_tokenizers
+
+    data.cache_clear()
+    for fmt in {cg.load_format(n) for n in BUNDLED}:
+        for attr in ("_states", "_by_obj"):  # per-tokenizer state (lexers, fast path)
+            cache = getattr(fmt, attr, None)
+            if cache is not None:  # a dict, or a WeakKeyDictionary
+                cache.clear()
+    for attr in ("_ADAPTERS",):  # adapters hold their tokenizer
+        cache = getattr(cg_tokenizers, attr, None)
+        if hasattr(cache, "clear"):
+            cache.clear()
+    format_kit.id_encoding.cache_clear()
+    format_kit.renumbered_encoding.cache_clear()
+    format_kit.real_tokenizer.cache_clear()
+    fuzz_tokenizers._encoding.cache_clear()
 
 
 def _write_golden(fd: FormatData, file: str, section: str, key: str | None, value) -> None:

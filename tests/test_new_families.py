@@ -42,7 +42,10 @@ FAMILIES += ("vicuna", "metharme")
 FAMILIES += ("exaone4.5", "sarvam", "functionary-v2")
 
 
+@lru_cache(maxsize=None)
 def _facts(name: str) -> dict:
+    """The family's ``.tests.yaml`` (read once: every test of a family reads it, some twice;
+    callers only read it)."""
     return yaml.safe_load((FORMATS / f"{name}.tests.yaml").read_text(encoding="utf-8")) or {}
 
 
@@ -64,26 +67,23 @@ def _special_ids(name: str, template: str | None = None) -> dict:
     return dict(_facts(name).get("special_ids") or {})
 
 
-@lru_cache(maxsize=4)  # each holds Qwen's ranks (~35 MB); tests run family by family
 def _encoding(name: str, template: str | None = None):
     """Qwen's BPE with the family's special ids at their real ids (ordinary ranks renumbered
     around them: the order of merges, hence every tokenisation of text, is Qwen's)."""
-    import tiktoken
-
-    from tests.tokenizers import QWEN_PATTERN, QWEN_TIKTOKEN
-    from tiktoken.load import load_tiktoken_bpe
-
     specials = {str(k): int(v) for k, v in _special_ids(name, template).items()}
     taken = set(specials.values())
     assert len(taken) == len(specials), f"{name}: two special tokens share an id"
-    ranks, next_id = {}, 0
-    for piece, _ in sorted(load_tiktoken_bpe(str(QWEN_TIKTOKEN)).items(), key=lambda kv: kv[1]):
-        while next_id in taken:
-            next_id += 1
-        ranks[piece] = next_id
-        next_id += 1
-    return tiktoken.Encoding(name=f"{name}-test", pat_str=QWEN_PATTERN, mergeable_ranks=ranks,
-                             special_tokens=specials)
+    return _encoding_of(name, tuple(specials.items()))
+
+
+@lru_cache(maxsize=4)  # each holds Qwen's ranks (~35 MB); tests run family by family
+def _encoding_of(name: str, specials: tuple):
+    # keyed by the special ids (content), not by the template asked about: a family's
+    # templates that share its ids, and its bare tokenizer, are one build
+    from tests.format_kit import renumbered_encoding
+
+    # (format_kit's ranks are read once per module, renumbered without a sort of the table)
+    return renumbered_encoding.__wrapped__(f"{name}-test", specials)
 
 
 def _chars(spans) -> set[int]:
