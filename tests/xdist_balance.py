@@ -25,28 +25,25 @@ from xdist.scheduler import LoadScopeScheduling
 # CPU seconds per test file, measured on the 2-core machine (CHATGRAMMAR_TEST_COSTLOG, one
 # run of the whole suite; `python tools/suite_cost.py` re-measures). Only the order of the
 # work and where the heavy files are cut depend on them: a stale figure costs balance, never
-# a test. A file not listed counts CPU_PER_TEST per test. SA8 (issue 14) scaled its files'
-# figures by the ratio of their tests' CPU after/before its changes, each file run alone,
-# before and after, on the same (loaded) machine the same night (CHATGRAMMAR_TEST_CPULOG; a
-# full-suite run could not finish there): test_formats x0.85, test_fastpath x0.73,
-# test_speedups x0.96 (same minute), test_one_engine x0.88, test_new_families x0.78.
+# a test. A file not listed counts CPU_PER_TEST per test. Measured on the merged tree of
+# session 8 (one quiet-machine run of the whole suite, CHATGRAMMAR_TEST_COSTLOG).
 COST = {
-    "tests/test_formats.py": 119,
-    "tests/test_fastpath.py": 85,
-    "tests/test_properties.py": 84,
-    "tests/test_reliability.py": 95,
-    "tests/test_fuzz.py": 78,
-    "tests/test_speedups.py": 51,
-    "tests/test_wild.py": 44,
-    "tests/test_one_engine.py": 34,
-    "tests/test_new_families.py": 27,
-    "tests/test_infer.py": 27,
-    "tests/test_cli.py": 22,
-    "tests/test_hf.py": 22,
-    "tests/test_integration_trl.py": 15,
-    "tests/test_mask_cli.py": 12,
+    "tests/test_formats.py": 183,
+    "tests/test_fastpath.py": 108,
+    "tests/test_wild.py": 75,
+    "tests/test_fuzz.py": 69,
+    "tests/test_properties.py": 59,
+    "tests/test_speedups.py": 56,
+    "tests/test_reliability.py": 51,
+    "tests/test_one_engine.py": 35,
+    "tests/test_integration_trl.py": 32,
+    "tests/test_infer.py": 26,
+    "tests/test_mask_cli.py": 18,
+    "tests/test_hf.py": 17,
+    "tests/test_new_families.py": 16,
+    "tests/test_cli.py": 15,
     "tests/test_detect.py": 12,
-    "tests/test_textpath.py": 12,
+    "tests/test_textpath.py": 11,
 }
 CPU_PER_TEST = 0.05
 CHUNK_CPU_S = 25.0
