@@ -42,9 +42,25 @@ _MOVABLE = ("system", "tool")
 #: The assistant's whole output (what the default check proves right).
 _OUTPUT = MaskPolicy(roles=("assistant",), thinking=True, tool_calls=True)
 
+# Both caches are keyed by content (the spec's own data, the template's hash) and bounded:
+# they keep no caller's format alive by identity, and a long run that resolves many
+# templates does not grow them without end.
 _cache: dict[tuple, dict] = {}
-_made: dict[tuple, tuple] = {}
+_made: dict[tuple, Format] = {}
 _lock = threading.Lock()
+_BOUND = 256
+
+
+def _spec_key(fmt: Format) -> str:
+    """The format's content: its validated spec, hashed (not its identity or its path)."""
+    return hashlib.sha256(fmt.spec.model_dump_json().encode()).hexdigest()
+
+
+def _put(cache: dict, key: tuple, value) -> None:
+    with _lock:
+        if len(cache) >= _BOUND:
+            cache.clear()
+        cache[key] = value
 
 
 def _occurrences(R: str, word: str) -> list[tuple[int, int]]:
@@ -199,8 +215,8 @@ def declare_folds(fmt: Format, template: str | None, variables: dict | None = No
     if not template:
         return fmt
     vars_ = {k: v for k, v in (variables or {}).items() if isinstance(v, str)}
-    key = (fmt.name, fmt.path, hashlib.sha256(template.encode()).hexdigest(),
-           tuple(sorted(vars_.items())))
+    spec_key = _spec_key(fmt)
+    key = (spec_key, hashlib.sha256(template.encode()).hexdigest(), tuple(sorted(vars_.items())))
     with _lock:
         folds = _cache.get(key)
     if folds is None:
@@ -208,18 +224,16 @@ def declare_folds(fmt: Format, template: str | None, variables: dict | None = No
             folds = find_folds(fmt, template, vars_)
         except TemplateError:   # (a template that does not compile: nothing to declare)
             folds = {}
-        with _lock:
-            _cache[key] = folds
+        _put(_cache, key, folds)
     if not folds:
         return fmt
     # (one folded format per format and folds: its memo and per-tokenizer state stay warm
     # across calls, as the bundled format's do)
-    made = (id(fmt), tuple(sorted(folds.items())))
+    made = (spec_key, tuple(sorted(folds.items())))
     with _lock:
         hit = _made.get(made)
-    if hit is not None and hit[0] is fmt:
-        return hit[1]
+    if hit is not None:
+        return hit
     new = with_role_folds(fmt, {**fmt.spec.role_folds, **folds})
-    with _lock:
-        _made[made] = (fmt, new)
+    _put(_made, made, new)
     return new
