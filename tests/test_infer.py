@@ -985,3 +985,47 @@ def test_a_tool_name_after_the_role_word_is_read_as_an_attribute():
     assert fmt.parse(text).trained_text(OUTPUT_POLICY) == ["Let me check.", "Sunny."]
     with pytest.raises(cg.ParseError):
         fmt.parse(text.replace("tool name=get_weather", "assistant name=get_weather"))
+
+
+def test_long_jinja_indentation_reads_alike_in_both_modes():
+    # chujiezheng's Falcon template, indented in Jinja without whitespace control: every
+    # rendering starts with 19 chars of spaces and newlines, one id each for the conformance
+    # MarkerTokenizer. Id mode read `between` text within 16 ids, so it took that indentation
+    # for a bare system prompt, trained under roles+system (text mode did not): a silent
+    # wrong mask under that policy. Read within BETWEEN_MAX_TOKENS (64) ids, both agree.
+    from chatgrammar.conformance.policies import POLICIES
+    kw = {"bos_token": "<s>", "eos_token": "</s>"}
+    tpl = _read("wild/chujiezheng-falcon.jinja")
+    fmt = cg.infer_format(tpl, **kw)
+    text = render_chat(tpl, TWO_EXCHANGES, **kw)
+    assert text.startswith(" " * 8 + "\n" + " " * 8 + "\n")
+    synth = MarkerTokenizer.for_format(fmt)
+    ids, starts = synth.encode_with_offsets(text)
+    bounds = starts + [len(text)]
+    for policy in (OUTPUT_POLICY, POLICIES["roles+system"]):
+        by_text = [text[s.start:s.end] for s in fmt.parse(text).spans(policy)]
+        by_ids = [text[bounds[s.start]:bounds[s.end]] for s in
+                  fmt.parse_ids(ids, synth).spans(policy)]
+        assert by_ids == by_text
+        assert [t.strip() for t in by_text] == ["Hello there", "Later"]
+
+
+def test_reasoning_closer_alone_is_an_empty_reasoning_block():
+    # Poolside's Laguna XS.2 (2026): a reply without reasoning is '<assistant>\n</think>\nA',
+    # one with reasoning '<assistant>\n<think>\nR\n</think>\nA'. The first reading took
+    # '\n</think>' for the reply header and refused the second ('<think>' inside a header);
+    # the closer alone is an empty reasoning block (a text-less element of the think kind)
+    kw = {"bos_token": "\u3008|EOS|\u3009", "eos_token": "\u3008|EOS|\u3009"}
+    tpl = _read("wild/poolside-Laguna-XS.2.jinja")
+    fmt = cg.infer_format(tpl, **kw)
+    assert len(fmt.verification.checked) >= 18
+    msgs = [{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello there", "reasoning_content": "greet"},
+            {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Later"}]
+    text = render_chat(tpl, msgs, **kw)
+    assert "<assistant>\n<think>\ngreet\n</think>\nHello there" in text
+    assert "<assistant>\n</think>\nLater" in text
+    conv = fmt.parse(text)
+    assert [t.strip() for t in conv.trained_text(cg.MaskPolicy(thinking=False))] \
+        == ["Hello there", "Later"]
+    assert "greet" in "".join(conv.trained_text(OUTPUT_POLICY))

@@ -1899,6 +1899,8 @@ def _variants(spec: dict) -> list[dict]:
             out.append(alt)
     out += _joined_terminators(spec, lstripped, ws_after, bool(closing))
     out += _eos_variants(spec, lstripped, eos)
+    out += [c for c in (_bare_reasoning_close(spec), _bare_reasoning_close(lstripped))
+            if c is not None]
     out += [c for c in (_trimmed(spec), _trimmed(lstripped)) if c is not None]
     if nolead:
         out += _each(out, _without_lead)
@@ -2175,6 +2177,40 @@ def _eos_variants(spec: dict, lstripped: dict, eos: dict | None) -> list:
             alt["elements"][n]["trim_end"] = True
         out.append(alt)
     return out
+
+
+def _bare_reasoning_close(cand: dict) -> dict | None:
+    """A reply header that ends at the reasoning block's closer, read as an empty reasoning
+    block instead: Poolside's Laguna writes ``<assistant>\\n</think>\\nA`` for a reply
+    without reasoning (its thinking-off prompt ends with that ``</think>``) but the whole
+    block, ``<assistant>\\n<think>\\nR\\n</think>\\nA``, for one with reasoning, so a
+    header read up to ``</think>`` meets ``<think>`` first. The header's whitespace becomes the
+    turn's ``lead`` and the closer alone an element of the reasoning kind with no text (the
+    marker only). None when no turn has such a header."""
+    alt = _copy(cand)
+    blocks = {m: (name, el["kind"]) for name, el in alt["elements"].items()
+              if el.get("kind") in ("think", "reasoning") and el.get("open")
+              for m in (el.get("close") or {}).get("markers", [])}
+    hit = False
+    for name in _turn_names(alt):
+        el = alt["elements"].get(name)
+        head = (el or {}).get("header") or {}
+        if el is None or el.get("role") != "assistant" or head.get("until") not in blocks \
+                or el.get("lead") is not None or set(head) - {"until", "pattern", "max_tokens"}:
+            continue
+        pat = head.get("pattern", "")
+        lit = re.sub(r"\\(.)", r"\1", pat, flags=re.S)
+        if re.fullmatch(pat, lit, re.S) is None or (pat and not lit.isspace()):
+            continue   # only a whitespace header: what it reads is then the turn's lead
+        block, kind = blocks[head["until"]]
+        bare = f"{block}_bare_close"
+        alt["elements"][bare] = {"open": head["until"], "text": False, "kind": kind}
+        del el["header"]
+        if lit:
+            el["lead"] = lit
+        el["children"] = [c for c in el.get("children", []) if c != bare] + [bare]
+        hit = True
+    return alt if hit else None
 
 
 def _trimmed(cand: dict) -> dict | None:

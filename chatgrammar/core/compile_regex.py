@@ -19,11 +19,14 @@ except ImportError:  # pragma: no cover
 # id mode, at most ``max_tokens * HEADER_CHARS_PER_TOKEN`` characters in text mode (a longer
 # header is cut there and fails its checks). `between` text is read up to BETWEEN_MAX_TOKENS
 # tokens in id mode and BETWEEN_MAX_CHARS chars in text mode: between-text is whitespace, and
-# 16 whitespace tokens can hold 2,048 chars (Qwen's longest is 128 spaces), so text mode must
-# accept at least that much to agree with id mode.
+# 64 whitespace tokens can hold 8,192 chars (Qwen's longest is 128 spaces), so text mode must
+# accept at least that much to agree with id mode. 64, not 16: a template indented in Jinja
+# without whitespace control (`{% if %}` on its own indented line) writes 20-40 chars of
+# spaces and newlines between turns, which a tokenizer without whitespace-run tokens (the
+# conformance MarkerTokenizer, one id per char) reads as that many ids.
 HEADER_CHARS_PER_TOKEN = 16
-BETWEEN_MAX_TOKENS = 16
-BETWEEN_MAX_CHARS = 4096
+BETWEEN_MAX_TOKENS = 64
+BETWEEN_MAX_CHARS = 16384
 
 _REPEAT_OPS = (sre_parse.MAX_REPEAT, sre_parse.MIN_REPEAT)
 _NO_BACKTRACK_OPS = tuple(op for op in (getattr(sre_parse, "POSSESSIVE_REPEAT", None),
