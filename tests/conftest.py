@@ -21,6 +21,31 @@ import os
 import pytest
 
 
+def _rewrite_only_the_suites_asserts() -> None:
+    """pytest rewrites the asserts of every module of a distribution that registers a pytest
+    plugin: all of hypothesis (~110 modules), anyio and xdist, parsed and recompiled in every
+    process (nothing is cached under ``PYTHONDONTWRITEBYTECODE``): ~4 CPU-s per process for
+    assertion messages of those libraries' internal asserts, which never concern a test here.
+    Their modules then import as they are installed; the suite's own test modules and
+    conftest are rewritten as before (they are not marked names, pytest's file patterns pick
+    them)."""
+    import sys
+
+    try:
+        from _pytest.assertion.rewrite import AssertionRewritingHook
+    except ImportError:  # a pytest without it: nothing to undo
+        return
+    for hook in sys.meta_path:
+        marked = getattr(hook, "_must_rewrite", None)
+        if isinstance(hook, AssertionRewritingHook) and isinstance(marked, set):
+            marked -= {"hypothesis", "_hypothesis_globals", "_hypothesis_pytestplugin",
+                       "anyio", "xdist"}
+            getattr(hook, "_marked_for_rewrite_cache", {}).clear()
+
+
+_rewrite_only_the_suites_asserts()
+
+
 def pytest_addoption(parser):
     parser.addoption("--update-goldens", action="store_true", default=False,
                      help="regenerate tests/formats/*/goldens from the current formats")

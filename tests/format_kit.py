@@ -530,12 +530,14 @@ class FormatData:
         return self.goldens[file]
 
 
-@lru_cache(maxsize=3)
+@lru_cache(maxsize=8)  # one format's own (mistral names 6): cleared by the suite per format
 def real_tokenizer(name: str, add_special: tuple = ()):
     """A real tokenizer of ``tests.fuzz_tokenizers.REAL_TOKENIZERS`` (a tests.yaml
     ``tokenizers: {x: {real: NAME}}``), with ``add_special`` strings added as special tokens to
     a copy (a stand-in for a model whose own tokenizer is not in the corpus: its base
-    vocabulary plus its markers at new ids). Few kept: the suite clears them per format."""
+    vocabulary plus its markers at new ids). Kept for one format at a time: the suite clears
+    them when the format changes (a smaller bound rebuilt the copies of a format that names
+    more, in turn, for every one of its renderings)."""
     import copy
 
     from tests.fuzz_tokenizers import REAL_TOKENIZERS

@@ -46,7 +46,10 @@ FAMILIES += ("exaone4.5", "sarvam", "functionary-v2")
 def _facts(name: str) -> dict:
     """The family's ``.tests.yaml`` (read once: every test of a family reads it, some twice;
     callers only read it)."""
-    return yaml.safe_load((FORMATS / f"{name}.tests.yaml").read_text(encoding="utf-8")) or {}
+    # (libyaml's safe loader, as chatgrammar.conformance.format_tests reads tests.yaml: this
+    # runs at collection, in every worker)
+    return yaml.load((FORMATS / f"{name}.tests.yaml").read_text(encoding="utf-8"),
+                     Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
 
 
 def _template_params():

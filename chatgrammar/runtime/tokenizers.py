@@ -315,6 +315,10 @@ def content_version(tokenizer: Any) -> tuple:
 _OBJ_KEYS = itertools.count()
 
 
+_CONTENT_KEYS: "weakref.WeakKeyDictionary[Any, tuple[tuple, tuple]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def content_key(tokenizer: Any) -> tuple:
     """What a tokenizer's lexer and memo depend on, as a hashable key: its vocabulary (ranks or
     pieces) and its added/special tokens. Two objects with the same content share one key;
@@ -322,9 +326,28 @@ def content_key(tokenizer: Any) -> tuple:
     Python's salted hashes). A minimal-protocol object, whose vocabulary cannot be read, gets
     a key of its own.
 
+    The key is kept per tokenizer object (weakly: it keeps no tokenizer alive) while its
+    :func:`content_version` is unchanged, as the per-tokenizer state is: hashing a 150k-piece
+    vocabulary costs tens of milliseconds, paid again by every format that first meets the
+    same tokenizer (and after every ``_states`` reset) without it.
+
     Raises:
         TypeError: the object is no tokenizer (see :class:`TokenizerAdapter`).
     """
+    ver = content_version(tokenizer)
+    try:
+        hit = _CONTENT_KEYS.get(tokenizer)
+    except TypeError:  # not weakly referenceable / not hashable: computed each time
+        return _content_key(tokenizer)
+    if hit is not None and hit[0] == ver:
+        return hit[1]
+    key = _content_key(tokenizer)
+    if key[0] != "object":  # (a minimal-protocol object keeps a key of its own per call)
+        _CONTENT_KEYS[tokenizer] = (ver, key)
+    return key
+
+
+def _content_key(tokenizer: Any) -> tuple:
     a = TokenizerAdapter(tokenizer)
     enc = a._encoding
     parts: list = [a.kind]
