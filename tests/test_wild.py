@@ -432,3 +432,49 @@ def test_tool_results_in_system_turns_never_train_as_system(template):
                           (("assistant", "system", "tool"), True)):
         got = "".join(conv.trained_text(cg.MaskPolicy(roles=roles)))
         assert (result in got) is trains, (roles, got)
+
+
+@pytest.mark.parametrize("template,fmt,variables", [
+    ("sglang-tool_chat_template_deepseekv31.jinja", "deepseek-v3",
+     {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}),
+    ("chujiezheng-llama-3-chat.jinja", "llama3",
+     {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+    ("chujiezheng-llama-3.2-1B-Instruct.jinja", "llama3",
+     {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"})])
+def test_jinja_indented_templates_fit_their_family(template, fmt, variables):
+    """Templates whose untrimmed Jinja lines write whitespace around the turns: before the
+    BOS (`lstrip`), 17+ characters between turns (id mode reads up to BETWEEN_MAX_TOKENS),
+    and inside or after the generation prompt (sglang V3.1's `<｜Assistant｜>    </think>`,
+    a stray newline after Llama 3's header: listed prompts, which train nothing)."""
+    path = wild.WILD / template
+    chk = check_template(cg.load_format(fmt), path.read_text(encoding="utf-8"),
+                         variables=variables)
+    assert chk.ok, chk.summary()
+
+
+def test_gemma4_eos_after_turn_ends_that_turn():
+    """A Gemma 4 fine-tune writes the tokenizer's EOS after every `<turn|>` (shivaylamba's):
+    it is that turn's end (`close.after`, with the newline before it: `lstrip`), trained only
+    with end_marker, and a lone EOS elsewhere is no turn's."""
+    f = cg.load_format("gemma4")
+    text = ("<bos><|turn>user\nHi<turn|>\n<eos><|turn>model\nHello<turn|>\n<eos>")
+    conv = f.parse(text)
+    assert [t.role for t in conv.turns] == ["user", "assistant"]
+    assert conv.trained_text() == ["Hello"]
+    assert "".join(conv.trained_text(cg.MaskPolicy(end_marker=True))) == "Hello<turn|>\n<eos>"
+    with pytest.raises(cg.ParseError):
+        f.parse("<bos><|turn>user\nHi<eos><turn|>\n")
+
+
+def test_functionary_tool_results_have_the_tool_role():
+    """Functionary v2 writes a tool result under its function's name (`<|from|>get_weather`):
+    that turn's role is `tool` (`role_aliases: {"*": tool}`), so role_folds reads no fold
+    of the tool into a role named after the function."""
+    from chatgrammar.conformance.folds import find_folds
+    f = cg.load_format("functionary-v2")
+    t = ("<|from|>user\n<|recipient|>all\n<|content|>W?\n<|from|>assistant\n<|recipient|>"
+         "get_weather\n<|content|>{}<|stop|>\n<|from|>get_weather\n<|recipient|>all\n"
+         "<|content|>sunny\n<|from|>assistant\n<|recipient|>all\n<|content|>Sunny<|stop|>\n")
+    assert [x.role for x in f.parse(t).turns] == ["user", "assistant", "tool", "assistant"]
+    src = (wild.WILD / "meetkai-functionary-medium-v2.2.jinja").read_text(encoding="utf-8")
+    assert find_folds(f, src, {"bos_token": "<s>", "eos_token": "</s>"}) == {}

@@ -117,7 +117,7 @@ def default_vars(template: str) -> dict:
         return {"bos_token": "", "eos_token": "<|im_end|>"}
     if "<|eot_id|>" in template or "<|start_header_id|>" in template:
         return {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
-    if "<start_of_turn>" in template:
+    if "<start_of_turn>" in template or "<|turn>" in template:  # Gemma 2/3, Gemma 4
         return {"bos_token": "<bos>", "eos_token": "<eos>"}
     if "<|end|>" in template and "<|assistant|>" in template:
         return {"bos_token": "<s>", "eos_token": "<|endoftext|>"}

@@ -234,11 +234,11 @@ class _SpecChecks:
             if c not in close.markers:
                 raise self.fail(f"`untrained_when_empty` marker {c!r} is not one of this "
                                 "element's close markers", base + ("untrained_when_empty", i))
-        if close.follow_after and (not el.follow or close.header is not None or close.after):
-            # the follow comes right after the marker, within the same alternative
+        if close.follow_after and (not el.follow or close.header is not None):
+            # the follow comes right after the marker, within the same alternative (`after`
+            # markers follow only the other close markers)
             raise self.fail("`close.follow_after` needs a `follow` element, and a close "
-                            "marker without a close header or `after` markers",
-                            base + ("follow_after",))
+                            "marker without a close header", base + ("follow_after",))
         if close.opens_follow:
             # the follow element must start right at the marker: no header of its own to
             # read first, and nothing of this element's end after the marker

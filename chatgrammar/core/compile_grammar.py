@@ -71,7 +71,8 @@ def _element_rule(name: str, el: Element, elements: dict[str, Element],
     if el.close and el.close.follow_after:
         # the follow comes after these close markers, always, and after no other
         fa = el.close.follow_after
-        calts = ([term_name(c) for c in el.close.markers if c not in fa]
+        after = "".join(f" {term_name(a)}?" for a in el.close.after)
+        calts = ([term_name(c) + after for c in el.close.markers if c not in fa]
                  + [f"{term_name(c)} {rule_name(el.follow)}" for c in el.close.markers
                     if c in fa])
         close = f"({' | '.join(calts)})" if len(calts) > 1 else calts[0]

@@ -114,8 +114,8 @@ class Close(_Model):
         "close marker, or not at all. Gemma 4: a model turn that stops with "
         "`<|tool_response>` goes on with the tool's response; one closed by `<turn|>` is "
         "followed only by between-turn text, which an optional follow starting with text "
-        "could not be told from. Needs a `follow` element, and no close `header` or "
-        "`after`."))
+        "could not be told from. Needs a `follow` element, and no close `header`; `after` "
+        "markers follow only the other close markers (a fine-tune's `<turn|>\\n<eos>`)."))
     roles: list[str] = Field(default_factory=list, description=(
         "Top-level only. The roles (after `role_aliases`) whose turns end with this close; a "
         "turn of any other role has no terminator and ends where the next top-level element "
