@@ -1173,7 +1173,9 @@ class FastMasker:
                                boundaries=boundaries)
         toks = lx.lex(arr, boundaries)
         src.recording = True
-        cuts = self._prefix_cuts(arr, toks) if self.prefix_ok else None
+        # (cut items fill the memo faster than whole ones: past half its bound, only those)
+        cuts = self._prefix_cuts(arr, toks) \
+            if self.prefix_ok and len(self.items) < _MAX_ITEMS // 2 else None
         saves = None if not cuts else [c[0] for c in cuts]
         # (a parse only to learn leaves generation prompts unmarked: _learn_item stores every
         # turn unmarked, and each answer applies the driver's rule to its own last turn)
@@ -1284,7 +1286,11 @@ class FastMasker:
         would), not from a parse of a window. Keyed from the prefix's own symbol tables
         (checked against the reference tokens up to there); the default policy's record is
         written for the C executor at once. ``got``: the saved configuration, the parsed
-        input, its tokens, its reads and the prefix's token count. False when not learned."""
+        input, its tokens, its reads and the prefix's token count. False when not learned.
+
+        Raises:
+            VerifyError: (``CHATGRAMMAR_VERIFY=1``) the prefix's symbols do not describe the
+                input's tokens up to there."""
         if key in self.items:
             return False
         sv, arr, toks, reads, k = got
@@ -1297,10 +1303,12 @@ class FastMasker:
         bounds, tail = walked
         B = lexed[4]
         a = bounds[-2] if len(bounds) > 1 else 0
-        syms = np.frombuffer(lexed[0], dtype=np.uint16).tolist()
-        if _item_key(lexed[1], lexed[2], lexed[3], a, bounds[-1], tail) != key or \
-                not self._same_tokens(toks[:k], syms, B):
+        if _item_key(lexed[1], lexed[2], lexed[3], a, bounds[-1], tail) != key:
             return False
+        if verify_enabled() and not self._same_tokens(
+                toks[:k], np.frombuffer(lexed[0], dtype=np.uint16).tolist(), B):
+            # (_prefixes_apply's conditions make the prefix's tokens the input's up to there)
+            raise VerifyError(f"{self.fmt.name}: a prefix's tokens are not the input's")
         warnings: list = []
         bnd: list = []
         src = _RecordingSource("ids", e, arr=pre, adapter=self.lx.adapter, boundaries=bnd)
