@@ -614,3 +614,62 @@ def test_learning_parses_leave_generation_prompts_to_each_answer():
         assert fmt.loss_mask(ids, enc) == fmt.parse_ids(ids, enc).mask(), len(ids)
     assert not any(t.generation_prompt for it in fm.items.values() for p in it.progs.values()
                    for t in p.turns)
+
+
+@pytest.mark.parametrize("version", ["kimi-k2", "kimi-k3"])
+def test_driver_resumes_a_prefix_from_a_saved_configuration(version):
+    # Driver.run(saves=...) keeps the parser's configuration before each given token;
+    # Driver.resume finishes the prefix from it: the same turns (and so the same masks under
+    # every policy) as a parse of that prefix alone, at every token boundary.
+    from chatgrammar.runtime.parse import Source
+    from chatgrammar.runtime.spans import Conversation
+
+    bench = _bench()
+    enc = bench.kimi_encoding(version)
+    fmt = cg.load_format(version)
+    ids = bench.workload(version, 1, seed=3)[1][0][:600]
+    lx = fmt.id_lexer(enc)
+    arr = np.asarray(ids, dtype=np.int64)
+    toks = lx.lex(arr, [])
+    drv = fmt._driver
+    saves = list(range(1, len(toks)))
+    drv.run(toks, Source("ids", len(arr), arr=arr, adapter=lx.adapter), False, [],
+            gen_prompt=False, saves=saves)
+    assert [s.i for s in saves] == list(range(1, len(toks)))
+    for sv in saves:
+        e = toks[sv.i - 1][2]
+        src = Source("ids", e, arr=arr[:e], adapter=lx.adapter)
+        warnings: list = []
+        got = drv.resume(sv, src, warnings)
+        want = drv.run(toks[:sv.i], Source("ids", e, arr=arr[:e], adapter=lx.adapter),
+                       False, [], gen_prompt=False)
+        assert not warnings
+        for policy in POLICIES:
+            conv = [Conversation(format=fmt.name, mode="ids", length=e, turns=t, warnings=[],
+                                 boundaries=[], default_policy=fmt.default_policy).mask(policy)
+                    for t in (got, want)]
+            assert conv[0] == conv[1], (sv.i, policy)
+        assert [(t.role, t.start, t.end, t.complete) for t in got] == \
+            [(t.role, t.start, t.end, t.complete) for t in want]
+
+
+@pytest.mark.parametrize("version", ["kimi-k2", "kimi-k3"])
+def test_cuts_of_a_learned_item_are_served_without_a_new_parse(version):
+    # Learning a conversation also learns its items cut after every marker and run, from the
+    # driver's saved configurations (stats: "resumed"): every such cut of it is then answered
+    # by the memo (no window, no full parse) and equals the reference.
+    bench = _bench()
+    enc = bench.kimi_encoding(version)
+    fmt = cg.load_format(version)
+    ids = bench.workload(version, 1, seed=4)[1][0][:400]
+    fmt.loss_mask(ids, enc)
+    fm = fmt._fast_masker(enc)
+    assert fm.stats.get("resumed", 0) > 0
+    lx = fmt.id_lexer(enc)
+    ends = sorted({t[2] for t in lx.lex(np.asarray(ids, dtype=np.int64), [])})[:-1]
+    before = dict(fm.stats)
+    for e in ends:
+        assert fmt.loss_mask(ids[:e], enc) == fmt.parse_ids(ids[:e], enc).mask(), e
+    assert fm.stats["slow"] == before["slow"]
+    assert fm.stats.get("window", 0) == before.get("window", 0)
+    assert fm.stats["fast"] == before["fast"] + len(ends)

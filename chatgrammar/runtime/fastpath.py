@@ -96,6 +96,11 @@ _MAX_DEPTH = 128
 # A sample at least this long with a new item shape is learned from a window around the
 # new item (FastMasker._learn_window) rather than parsed whole.
 _WINDOW_MIN = 1024
+# A learning parse of at most this many lexer tokens also learns its items cut after each
+# marker and content run (FastMasker._prefix_cuts): a window, or a short sample.
+_PREFIX_TOKENS = 512
+# and at most this many of them per parse
+_PREFIX_LEARN = 96
 # loss_masks works through a batch in groups of about this many tokens (2 MB as int64)
 _BATCH_TOKENS = 1 << 18
 # The walk steps GRAM symbols at a time: one dict lookup per GRAM markers.
@@ -392,6 +397,7 @@ class FastMasker:
             if t in self.drv.cut_header_terms and gclass[i] == DECODE} \
             if self.has_values and not self.has_split else {}
         self._alias_of: dict[bytes, bytes] = {}  # cut item key -> its _alias (bounded)
+        self.prefix_ok = self._prefixes_apply(fmt.spec)
         self.stats = {"fast": 0, "slow": 0, "harvest": 0, "c": 0, "alias": 0}
         self.reasons: dict[str, int] = {}   # slow samples by why
         self._why = None
@@ -427,6 +433,21 @@ class FastMasker:
                 self.has_values, self._gen_table(), self.auto.table,
                 self.auto.end_flags, self.unk_code, soft, sbud, self.split_c, lstrip,
                 self.space_memo)
+
+    def _prefixes_apply(self, spec) -> bool:
+        """Whether a learning parse also teaches the memo its items cut after each content
+        run (:meth:`_prefix_cuts`, :meth:`_learn_cut`): where the reference lexer's tokens of such a prefix
+        are the whole input's up to there (no literal-ended header, ``lstrip`` marker or
+        decoded soft marker changes a run by what follows it), its end of input reads no
+        text (no element without an opener where ``between`` is set) and building a parent
+        never changes a child block (the saved configurations share them)."""
+        drv = self.drv
+        return (self.enabled and not self.has_split and self.lstrip_code is None
+                and self.lx.soft_regex is None
+                and not (drv.openerless_headers and drv.between is not None)
+                and not any(el.kind_when_cut is not None
+                            or (el.close is not None and el.close.opens_follow)
+                            for el in spec.elements.values()))
 
     def _gen_table(self) -> bytes | None:
         """Per marker code, the generation prompts its text occurs in (a bit mask) and its
@@ -1152,21 +1173,81 @@ class FastMasker:
                                boundaries=boundaries)
         toks = lx.lex(arr, boundaries)
         src.recording = True
+        # (cut items fill the memo faster than whole ones: past half its bound, only those)
+        cuts = self._prefix_cuts(arr, toks) \
+            if self.prefix_ok and len(self.items) < _MAX_ITEMS // 2 else None
+        saves = None if not cuts else [c[0] for c in cuts]
         # (a parse only to learn leaves generation prompts unmarked: _learn_item stores every
         # turn unmarked, and each answer applies the driver's rule to its own last turn)
-        turns = self.drv.run(toks, src, strict, warnings, gen_prompt=mask)
+        turns = self.drv.run(toks, src, strict, warnings, gen_prompt=mask, saves=saves)
         conv = Conversation(format=fmt.name, mode="ids", length=len(arr), turns=turns,
                             warnings=warnings, boundaries=[Issue(p, m) for p, m in boundaries],
                             default_policy=fmt.default_policy)
         out = bytearray(conv.mask_array(policy).tobytes()) if mask else None
         if self.enabled and not warnings and not boundaries:
             try:
-                self._learn(arr, toks, turns, src.reads)
+                self._learn(arr, toks, turns, src.reads, cuts and (cuts, saves))
             except _NoCache:
                 pass
         return out, turns
 
-    def _learn(self, arr, toks, turns, reads) -> None:
+    def _prefix_cuts(self, arr, toks) -> list | None:
+        """The prefixes of a short input whose last item the memo does not hold yet, ending
+        right after a marker or after the run that follows it (where ``max_length`` cuts,
+        at every symbol boundary): ``(token index, item key)`` each, at most
+        ``_PREFIX_LEARN``. Keyed as :meth:`_walk` keys the last item: the symbols up to
+        there, the last one without its run when the cut is right after its marker, and the
+        configuration they end in when that is inside an item (else the item is whole
+        there: an element whose ``after`` markers are left out)."""
+        if len(toks) > _PREFIX_TOKENS:
+            return None
+        lexed = self._lex(arr, [0, len(arr)])
+        if lexed[-1][0]:
+            return None
+        syms = np.frombuffer(lexed[0], dtype=np.uint16).tolist()
+        meta, vals, off = lexed[1], lexed[2], lexed[3]
+        auto, items = self.auto, self.items
+        table = auto.table
+        out: list = []
+        sid, ends, k = 0, [], 0  # configuration, item bounds so far, tokens so far
+        for t, sym in enumerate(syms):
+            shape = sym & 3
+            if shape not in (NONE, RUN):
+                return None
+            code = sym >> 2
+            k += code > 0
+            for bare in ((True, False) if shape == RUN and code else (False,)):
+                s = sym - RUN if bare else sym
+                v = table[sid][s]
+                if v is None:
+                    v = auto.fill(sid, s)
+                if v < 0:
+                    return None
+                cut = ends + [3 * t + bit for bit in range(3) if v >> bit & 1]
+                if not bare:
+                    sid, ends = v >> 3, cut  # (the walk goes on with the symbol as it is)
+                n_tok = k + (not bare and shape == RUN)
+                clean = auto.end(v >> 3)
+                if clean is False or n_tok >= len(toks):
+                    continue  # no item ends there, or it is the whole input
+                # (a clean end: the last item is whole there, `after` markers left out)
+                tail = -1 if clean else v >> 3
+                a = cut[-1] if cut else 0
+                ia = a // 3
+                if bare:  # the symbol without its run: no header ids
+                    word = s * 65536 if off is not None else s
+                    key = b"".join((
+                        _KEY_HEAD.pack(a - 3 * ia, 3 * t + 3 - a, tail), meta[8 * ia:8 * t],
+                        word.to_bytes(8, sys.byteorder, signed=True),
+                        b"" if off is None else vals[8 * off[ia]:8 * off[t]]))
+                else:
+                    key = _item_key(meta, vals, off, a, 3 * t + 3, None if clean else tail)
+                if key not in items:
+                    out.append((n_tok, key))
+            k += shape == RUN
+        return out[:_PREFIX_LEARN]
+
+    def _learn(self, arr, toks, turns, reads, pre=None) -> None:
         lexed = self._lex(arr, [0, len(arr)])
         if lexed[-1][0]:
             raise _NoCache
@@ -1192,6 +1273,65 @@ class FastMasker:
         for (a, b), sturns, sreads in zip(segs, per_seg, reads_seg):
             self._learn_item(arr, lexed, a, b, tail if b == bounds[-1] else None, sturns,
                              sreads)
+        if pre and len(pre[0]) == len(pre[1]):
+            # each cut this parse passed, learned now from the configuration saved there
+            # (kept, they would hold every parse's stacks; learned, a cut item is ~1 KB)
+            for (k, key), sv in zip(*pre):
+                self._learn_cut(key, (sv, arr, toks, reads, k))
+
+    def _learn_cut(self, key: bytes, got: tuple) -> bool:
+        """Truncation as a case of the core: the cut item ``key``, if an earlier parse passed
+        that cut (:meth:`_prefix_cuts`), learned from the configuration the driver saved
+        there (:meth:`Driver.resume` feeds the end of input as a parse of that prefix
+        would), not from a parse of a window. Keyed from the prefix's own symbol tables
+        (checked against the reference tokens up to there); the default policy's record is
+        written for the C executor at once. ``got``: the saved configuration, the parsed
+        input, its tokens, its reads and the prefix's token count. False when not learned.
+
+        Raises:
+            VerifyError: (``CHATGRAMMAR_VERIFY=1``) the prefix's symbols do not describe the
+                input's tokens up to there."""
+        if key in self.items:
+            return False
+        sv, arr, toks, reads, k = got
+        e = toks[k - 1][2]
+        pre = arr[:e]
+        lexed = self._lex(pre, [0, e])
+        walked = self._walk(lexed, 0)
+        if walked is None or lexed[-1][0]:
+            return False
+        bounds, tail = walked
+        B = lexed[4]
+        a = bounds[-2] if len(bounds) > 1 else 0
+        if _item_key(lexed[1], lexed[2], lexed[3], a, bounds[-1], tail) != key:
+            return False
+        if verify_enabled() and not self._same_tokens(
+                toks[:k], np.frombuffer(lexed[0], dtype=np.uint16).tolist(), B):
+            # (_prefixes_apply's conditions make the prefix's tokens the input's up to there)
+            raise VerifyError(f"{self.fmt.name}: a prefix's tokens are not the input's")
+        warnings: list = []
+        bnd: list = []
+        src = _RecordingSource("ids", e, arr=pre, adapter=self.lx.adapter, boundaries=bnd)
+        src.recording = True
+        try:
+            turns = self.drv.resume(sv, src, warnings)
+            if warnings or bnd:
+                return False
+            _, per_seg, reads_seg = _segments(bounds, B, turns, reads[:sv.nreads] + src.reads)
+            self._learn_item(pre, lexed, a, bounds[-1], tail, per_seg[-1], reads_seg[-1])
+        except (ParseError, _NoCache):
+            return False
+        self.stats["resumed"] = self.stats.get("resumed", 0) + 1
+        it = self.items.get(key)
+        prog = None if it is None or it.plan or it.unstable else it.progs.get(())
+        cm = self.cmemo.get(self._pid(self.fmt.default_policy)) if self.plan else None
+        if cm is not None and prog is not None:
+            base = self.fmt.default_policy
+            sp = prog.by_policy.get(self._pid(base)) or \
+                self._policy_spans(prog, base, self._pid(base))
+            if sp is not None:
+                cm[key] = _c_record(prog, sp)
+        return prog is not None
 
     def _learn_item(self, arr, lexed, a, b, tail, sturns, sreads) -> None:
         B, off = lexed[4], lexed[3]

@@ -459,10 +459,16 @@ class Driver:
 
     # ------------------------------------------------------------------ main loop
     def run(self, toks: list[tuple], src: Source, strict: bool,
-            warnings: list[Issue], gen_prompt: bool = True) -> list[Turn]:
+            warnings: list[Issue], gen_prompt: bool = True,
+            saves: list | None = None) -> list[Turn]:
         """The turns of ``toks`` (see the module docstring). ``gen_prompt=False`` leaves the
         last turn's generation-prompt mark unset: the fast path's learning parses do (its
-        memo keeps no mark; the rule is applied to each sample it answers)."""
+        memo keeps no mark; the rule is applied to each sample it answers).
+
+        ``saves``: ascending token indices ``i``; each is replaced by the parser's saved
+        configuration before ``toks[i]`` (:class:`Saved`), from which :meth:`resume` finishes
+        the parse of ``toks[:i]`` exactly as a parse of that prefix would (LALR reads no
+        further ahead than the token it feeds)."""
         start_state = self.tables.start_state
         turns: list[Turn] = []
         ctx = _Ctx(self, src, strict, warnings, turns)
@@ -472,6 +478,9 @@ class Driver:
         i, n = 0, len(toks)
         resync_at = -1
         implicit_at = -1
+        marks = iter(saves) if saves else iter(())
+        saved: list = []
+        at = next(marks, -1)
         def red(rule) -> None:
             reduce(rule, state_stack, value_stack)
 
@@ -484,6 +493,9 @@ class Driver:
 
         feed = self.core.feed
         while i < n:
+            if i == at:
+                saved.append(Saved(i, state_stack, value_stack, ctx, len(warnings)))
+                at = next(marks, -1)
             tok = toks[i]
             ttype = tok[0]
             target = feed(state_stack, ttype, red, close if implicit_at != i else None)
@@ -522,7 +534,19 @@ class Driver:
         self._finish(ctx, state_stack, value_stack, src, strict, warnings)
         if gen_prompt:
             self._mark_generation_prompt(turns, src, toks)
+        if saves is not None:
+            saves[:] = saved
         return turns
+
+    def resume(self, saved: "Saved", src: Source, warnings: list[Issue]) -> list[Turn]:
+        """The turns of the prefix ``toks[:saved.i]`` (lenient; ``src`` is that prefix's
+        source): the end of input fed from the configuration :meth:`run` saved there, the
+        same :meth:`_finish` a parse of the prefix ends with. One use per ``saved``."""
+        ctx = _Ctx(self, src, False, warnings, saved.turns)
+        ctx.pending_preamble = saved.preamble
+        ctx.implicit_next = saved.implicit_next
+        self._finish(ctx, saved.states, saved.values, src, False, warnings)
+        return saved.turns
 
     def _finish(self, ctx, state_stack, value_stack, src, strict, warnings) -> None:
         """Feed end of input, closing open elements with synthetic terminators (truncation).
@@ -645,6 +669,28 @@ class Driver:
             # writes "<|assistant|> \n" for <|assistant|> ▁ \n, and "\n" for ▁ \n alone).
             tail = "".join(src.read(t[1], t[2]) or "" for t in toks if t[1] >= last.start)
             last.generation_prompt = tail in self.gen_prompts
+
+
+class Saved:
+    """A parser configuration :meth:`Driver.run` saved before token ``i``: copies of its
+    stacks (a reduction extends the left ``_Splice`` of a repetition in place, so those are
+    copied too; tokens and built blocks are shared: building a parent reads its children
+    and, outside ``kind_when_cut`` and ``opens_follow``, never changes them) and of what the
+    reduction callbacks carry."""
+
+    __slots__ = ("i", "states", "values", "turns", "preamble", "implicit_next", "nwarn",
+                 "nreads")
+
+    def __init__(self, i: int, states: list, values: list, ctx: "_Ctx", nwarn: int):
+        self.i = i
+        # (what a recording source had read by then: fastpath's learning keys on it)
+        self.nreads = len(getattr(ctx.src, "reads", ()))
+        self.states = list(states)
+        self.values = [_Splice(v) if type(v) is _Splice else v for v in values]
+        self.turns = list(ctx.turns)
+        self.preamble = list(ctx.pending_preamble)
+        self.implicit_next = ctx.implicit_next
+        self.nwarn = nwarn
 
 
 class _Ctx:
