@@ -7,12 +7,13 @@ positions — so the Conversation is identical to a full parse.
 
 Two executors of that memo:
 
-- **vectorised** (:meth:`TextMemo._vec_lookup`), for formats whose lexing is markers and the
-  runs between them (no literal-ended header, no ``lstrip`` marker): one ``re.split`` by
-  ``markers | unknown-marker shape`` (exact where :func:`_unknown_shape_is_safe` proves it),
-  symbols / part boundaries / header runs from C-level ``map``, ``accumulate`` and
-  ``compress``, the automaton walked ``_WALK`` symbols per lookup, one dictionary lookup per
-  item. Its Conversation is *deferred* (:meth:`Conversation.deferred`): turns are built on
+- **vectorised** (:meth:`TextMemo._vec_lookup`), for every format whose unknown-marker shape
+  cannot overlap a marker (:func:`_unknown_shape_is_safe`; :func:`_vec_refusal` lists the
+  other reasons): one ``re.split`` by ``markers | unknown-marker shape`` and, after an opener
+  whose header ends at a literal, that header (:func:`_header_group`); symbols / part
+  boundaries / header runs / ``lstrip`` absorptions from C-level ``map``, ``accumulate``,
+  ``compress`` and byte tables, the automaton walked ``_WALK`` symbols per lookup, one
+  dictionary lookup per item. Its Conversation is *deferred* (:meth:`Conversation.deferred`): turns are built on
   first access; until then ``spans()`` and ``trained_turns()`` come from :class:`_Plan`, the
   templates' span plans (:meth:`_TurnTpl.span_plan`), computed once per policy by
   :func:`chatgrammar.runtime.spans.turn_spans` itself;
