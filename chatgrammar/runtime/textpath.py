@@ -529,7 +529,12 @@ class TextMemo:
         if it is None or it.unstable:
             self._why = "new item shape" if it is None else "item whose reads vary"
             return None
-        rkey = tuple(_text_read(text, B, a + s, a + e, lim) for s, e, lim in it.plan)
+        plan = it.plan
+        if len(plan) == 1:  # (most: the text between turns, read by the `between` check)
+            s, e, lim = plan[0]
+            rkey = (_text_read(text, B, a + s, a + e, lim),)
+        else:
+            rkey = tuple([_text_read(text, B, a + s, a + e, lim) for s, e, lim in plan])
         tpls = it.progs.get(rkey)
         if tpls is None:
             self._why = "new text read by the parse"
