@@ -177,3 +177,143 @@ def test_verify_mode_checks_the_span_plans(monkeypatch):
         fmt.parse(texts[0])
     memo.items.clear()
     memo.simple.clear()
+
+
+# ---------------------------------------------------------------- literal-ended headers, lstrip
+# (T9, #12: ChatML's role line and `lstrip` markers on the vectorised path)
+
+# every bundled format whose text lexing has a literal-ended header or an lstrip marker
+_SPLIT_OR_LSTRIP = ["apriel", "breeze", "chatml", "functionary-v3", "functiongemma", "gemma",
+                    "hyperclovax-seed", "inkbot", "internlm2", "llama2", "minimax-m1",
+                    "mistral", "nemotron-nano-v2", "nemotron4", "seed-oss", "zoot"]
+
+
+def test_literal_ended_headers_and_lstrip_take_the_vectorised_path():
+    for name in _SPLIT_OR_LSTRIP:
+        fmt = cg.load_format(name)
+        cfg = fmt._lexcfg
+        assert cfg.split_after or cfg.lstrip, name
+        assert fmt.stats()["text"]["path"] == "vectorised", name
+    # a format the vectorised executor cannot run says why, never silently
+    path = cg.load_format("phi3").stats()["text"]["path"]
+    assert path.startswith("per-token: ") and len(path) > len("per-token: ")
+
+
+def _lexes_like_the_reference(fmt, texts):
+    from chatgrammar.runtime.lexers import lex_text
+
+    memo = TextMemo(fmt)
+    assert memo.vec
+    split = 0
+    for t in texts:
+        got = memo._vec_split(t)
+        if type(got) is str:
+            continue
+        split += 1
+        parts, _bounds, B, sb, _hp, _hv = got
+        assert memo._vec_tokens(parts, B, sb) == lex_text(t, fmt._lexcfg), t[:300]
+    return split
+
+
+CHATML_EDGES = [
+    "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n",
+    # a header cut by the end of input, an empty one, one that never ends
+    "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assis",
+    "<|im_start|>user\nQ<|im_end|>\n<|im_start|><|im_end|>\n",
+    "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant" + "x" * 1100 + "\nA<|im_end|>\n",
+    "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant" + "x" * 1023 + "\nA<|im_end|>\n",
+    "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant" + "x" * 1024 + "\nA<|im_end|>\n",
+    # a marker, or an unknown marker shape, before the header's newline
+    "<|im_start|>user<think>\nQ<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n",
+    "<|im_start|>environment name=<|plugin|>\nok<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n",
+    "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant<|im_end|>\n",
+    # the header's newline right before a marker; a body that is only the header
+    "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n<think>\nx\n</think>\n\nA<|im_end|>",
+    # lstrip: Gemma's EOS after the last answer, after whitespace, after a header
+    "<bos><|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n<eos>",
+    "<|im_start|>user\nQ<|im_end|> \n\t <eos>",
+    "<|im_start|>user\nQ<|im_end|><eos>",
+    "<|im_start|>user\n  <eos>",
+    "<|im_start|>user  <eos>",
+    "  <eos><|im_start|>user\nQ<|im_end|>\n",
+    "<|im_start|>user\nQ<|im_end|>\nx <eos>",
+    # markers that start otherwise (the full splitter), typed marker-like text
+    "<|startoftext|>**IMPORTANT**: The syntax for calling the tools is: <|tool_call_start|>J"
+    "<|tool_call_end|>. Please only call tools in the specified manner.<|im_start|>user\nQ"
+    "<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n",
+    "<|im_start|>user\n**IMPORTANT** Please <|im_e<|im_end|>\n<|im_start|>assistant\nA<|im_end|>",
+    "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\nA<|im_e",
+]
+
+
+def test_chatml_edges_lex_and_parse_like_the_reference():
+    fmt = cg.load_format("chatml")
+    assert _lexes_like_the_reference(fmt, CHATML_EDGES) >= len(CHATML_EDGES) - 4
+    for strict in (True, False):
+        for _ in range(2):  # the second pass is served from the memo
+            for t in CHATML_EDGES:
+                assert _got(fmt, t, strict) == _ref(fmt, t, strict), t[:300]
+    assert fmt.stats()["text"]["fast"] > 0
+
+
+@pytest.mark.parametrize("name", _SPLIT_OR_LSTRIP)
+def test_split_and_lstrip_formats_lex_like_the_reference(name):
+    fmt = cg.load_format(name)
+    texts = _texts(fmt)
+    # (and with whitespace before every marker: the runs an lstrip marker absorbs)
+    cfg = fmt._lexcfg
+    texts += [cfg.regex.sub(lambda m: " \n" + m.group(), t) for t in texts[::3]]
+    assert _lexes_like_the_reference(fmt, texts) > 0
+    for strict in (True, False):
+        for _ in range(2):
+            for t in texts:
+                assert _got(fmt, t, strict) == _ref(fmt, t, strict), t[:300]
+
+
+def test_the_chatml_workload_takes_the_vectorised_path_and_defers():
+    bench = _bench()
+    fmt = cg.load_format("chatml")
+    for t in bench.text_workload("chatml", 30, "tp-warm"):
+        fmt.parse(t)
+    before = fmt.stats()["text"]["fast"]
+    for t in bench.text_workload("chatml", 30, "tp-fresh"):
+        conv = fmt.parse(t)
+        want = fmt._parse_full(t, True, _NO_MEMO)
+        for p in POLICIES:
+            assert conv.spans(p) == want.spans(p)
+            assert conv.trained_turns(p) == want.trained_turns(p)
+        assert _built(conv) == _built(want)
+    st = fmt.stats()["text"]
+    assert st["path"] == "vectorised" and st["fast"] - before >= 20
+
+
+def test_a_split_that_differs_from_the_lexer_switches_the_vectorised_path_off(monkeypatch):
+    monkeypatch.delenv("CHATGRAMMAR_VERIFY", raising=False)
+    fmt = cg.load_format("chatml")
+    memo = fmt._text_memo = TextMemo(fmt)
+    monkeypatch.setattr(memo, "_vec_tokens", lambda *a: [])
+    text = CHATML_EDGES[0]
+    want = _ref(fmt, text, True)
+    assert _got(fmt, text, True) == want
+    assert not memo.vec and fmt.stats()["text"]["path"].startswith("per-token: the split")
+    for _ in range(2):
+        assert _got(fmt, text, True) == want
+
+
+def test_the_marker_trie_matches_what_the_lexer_regex_matches():
+    import random
+    import re
+
+    from chatgrammar.runtime.textpath import _trie
+
+    rng = random.Random(9)
+    for _ in range(300):
+        words = list({"".join(rng.choice("ab<|") for _ in range(rng.randint(1, 5)))
+                      for _ in range(rng.randint(1, 8))})
+        flat = re.compile("|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)))
+        for top in (False, True):
+            trie = re.compile(_trie(sorted(words), top=top))
+            for _ in range(5):
+                s = "".join(rng.choice("ab<|x") for _ in range(40))
+                assert [m.span() for m in trie.finditer(s)] == \
+                       [m.span() for m in flat.finditer(s)], (words, s)

@@ -214,7 +214,9 @@ class Format:
         there instead of the whole sample), ``alias`` (items cut inside a header served
         through what the parse reads of that header), ``verified`` (fast answers checked in verify mode,
         ``CHATGRAMMAR_VERIFY=1``) and ``reasons`` (slow samples by why: a new item shape, a
-        syntax error, ...). ``text`` counts :meth:`parse` calls the same way.
+        syntax error, ...). ``text`` counts :meth:`parse` calls the same way, and its
+        ``path`` says which executor the memo runs (``"vectorised"``, or ``"per-token: "``
+        and why the vectorised one cannot run this format's lexing).
 
         Returns:
             ``{"ids": {...}, "text": {...}}`` (fresh dicts; counters since the format loaded).
@@ -239,6 +241,8 @@ class Format:
             for k, v in memo.stats.items():
                 text[k] = text.get(k, 0) + v
             text["reasons"] = dict(memo.reasons)
+        # which executor answers from the memo: "vectorised", or "per-token: <why not>"
+        text["path"] = (memo or TextMemo(self)).path
         return {"ids": ids, "text": text}
 
     def missing_markers(self, tokenizer: Any) -> list[str]:

@@ -7,12 +7,13 @@ positions — so the Conversation is identical to a full parse.
 
 Two executors of that memo:
 
-- **vectorised** (:meth:`TextMemo._vec_lookup`), for formats whose lexing is markers and the
-  runs between them (no literal-ended header, no ``lstrip`` marker): one ``re.split`` by
-  ``markers | unknown-marker shape`` (exact where :func:`_unknown_shape_is_safe` proves it),
-  symbols / part boundaries / header runs from C-level ``map``, ``accumulate`` and
-  ``compress``, the automaton walked ``_WALK`` symbols per lookup, one dictionary lookup per
-  item. Its Conversation is *deferred* (:meth:`Conversation.deferred`): turns are built on
+- **vectorised** (:meth:`TextMemo._vec_lookup`), for every format whose unknown-marker shape
+  cannot overlap a marker (:func:`_unknown_shape_is_safe`; :func:`_vec_refusal` lists the
+  other reasons): one ``re.split`` by ``markers | unknown-marker shape`` and, after an opener
+  whose header ends at a literal, that header (:func:`_header_group`); symbols / part
+  boundaries / header runs / ``lstrip`` absorptions from C-level ``map``, ``accumulate``,
+  ``compress`` and byte tables, the automaton walked ``_WALK`` symbols per lookup, one
+  dictionary lookup per item. Its Conversation is *deferred* (:meth:`Conversation.deferred`): turns are built on
   first access; until then ``spans()`` and ``trained_turns()`` come from :class:`_Plan`, the
   templates' span plans (:meth:`_TurnTpl.span_plan`), computed once per policy by
   :func:`chatgrammar.runtime.spans.turn_spans` itself;
@@ -25,13 +26,14 @@ against the full parse.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from bisect import bisect_left
 from itertools import accumulate, compress, repeat
 
 from ..core.compile import HEADER, HEADER_CHARS_PER_TOKEN, TEXT
 from . import fastpath as _fp  # (its memo bounds are read there, where tests may change them)
-from .fastpath import (RUN, _Automaton, _FakeTurn, _Item, _NoCache,
+from .fastpath import (HEAD, HEAD_RUN, RUN, _Automaton, _FakeTurn, _Item, _NoCache,
                        _read_plan, _RecordingSource, _segments)
 from .lexers import lex_text
 from .parse import Source
@@ -272,60 +274,89 @@ class TextMemo:
 
     # ------------------------------------------------------------------ the vectorised path
     #
-    # For a format whose text lexing is only "markers, and the runs between them" (no header
-    # ended by a literal, no marker absorbing the whitespace before it: most formats), one
-    # ``re.split`` of the text by the marker regex gives every part: run, marker, run, …
-    # (runs may be empty). Part boundaries come from ``itertools.accumulate`` over the part
-    # lengths, symbols (a marker and the shape of the run after it, as the id path's
-    # FastMasker steps them) from ``map`` over the markers, and the automaton is walked
-    # GRAM symbols per dictionary lookup: no Python code runs per character, and none per
-    # marker beyond those C-level maps. Item keys are the item's parts with each content run
-    # replaced by its presence; templates are placed on part indices.
+    # One ``re.split`` of the text by the marker regex gives every part: run, marker, run, …
+    # (runs may be empty). For a format with literal-ended headers (ChatML's role line) the
+    # splitter has a second group, the header after such an opener exactly as ``lex_text``
+    # finds it (:func:`_header_group`), so each symbol is three parts: marker, header, run.
+    # Part boundaries come from ``itertools.accumulate`` over the part lengths, symbols (a
+    # marker and the shape of what follows it, as the id path's FastMasker steps them) from
+    # ``map`` over the parts, ``lstrip`` from ``map(str.isspace)`` over the runs and the
+    # markers' table, and the automaton is walked ``_WALK`` symbols per dictionary lookup: no
+    # Python code runs per character, and none per marker beyond those C-level maps. Item keys
+    # are the item's symbol bytes (which parts are empty, which runs an ``lstrip`` marker
+    # absorbed) and its header texts; templates are placed on part indices.
+    #
+    # A key byte is ``code << 2 | header part non-empty << 1 | run non-empty``, and bit 7 when
+    # the run is absorbed by the ``lstrip`` marker after it; ``walk_tbl`` maps it to the
+    # automaton's symbol (``code << 2 | shape``: NONE, RUN, HEAD, HEAD_RUN).
 
     def _vec_setup(self, cfg) -> None:
         self.vec = False
-        if not self.enabled or cfg.regex is None or cfg.split_after or cfg.lstrip:
+        why = _vec_refusal(self, cfg)
+        self.path = "per-token: " + why
+        if why:
             return
         drv = self.drv
-        U = drv.unknown_rx
-        if U is not None and not _unknown_shape_is_safe(drv, cfg):
-            return
-        alts = cfg.regex.pattern + ("|" + U.pattern if U is not None else "")
-        self.splitter = re.compile("(" + alts + ")")
+        self.S = 3 if cfg.split_after else 2
+        self.splitter, self.fast_splitter, self.rare = _splitters(cfg, drv.unknown_rx)
         self.terms = sorted(set(cfg.by_text.values()))
         code4 = {t: (k + 1) << 2 for k, t in enumerate(self.terms)}
         self.sym_of = {txt: code4[term] for txt, term in cfg.by_text.items()}
         # runs the parse reads (headers): keyed by their text; None: the run at input start
         self.hdr0 = None in cfg.decode_after
-        nsym = (len(self.terms) + 1) * 4
-        if nsym > 255:
-            return  # symbols are bytes (255 pads the last window)
-        self.vauto = _Automaton(drv, self.terms, nsym)
-        # symbol -> 1 when the run after its marker is a non-empty header
-        hdr_terms = {k + 1 for k, t in enumerate(self.terms) if t in cfg.decode_after}
-        if self.hdr0:
-            hdr_terms.add(0)
-        self.hdr_table = bytes(1 if (x >> 2) in hdr_terms and x & 3 == RUN else 0
-                               for x in range(256))
+        self.vauto = _Automaton(drv, self.terms, (len(self.terms) + 1) * 4)
+        self._vec_tables(cfg)
         self.simple: dict = {}  # item key -> templates, for items whose parse reads nothing
         self._policies: dict = {}
         self._last_policy: tuple = (None, None)
         self.wide: list[dict] = [{}]
         self.wide_entries = 0
         self.vec = True
+        self.path = "vectorised"
 
-    def _vec_walk(self, sb: bytes) -> list[int] | None:
-        """Item bounds as part indices (symbol j, byte j of ``sb``, is part 2j - 1, its
-        marker, and part 2j, the run after it), or None: a syntax error or an input that ends
-        inside an item.
+    def _vec_tables(self, cfg) -> None:
+        """The byte tables of the split: key byte -> walk symbol (``walk_tbl``, None when the
+        two are the same), -> 1 where the run is read as a header (``hdr_table``), -> 1 where
+        the run is a TEXT token an ``lstrip`` marker may absorb (``text_tbl``); marker code ->
+        1 for an ``lstrip`` marker (``lstrip_tbl``, None without one)."""
+        split = {k + 1 for k, t in enumerate(self.terms) if t in cfg.split_after}
+        read = {k + 1 for k, t in enumerate(self.terms) if t in cfg.decode_after} - split
+        if self.hdr0:
+            read.add(0)
+        cmask = 0x7C if cfg.lstrip else 0xFC
+        walk, hdr, text = bytearray(256), bytearray(256), bytearray(256)
+        for x in range(256):
+            code, hb, rb = (x & cmask) >> 2, x >> 1 & 1, x & 1
+            ab = bool(cfg.lstrip) and x >> 7
+            if code in split:  # (lex_text's _text_gap: HEADER, then TEXT; no literal: HEADER)
+                shape = (HEAD_RUN if rb and not ab else HEAD) if hb else (HEAD if rb else 0)
+            else:
+                shape = RUN if rb and not ab else 0
+            walk[x] = code << 2 | shape
+            hdr[x] = rb and not hb and (code in read or code in split)
+            text[x] = rb and not (code in split and not hb)
+        self.walk_tbl = bytes(walk) if split or cfg.lstrip else None
+        self.hdr_table, self.text_tbl = bytes(hdr), bytes(text)
+        self.lstrip_tbl = None
+        if cfg.lstrip:
+            ls = bytearray(256)  # (indexed by a marker's code byte, (k + 1) << 2)
+            for k, t in enumerate(self.terms):
+                ls[(k + 1) << 2] = t in cfg.lstrip
+            self.lstrip_tbl = bytes(ls)
+
+    def _vec_walk(self, sw: bytes) -> list[int] | None:
+        """Item bounds as part indices (symbol ``j``, byte ``j`` of ``sw``, is parts
+        ``S*j - S + 1 .. S*j``: its marker, its header part when ``S`` is 3, the run after
+        it), or None: a syntax error or an input that ends inside an item.
 
         The automaton is stepped ``_WALK`` symbols per dictionary lookup: ``wide[sid]`` maps
         a window of symbols to the configuration after it and the item bounds inside it,
         filled from the automaton's per-symbol table on a miss."""
-        n = len(sb)
+        n = len(sw)
         pad = -n % _WALK
-        buf = sb + _PAD_BYTES[:pad] if pad else sb
+        buf = sw + _PAD_BYTES[:pad] if pad else sw
         wide = self.wide
+        S = self.S
         sid = 0
         bounds: list[int] = []
         for k in range(0, len(buf), _WALK):
@@ -337,16 +368,17 @@ class TextMemo:
                     return None
             sid, offs = v
             if offs:
-                bounds.extend([2 * k + o for o in offs])
+                bounds.extend([S * k + o for o in offs])
         hit = self.vauto.end(sid)
         if hit is None:
             return None
         if hit:
-            bounds.append(2 * n - 1)
+            bounds.append(S * (n - 1) + 1)
         return bounds
 
     def _fill_wide(self, sid: int, g: bytes):
         auto = self.vauto
+        S = self.S
         cur = sid
         offs: list[int] = []
         for t, sym in enumerate(g):
@@ -357,10 +389,14 @@ class TextMemo:
                 v = auto.fill(cur, sym)
             if v < 0:
                 return None  # a syntax error: the full parse reports it
+            # (an item ends before the marker, before the header or run, before the run
+            # after a header)
             if v & 1:
-                offs.append(2 * t - 1)
+                offs.append(S * t - S + 1)
             if v & 2:
-                offs.append(2 * t)
+                offs.append(S * t - S + 2)
+            if v & 4:
+                offs.append(S * t)
             cur = v >> 3
         while len(self.wide) < len(auto.stacks):
             self.wide.append({})
@@ -372,33 +408,57 @@ class TextMemo:
 
     def _vec_split(self, text: str):
         """``(parts, bounds, B, sb, hp, hv)`` of ``text`` (parts, item bounds, part
-        boundaries, symbols, part indices of the non-empty header runs and their text), or a
-        reason string."""
-        parts = self.splitter.split(text)
-        mk = parts[1::2]
+        boundaries, key bytes, part indices of the non-empty header runs and their text), or
+        a reason string."""
+        sp = self.fast_splitter
+        if sp is None or any(map(text.__contains__, self.rare)):
+            sp = self.splitter
+        parts = sp.split(text)
+        S = self.S
+        mk = parts[1::S]
         n = len(mk) + 1
-        # symbol j: the code of marker j (none for j = 0) | whether the run after it is empty
+        # symbol j: the code of marker j (none for j = 0) | which parts after it are empty
         try:
             codes = bytes(map(self.sym_of.__getitem__, mk))
         except KeyError:  # the split's other alternative: a marker-shaped unknown string
             return "a marker-shaped string the format does not know"
-        ne = bytes(map(bool, parts[0::2]))
-        sb = (int.from_bytes(ne, "little") | int.from_bytes(codes, "little") << 8
-              ).to_bytes(n, "little")
-        bounds = self._vec_walk(sb)
+        runs = parts[0::S]
+        x = int.from_bytes(bytes(map(bool, runs)), "little") | \
+            int.from_bytes(codes, "little") << 8
+        if S == 3:
+            x |= int.from_bytes(bytes(map(bool, parts[2::3])), "little") << 9
+        sb = x.to_bytes(n, "little")
+        ab = 0
+        if self.lstrip_tbl is not None:
+            # lex_text's absorb_lstrip: a whitespace-only TEXT run right before an lstrip marker
+            ab = (int.from_bytes(bytes(map(str.isspace, runs[:-1])), "little")
+                  & int.from_bytes(codes.translate(self.lstrip_tbl), "little")
+                  & int.from_bytes(sb.translate(self.text_tbl), "little"))
+            if ab:
+                sb = (x | ab << 7).to_bytes(n, "little")
+        bounds = self._vec_walk(sb if self.walk_tbl is None else sb.translate(self.walk_tbl))
         if bounds is None:
             return "syntax error or end of input inside an item"
+        if ab:  # an item that starts at an lstrip marker starts where the run it absorbed does
+            bounds = [b - 1 if b % S == 1 and sb[(b - 1) // S] & 128 else b for b in bounds]
         B = [0]
         B.extend(accumulate(map(len, parts)))
-        hp = list(compress(range(0, 2 * n, 2), sb.translate(self.hdr_table)))
+        if S == 2:
+            hp = list(compress(range(0, 2 * n, 2), sb.translate(self.hdr_table)))
+        else:  # header parts (an opener's literal-ended header) and runs read as headers
+            ind = bytearray(len(parts))
+            ind[0::3] = sb.translate(self.hdr_table)
+            ind[2::3] = bytes(map(bool, parts[2::3]))
+            hp = list(compress(range(len(parts)), ind))
         return parts, bounds, B, sb, hp, list(map(parts.__getitem__, hp))
 
-    @staticmethod
-    def _vec_key(hv: list, sb: bytes, hp: list, a: int, b: int) -> tuple:
-        # an item's key: its symbols (markers, which runs are empty), whether it starts at a
-        # marker and ends after a run, and its header runs' text (hv: the text of each hp)
+    def _vec_key(self, hv: list, sb: bytes, hp: list, a: int, b: int) -> tuple:
+        # an item's key: which part of a symbol it starts and ends at, its symbols' key bytes
+        # (markers, which parts are empty, absorbed runs) and its header runs' text (hv: the
+        # text of each hp). (Part p belongs to symbol (p + S - 1) // S.)
         lo, hi = bisect_left(hp, a), bisect_left(hp, b)
-        return ((a & 1) | (b & 1) << 1, sb[(a + 1) // 2:b // 2 + 1], tuple(hv[lo:hi]))
+        S = self.S
+        return (a % S | (b % S) << 2, sb[(a + S - 1) // S:(b + S - 2) // S + 1], tuple(hv[lo:hi]))
 
     def _vec_lookup(self, text: str):
         got = self._vec_split(text)
@@ -407,6 +467,8 @@ class TextMemo:
             return None
         parts, bounds, B, sb, hp, hv = got
         simple = self.simple
+        S = self.S
+        S1, S2 = S - 1, S - 2
         turns: list = []
         a = lo = 0
         for b in bounds:
@@ -414,7 +476,7 @@ class TextMemo:
                 continue
             # (the item key of _vec_key, inline: header runs are found in order)
             hi = bisect_left(hp, b, lo)
-            k = ((a & 1) | (b & 1) << 1, sb[(a + 1) // 2:b // 2 + 1], tuple(hv[lo:hi]))
+            k = (a % S | (b % S) << 2, sb[(a + S1) // S:(b + S2) // S + 1], tuple(hv[lo:hi]))
             tpls = simple.get(k)
             if tpls is None:
                 tpls = self._vec_item(text, B, k, a)
@@ -467,17 +529,59 @@ class TextMemo:
         if it is None or it.unstable:
             self._why = "new item shape" if it is None else "item whose reads vary"
             return None
-        rkey = tuple(_text_read(text, B, a + s, a + e, lim) for s, e, lim in it.plan)
+        plan = it.plan
+        if len(plan) == 1:  # (most: the text between turns, read by the `between` check)
+            s, e, lim = plan[0]
+            rkey = (_text_read(text, B, a + s, a + e, lim),)
+        else:
+            rkey = tuple([_text_read(text, B, a + s, a + e, lim) for s, e, lim in plan])
         tpls = it.progs.get(rkey)
         if tpls is None:
             self._why = "new text read by the parse"
         return tpls
 
-    def _vec_learn(self, text, turns, reads) -> None:
+    def _vec_tokens(self, parts: list, B: list, sb: bytes) -> list:
+        """The reference's token list (``lex_text``'s) as the split and its key bytes describe
+        it: one step per symbol, run where a sample is learned (:meth:`_vec_learn` compares
+        the two, so the split is proven equal to the lexer on every text the memo learns
+        from, not assumed)."""
+        cfg, S = self.fmt._lexcfg, self.S
+        walk = self.walk_tbl
+        toks: list = []
+        start = None  # where an lstrip marker's token starts (the run it absorbed)
+        for j in range(len(sb)):
+            term = None  # (the begin of input)
+            if j:
+                m = S * j - S + 1
+                term = self.terms[(self.sym_of[parts[m]] >> 2) - 1]
+                toks.append((term, B[m] if start is None else start, B[m + 1], parts[m]))
+            x = sb[j]
+            shape = (walk[x] if walk is not None else x) & 3
+            r = S * j
+            start = B[r] if x & 128 else None
+            if S == 3 and j and parts[r - 1]:
+                toks.append((HEADER, B[r - 1], B[r], parts[r - 1]))
+                if shape == HEAD_RUN:
+                    toks.append((TEXT, B[r], B[r + 1], None))
+            elif shape == HEAD:  # no literal within the budget: the whole run is header
+                toks.append((HEADER, B[r], B[r + 1],
+                             _cut(parts[r], cfg.split_max.get(term, 64))))
+            elif shape == RUN:
+                read = self.hdr_table[x] and term in cfg.decode_after
+                toks.append((TEXT, B[r], B[r + 1],
+                             _cut(parts[r], cfg.decode_after[term]) if read else None))
+        return toks
+
+    def _vec_learn(self, text, toks, turns, reads) -> None:
         got = self._vec_split(text)
         if type(got) is str:
             raise _NoCache
         parts, bounds, B, sb, hp, hv = got
+        if self._vec_tokens(parts, B, sb) != toks:  # (never seen: the proof's net)
+            self.vec = False
+            self.path = "per-token: the split differed from lex_text on a learned text"
+            self._reset()
+            raise _NoCache
         self.stats["harvest"] += 1
         segs, per_seg, reads_seg = _segments(bounds, B, turns, reads)
         for (a, b), sturns, sreads in zip(segs, per_seg, reads_seg):
@@ -577,7 +681,7 @@ class TextMemo:
             return
         try:
             if self.vec:
-                self._vec_learn(text, turns, src.reads)
+                self._vec_learn(text, toks, turns, src.reads)
             else:
                 self._learn(text, toks, turns, src.reads)
         except _NoCache:
@@ -614,6 +718,112 @@ class TextMemo:
                 it.progs[rkey] = [_TurnTpl(t, place) for t in sturns]
 
 
+def _vec_refusal(memo: TextMemo, cfg) -> str:
+    """Why the vectorised executor cannot run this format's lexing plan ("" when it can):
+    each reason is shown by ``fmt.stats()["text"]["path"]``."""
+    if not memo.enabled:
+        return "memo disabled (the core's Block / Turn fields changed)"
+    if cfg.regex is None or not all(cfg.by_text):
+        return "a format without markers"
+    drv = memo.drv
+    if drv.unknown_rx is not None and not _unknown_shape_is_safe(drv, cfg):
+        return "the unknown-marker shape may overlap a marker"
+    nsym = (len(set(cfg.by_text.values())) + 1) * 4
+    if nsym > 255 or (cfg.lstrip and nsym > 128):
+        return "too many markers for a symbol byte"  # (255 pads the last window)
+    if any(not d for d in cfg.split_after.values()):
+        return "an empty header literal"
+    texts = list(cfg.by_text)
+    for t in cfg.split_after:
+        o = cfg.marker_text[t]
+        if any(m != o and (m.endswith(o) or o.endswith(m)) for m in texts):
+            return "a marker text ends like a literal-ended opener"  # (_header_group)
+    return ""
+
+
+def _splitters(cfg, U) -> tuple:
+    """``(splitter, fast splitter, rare)``: the split of the text by its markers (the
+    lexer's regex, as a trie: :func:`_trie`), the unknown-marker shape ``U`` and, with
+    literal-ended headers, their headers (:func:`_header_group`); and the same without the
+    ``rare`` markers (those whose first character is not the most common one), exact on a
+    text that holds none of them: its pattern starts with one literal character, which
+    ``re`` searches for several times faster than for a set of first characters (ChatML's
+    ``**IMPORTANT**`` and ``Please only call`` markers). ``rare`` holds their first 16
+    characters (a text without them holds none of those markers; ``str.find`` skips
+    through a text fastest with a needle of about that length). No fast splitter (None)
+    when every marker starts alike or the shape starts otherwise."""
+    pairs = _shape_pairs(U) if U is not None else []
+    texts = list(cfg.by_text)
+    firsts = [t[0] for t in texts]
+    c0 = max(sorted(set(firsts)), key=firsts.count)
+    rare = tuple(dict.fromkeys(t[:16] for t in texts if t[0] != c0))
+    full = _splitter(cfg, texts, U, pairs)
+    if not rare or any(p[0] != c0 for p, _ in pairs):
+        return full, None, ()
+    return full, _splitter(cfg, [t for t in texts if t[0] == c0], U, pairs), rare
+
+
+def _splitter(cfg, texts: list, U, pairs: list) -> re.Pattern:
+    # (the trie's first branching bare, not in a group: then every alternative starts with a
+    # literal and ``re`` scans for their first characters instead of trying each position)
+    alts = _trie(sorted(texts), top=True) + ("|" + U.pattern if U is not None else "")
+    first = {t[0] for t in texts} | {p[0] for p, _ in pairs}
+    hdr = "(" + _header_group(cfg, alts, first) + ")" if cfg.split_after else ""
+    return re.compile("(" + alts + ")" + hdr)
+
+
+def _trie(words: list[str], top: bool = False) -> str:
+    """A regex that matches, at a position, the longest of ``words`` that matches there (as
+    the lexer's alternation sorted longest first does), written as a trie: one branch per
+    next character, the word's end last. ``re`` then tries one branch per character instead
+    of every word. (Depth: the branching levels, at most one per word.)"""
+    pre = os.path.commonprefix(words)
+    rest = [w[len(pre):] for w in words]
+    groups: dict[str, list[str]] = {}
+    for w in rest:
+        if w:
+            groups.setdefault(w[0], []).append(w)
+    alts = [_trie(g) for g in groups.values()]
+    if not alts:
+        return re.escape(pre)
+    if len(alts) == 1 and "" not in rest:
+        return re.escape(pre) + alts[0]
+    if top and not pre and "" not in rest:
+        return "|".join(alts)
+    return re.escape(pre) + "(?:" + "|".join(alts) + ("|)" if "" in rest else ")")
+
+
+def _header_group(cfg, alts: str, first: set) -> str:
+    """The splitter's second group: right after an opener whose header ends at a literal
+    (``LexConfig.split_after``), that header exactly as ``lex_text`` (``_text_gap``) finds
+    it, else the empty string.
+
+    ``_text_gap`` takes the first occurrence of the literal ``d`` that starts within the
+    budget (``split_max * HEADER_CHARS_PER_TOKEN`` chars) and ends before the next marker;
+    here: at most ``cap`` characters at none of which a marker (or an unknown marker shape:
+    ``alts`` is the splitter's own alternation, ``first`` its first characters) starts,
+    lazily, then ``d`` with no marker starting inside it. Where no such header exists the
+    group is empty and the run after the opener is the header (``_text_gap``'s no-literal
+    case). The opener is told by a lookbehind (:func:`_vec_refusal` refuses a format where
+    another marker's text ends like it). Consuming the header moves no marker: none starts
+    inside it."""
+    cls = "".join("\\" + c if c in "\\]^-[" else c for c in sorted(first))
+    free = f"(?:[^{cls}]|(?!{alts})(?s:.))"  # (a character no marker starts with is free)
+    out = []
+    for t in sorted(cfg.split_after, key=lambda t: len(cfg.marker_text[t]), reverse=True):
+        d = cfg.split_after[t]
+        cap = cfg.split_max.get(t, 64) * HEADER_CHARS_PER_TOKEN
+        lit = "".join(("(?!" + alts + ")" if c in first else "") + re.escape(c) for c in d)
+        out.append(f"(?<={re.escape(cfg.marker_text[t])}){free}{{0,{cap}}}?{lit}")
+    return "|".join(out) + "|"
+
+
+def _cut(run: str, budget: int) -> str:
+    # a header run read within its budget, as lex_text's _text_gap reads it
+    cap = budget * HEADER_CHARS_PER_TOKEN
+    return run if len(run) <= cap else run[:cap] + "\u2026"
+
+
 def _text_read(text: str, pos: list[int], js: int, je: int, limit: int):
     # what a text-mode read of [s, e) can depend on: its length up to a bound, and its text
     s, e = pos[js], pos[je]
@@ -636,26 +846,15 @@ def _unknown_shape_is_safe(drv, cfg) -> bool:
     Then a split that finds only known markers took no shape match, so it found exactly
     the lexer's markers, and every place the shape matches is the start of a known marker
     where the match is a head of that marker. Otherwise the two scans run as before."""
-    inner_cls = r"(?:\w|[.:\-\u2581]){1,48}"  # (as parse.unknown_marker_shape writes it)
     U = drv.unknown_rx
-    pieces = U.pattern.split(inner_cls)
-    # pattern = pre0 INNER suf0|pre1 INNER suf1|...: pieces = [pre0, suf0|pre1, ..., sufN]
-    if len(pieces) < 2:
+    pairs = _shape_pairs(U)
+    if pairs is None:
         return False
-    try:
-        texts = [_unescape(pieces[0])]
-        for mid in pieces[1:-1]:
-            suf, pre = mid.split("|")  # (escaped punctuation never holds a bare "|")
-            texts += [_unescape(suf), _unescape(pre)]
-        texts.append(_unescape(pieces[-1]))
-    except ValueError:
-        return False
-    pairs = [(texts[i], texts[i + 1]) for i in range(0, len(texts), 2)]
     inner = re.compile(r"[\w.:\-\u2581]")
     if any(not p or not q or inner.search(p) or inner.search(q) or p.isspace() or q.isspace()
            or any(c.isspace() for c in p + q) for p, q in pairs):
         return False
-    rebuilt = "|".join(sorted((re.escape(p) + inner_cls + re.escape(q) for p, q in pairs),
+    rebuilt = "|".join(sorted((re.escape(p) + _INNER + re.escape(q) for p, q in pairs),
                               key=len, reverse=True))
     if rebuilt != U.pattern:
         return False
@@ -677,6 +876,27 @@ def _unknown_shape_is_safe(drv, cfg) -> bool:
                for p, q in heads) or any(p != p0 for p, _ in heads):
             return False
     return True
+
+
+def _shape_pairs(U) -> list | None:
+    """The ``(PREFIX, SUFFIX)`` of each alternative of the unknown-marker shape ``U`` (the
+    form :func:`chatgrammar.runtime.parse.unknown_marker_shape` builds), or None."""
+    pieces = U.pattern.split(_INNER)
+    # pattern = pre0 INNER suf0|pre1 INNER suf1|...: pieces = [pre0, suf0|pre1, ..., sufN]
+    if len(pieces) < 2:
+        return None
+    try:
+        texts = [_unescape(pieces[0])]
+        for mid in pieces[1:-1]:
+            suf, pre = mid.split("|")  # (escaped punctuation never holds a bare "|")
+            texts += [_unescape(suf), _unescape(pre)]
+        texts.append(_unescape(pieces[-1]))
+    except ValueError:
+        return None
+    return [(texts[i], texts[i + 1]) for i in range(0, len(texts), 2)]
+
+
+_INNER = r"(?:\w|[.:\-\u2581]){1,48}"  # (as parse.unknown_marker_shape writes it)
 
 
 def _unescape(s: str) -> str:
