@@ -134,8 +134,7 @@ def test_report_renders_every_section(bench):
                    "| whole samples | 3.00× | 3.00× | 30.0 | 30.0 | 3.00 4.00 | 3.00 4.00 |",
                    "| one ~1M-token sequence cut mid-turn | 2.50× |",
                    "| kimi-k2 | 3.3 | 4.0 | 1.20 |", "new item shape: 3", "## Text mode",
-                   "| kimi-k3 | 15.0 | 7.0 | 1.50 |", "| chatml (TRL Qwen2.5 renders; "
-                   "per-marker path) | 5.0 | 9.0 | 0.50 |", "Skipped: the `chatml` format",
+                   "| kimi-k3 | 15.0 | 7.0 | 1.50 |", "| chatml (TRL Qwen2.5 renders) | 5.0 | 9.0 | 0.50 |", "Skipped: the `chatml` format",
                    "## Compile", "| 12 | 0.600 | 0.0200 | 0.400 |", "## Targets"):
         assert needle in text, needle
     met = {label: ok for label, _, ok in bench.targets(results)}

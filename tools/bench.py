@@ -801,9 +801,9 @@ def report(results: dict, info: dict, args) -> str:
         t = results[v]["text"]
         lines.append(f"| {v} | {t['rate']:.1f} | {t['regex_rate']:.1f} | {t['ratio']:.2f} |")
     t = results.get("chatml text")
-    if t is not None:  # (the label is pinned by tests/test_bench.py; since T9 ChatML's
-        # literal-ended role line takes the same vectorised path: stats()["text"]["path"])
-        lines.append(f"| chatml (TRL Qwen2.5 renders; per-marker path) | {t['rate']:.1f} | "
+    if t is not None:  # ChatML's literal-ended role line takes the vectorised text path too
+        # (stats()["text"]["path"]); the label is pinned by tests/test_bench.py
+        lines.append(f"| chatml (TRL Qwen2.5 renders) | {t['rate']:.1f} | "
                      f"{t['regex_rate']:.1f} | {t['ratio']:.2f} |")
     c = results.get("chatml")
     lines += ["", "## Messages → ids + mask (`chatml`, Qwen2.5 fast tokenizer, TRL Qwen2.5 "
