@@ -34,6 +34,7 @@ import random
 import re
 import time
 import zlib
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -66,14 +67,24 @@ PREFIX_CASES = ("tool-call", "reasoning", "multi-turn")
 
 def _seeds(fmt) -> list[str]:
     """Real renderings of the matrix by the format's templates, plus its embedded examples."""
+    out = list(_seeds_of(fmt.name, str(fmt.path)))
+    assert out, f"{fmt.name}: no seed rendering"
+    return out
+
+
+@lru_cache(maxsize=2)  # the module runs format by format: each format's three fuzz tests
+def _seeds_of(name: str, path: str) -> tuple[str, ...]:
+    # (rendering the whole matrix with every main template is most of a small fuzz test's
+    # cost: rendered once per format, shared by its text, soft-marker and real-tokenizer loops)
+    fmt = cg.load_format(name)
+    assert str(fmt.path) == path, (name, fmt.path, path)
     out: list[str] = []
     for _name, template, special in format_templates(fmt):
         out.extend(text for _case, text, _reason in iter_renderable(template, **special)
                    if text is not None)
     for ex in fmt.spec.examples:
         out.append(ex.text.replace("⟦", "").replace("⟧", ""))
-    assert out, f"{fmt.name}: no seed rendering"
-    return out
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------ mutations
