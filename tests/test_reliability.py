@@ -214,12 +214,22 @@ def test_truncation_trains_what_is_there(k2, k3):
 
 # ------------------------------------------------------------------------------ deep nesting
 
+# the truncated and unbalanced nestings: 10,000 deep in the default run (ten times Python's
+# recursion limit: a parser that recursed per level would still fail), 40,000 as the whole one
+# with CHATGRAMMAR_LONG=1 (as before issue 14's sizing); the whole nesting is 40,000 deep always
+CUT_DEPTH = sized(10_000, 40_000)
+
+
+@pytest.mark.long
 @pytest.mark.parametrize("depth", [40_000])
 def test_xtml_nesting_tens_of_thousands_deep(k3, depth):
     enc = format_encoding(k3)
     head = '<|open|>message role="assistant"<|sep|>'
-    opens = "<|open|>think<|sep|>x" * depth
-    closes = "<|close|>think<|sep|>" * depth
+
+    def nested(d: int) -> tuple[str, str]:
+        return "<|open|>think<|sep|>x" * d, "<|close|>think<|sep|>" * d
+
+    opens, closes = nested(depth)
     text = head + opens + closes + "<|close|>message<|sep|><|end_of_msg|>"
     limit = sys.getrecursionlimit()
     conv = k3.parse(text)
@@ -231,12 +241,16 @@ def test_xtml_nesting_tens_of_thousands_deep(k3, depth):
     # per level: <|open|> think <|sep|> x ... <|close|> think <|sep|>, all inside the body
     n_mask, n_trained = len(mask), sum(mask)
     assert n_mask == len(ids) and n_trained == 7 * depth
-    # truncated in the middle of the nesting, strict and lenient alike
+    # truncated in the middle of the nesting, strict and lenient alike (CUT_DEPTH deep)
+    if CUT_DEPTH != depth:
+        opens, closes = nested(CUT_DEPTH)
+        text = head + opens + closes + "<|close|>message<|sep|><|end_of_msg|>"
+        ids = encode_rendered(enc, text)
     for conv in (k3.parse(text[:len(text) // 2]), k3.parse_ids(ids[:len(ids) // 2], enc),
                  k3.parse_ids(ids[:len(ids) // 2], enc, strict=False)):
         assert not conv.turns[0].complete and not conv.warnings
         assert len(conv.mask_array()) == conv.length
-    # unbalanced: the message closes while 40k elements are open; the next message trains
+    # unbalanced: the message closes while CUT_DEPTH elements are open; the next message trains
     bad = head + opens + "<|close|>message<|sep|><|end_of_msg|>" + K3_ASSISTANT
     bad_ids = encode_rendered(enc, bad)
     with pytest.raises(ParseError):

@@ -57,7 +57,8 @@ from ..runtime.format import Format
 from .format_tests import ACCEPTED_SHAPES, tests_for
 from .matrix import MatrixCase, default_matrix
 from ..runtime.policy import MaskPolicy
-from .render import TemplateError, compile_template, render_chat, special_token_vars
+from .render import (RenderTimeout, TemplateError, compile_template, render_chat,
+                     special_token_vars)
 from ..runtime.spans import merge_spans
 
 __all__ = ["MarkerTokenizer", "CaseResult", "ConformanceResult", "check_template",
@@ -339,24 +340,88 @@ def _mask_of(spans: Iterable[tuple[int, int]], n: int) -> bytearray:
 
 # --------------------------------------------------------------------------- the oracle
 
+class _RenderMemo:
+    """Renderings of matrix conversations, shared by every check of the same template in this
+    process: detection verifies candidates, inference verifies its variants, then the chosen
+    format is checked again, each over the same renderings of the same template (about half of
+    a wild template's renders were repeats). A rendering depends on the template's source, the
+    messages, tools, flags and variables only, so that is the key (by content; nothing of the
+    caller's is kept, the entries are strings); bounded (least recently used out). Not memoised:
+    a template that reads the clock (``strftime_now``) or draws at random (``random``), and a
+    render that timed out (a longer limit may finish it)."""
+
+    MAX = 4096
+
+    def __init__(self) -> None:
+        import collections
+        import threading
+
+        self._items: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key_of(template: str, case: MatrixCase, variables: dict) -> tuple | None:
+        """The content key of (template, case, variables), or None where renders vary."""
+        if "strftime_now" in template or "random" in template:
+            return None
+        try:
+            what = json.dumps([case.messages, case.tools, case.template_kwargs, variables],
+                              sort_keys=True, ensure_ascii=False)
+        except (TypeError, ValueError):  # not plain JSON: no reliable content key
+            return None
+        return (template, what)
+
+    def render(self, key: tuple | None, k: int, agp: bool, extra: tuple, render: Any) -> tuple:
+        """``("ok", text)`` or ``("error", kind, message, lineno)`` (``kind`` a TemplateError
+        kind, or ``"value"`` / ``"type"`` for ValueError / TypeError) of ``render()``, memoised
+        under ``key`` (None: not memoised); a RenderTimeout propagates."""
+        full = None if key is None else key + (k, agp, extra)
+        if full is not None:
+            with self._lock:
+                hit = self._items.get(full)
+                if hit is not None:
+                    self._items.move_to_end(full)
+                    return hit
+        try:
+            out: tuple = ("ok", render())
+        except RenderTimeout:
+            raise
+        except TemplateError as exc:
+            out = ("error", exc.kind, exc.message, exc.lineno)
+        except (ValueError, TypeError) as exc:
+            out = ("error", "value" if isinstance(exc, ValueError) else "type", str(exc), None)
+        if full is not None:
+            with self._lock:
+                self._items[full] = out
+                while len(self._items) > self.MAX:
+                    self._items.popitem(last=False)
+        return out
+
+
+_RENDERS = _RenderMemo()
+
+
 class _Renderer:
-    """Renders prefixes of one case with one template (memoised)."""
+    """Renders prefixes of one case with one template (memoised, and shared through
+    :data:`_RENDERS` with other checks of the same template)."""
 
     def __init__(self, template: str, case: MatrixCase, variables: dict, timeout: float | None):
         self.template, self.case, self.variables, self.timeout = template, case, variables, \
             timeout
         self._memo: dict = {}
+        self._key = _RenderMemo.key_of(template, case, variables)
 
     def __call__(self, k: int, agp: bool = False, extra: dict | None = None) -> str | None:
         key = (k, agp, tuple(sorted((extra or {}).items())))
         if key not in self._memo:
             kwargs = {**self.variables, **self.case.template_kwargs, **(extra or {})}
             try:
-                self._memo[key] = render_chat(
+                got = _RENDERS.render(self._key, k, agp, key[2], lambda: render_chat(
                     self.template, self.case.messages[:k], tools=self.case.tools,
-                    add_generation_prompt=agp, timeout=self.timeout, **kwargs)
-            except (TemplateError, ValueError, TypeError):
-                self._memo[key] = None
+                    add_generation_prompt=agp, timeout=self.timeout, **kwargs))
+            except RenderTimeout:
+                got = ("error",)
+            self._memo[key] = got[1] if got[0] == "ok" else None
         return self._memo[key]
 
 
@@ -512,19 +577,26 @@ def _render_case(template: str, case: MatrixCase, variables: dict,
                  timeout: float | None) -> "str | CaseResult":
     """The case rendered whole, or the CaseResult saying why it cannot be (skip / fail)."""
     try:
-        return render_chat(template, case.messages, tools=case.tools,
-                           add_generation_prompt=case.add_generation_prompt, timeout=timeout,
-                           **{**variables, **case.template_kwargs})
-    except TemplateError as exc:
-        m = re.search(r"'(\w*_token)' is undefined", exc.message)
-        if exc.kind == "undefined" and m:
-            # not a shape the template rejects: a tokenizer variable the caller did not pass
-            return CaseResult(case.name, "fail", f"the template needs the variable {m.group(1)!r} "
-                              f"(a tokenizer special token): pass it (--var "
-                              f"{m.group(1)}=...) or a tokenizer")
-        return CaseResult(case.name, "skip", f"template rejects it: [{exc.kind}] {exc.message}")
-    except (ValueError, TypeError) as exc:
-        return CaseResult(case.name, "skip", f"cannot render: {exc}")
+        got = _RENDERS.render(
+            _RenderMemo.key_of(template, case, variables), len(case.messages),
+            case.add_generation_prompt, (), lambda: render_chat(
+                template, case.messages, tools=case.tools,
+                add_generation_prompt=case.add_generation_prompt, timeout=timeout,
+                **{**variables, **case.template_kwargs}))
+    except RenderTimeout as exc:
+        got = ("error", exc.kind, exc.message, exc.lineno)
+    if got[0] == "ok":
+        return got[1]
+    _, kind, message, _lineno = got
+    if kind in ("value", "type"):
+        return CaseResult(case.name, "skip", f"cannot render: {message}")
+    m = re.search(r"'(\w*_token)' is undefined", message)
+    if kind == "undefined" and m:
+        # not a shape the template rejects: a tokenizer variable the caller did not pass
+        return CaseResult(case.name, "fail", f"the template needs the variable {m.group(1)!r} "
+                          f"(a tokenizer special token): pass it (--var "
+                          f"{m.group(1)}=...) or a tokenizer")
+    return CaseResult(case.name, "skip", f"template rejects it: [{kind}] {message}")
 
 
 def _message_starts(R: str, r: Any, n: int, variables: dict, openers: Any,
