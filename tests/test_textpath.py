@@ -204,6 +204,10 @@ def _lexes_like_the_reference(fmt, texts):
 
     memo = TextMemo(fmt)
     assert memo.vec
+    # the item walk is not what is compared here (the masks below are): without it a text
+    # that ends inside an item (nemotron4 writes no terminator after the last turn) is split
+    # and lexed too
+    memo._vec_walk = lambda sw: []
     split = 0
     for t in texts:
         got = memo._vec_split(t)
@@ -317,3 +321,26 @@ def test_the_marker_trie_matches_what_the_lexer_regex_matches():
                 s = "".join(rng.choice("ab<|x") for _ in range(40))
                 assert [m.span() for m in trie.finditer(s)] == \
                        [m.span() for m in flat.finditer(s)], (words, s)
+
+
+@pytest.mark.parametrize("name", cg.list_formats())
+def test_every_vectorised_splitter_passes_the_regex_safety_check(name):
+    # The splitter runs on untrusted text: it must pass the check every spec regex passes
+    # (core.compile_regex.regex_risk). The first literal-ended header group did not: its two
+    # alternatives matched the same characters, and a header with no literal before the next
+    # marker backtracked exponentially (`<|im_start|>System: …<|im_end|>` never returned).
+    from chatgrammar.core.compile_regex import regex_risk
+
+    memo = TextMemo(cg.load_format(name))
+    for rx in (getattr(memo, "splitter", None), getattr(memo, "fast_splitter", None)):
+        if rx is not None:  # (none: the format takes the per-token text path)
+            assert regex_risk(rx.pattern, max_len=256) is None, (name, rx.pattern[:200])
+
+
+def test_a_header_with_no_literal_before_the_next_marker_is_a_parse_error_not_a_hang():
+    fmt = cg.load_format("chatml")
+    text = ("<|im_start|>System: You are a helpful assistant." + " word" * 400
+            + "<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\n")
+    with pytest.raises(ParseError):
+        fmt.parse(text, strict=True)
+    assert fmt.parse(text, strict=False) is not None

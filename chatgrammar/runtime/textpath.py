@@ -808,7 +808,11 @@ def _header_group(cfg, alts: str, first: set) -> str:
     another marker's text ends like it). Consuming the header moves no marker: none starts
     inside it."""
     cls = "".join("\\" + c if c in "\\]^-[" else c for c in sorted(first))
-    free = f"(?:[^{cls}]|(?!{alts})(?s:.))"  # (a character no marker starts with is free)
+    # A character no marker starts with is free; one a marker may start with is free where no
+    # marker starts. The two alternatives must be disjoint: with `(?!alts)(?s:.)` as the
+    # second, every free character matched both ways and a header with no literal before the
+    # next marker (`<|im_start|>System: …<|im_end|>`) backtracked through 2^n ways.
+    free = f"(?:[^{cls}]|(?!{alts})[{cls}])" if cls else "(?s:.)"
     out = []
     for t in sorted(cfg.split_after, key=lambda t: len(cfg.marker_text[t]), reverse=True):
         d = cfg.split_after[t]
