@@ -26,24 +26,24 @@ from xdist.scheduler import LoadScopeScheduling
 # run of the whole suite; `python tools/suite_cost.py` re-measures). Only the order of the
 # work and where the heavy files are cut depend on them: a stale figure costs balance, never
 # a test. A file not listed counts CPU_PER_TEST per test. Measured on the merged tree of
-# session 8 (one quiet-machine run of the whole suite, CHATGRAMMAR_TEST_COSTLOG).
+# session 9 (one quiet-machine run of the whole suite, CHATGRAMMAR_TEST_COSTLOG).
 COST = {
-    "tests/test_formats.py": 183,
-    "tests/test_fastpath.py": 108,
-    "tests/test_wild.py": 75,
-    "tests/test_fuzz.py": 69,
-    "tests/test_properties.py": 59,
-    "tests/test_speedups.py": 56,
-    "tests/test_reliability.py": 51,
+    "tests/test_formats.py": 168,
+    "tests/test_fastpath.py": 89,
+    "tests/test_wild.py": 78,
+    "tests/test_fuzz.py": 61,
+    "tests/test_reliability.py": 57,
+    "tests/test_speedups.py": 44,
+    "tests/test_properties.py": 44,
     "tests/test_one_engine.py": 35,
-    "tests/test_integration_trl.py": 32,
-    "tests/test_infer.py": 26,
+    "tests/test_infer.py": 32,
+    "tests/test_integration_trl.py": 28,
+    "tests/test_cli.py": 20,
+    "tests/test_textpath.py": 19,
     "tests/test_mask_cli.py": 18,
-    "tests/test_hf.py": 17,
-    "tests/test_new_families.py": 16,
-    "tests/test_cli.py": 15,
-    "tests/test_detect.py": 12,
-    "tests/test_textpath.py": 11,
+    "tests/test_hf.py": 16,
+    "tests/test_new_families.py": 13,
+    "tests/test_detect.py": 10,
 }
 CPU_PER_TEST = 0.05
 CHUNK_CPU_S = 25.0

@@ -878,6 +878,12 @@ def targets(results: dict) -> list[tuple[str, str, bool]]:
 # for kimi-k2 and kimi-k3 in HISTORY_ROWS order). report() renders them as tables.
 HISTORY_ROWS = (*(CLASS_LABEL[c] for c in CLASSES), "text mode against the regex")
 HISTORY = (
+    ("docs/performance.md at 2d7032e (session 8's final main, a quiet machine: load average\n"
+     "0.5 -> 1.0; kimi-k3 rounds: truncated 3.14 2.58 3.36). Since then a cut item is learned by\n"
+     "resuming a driver configuration saved during an earlier parse (Driver.run(saves=...) /\n"
+     "Driver.resume), and ChatML-shaped formats take the vectorised text path:",
+     ((4.69, 6.44), (3.51, 3.14), (6.16, 7.44), (5.38, 5.88), (4.72, 6.64), (4.97, 5.04),
+      (7.58, 10.49), (0.81, 1.03), (1.60, 1.16))),
     ("At commit 2cfb8ce (session 8's start, main), measured by this bench (`--no-chatml\n"
      "--no-compile --no-write`) as two processes side by side with the branch that writes list\n"
      "masks in one pass and lightens learning parses (loaded machine, load average\n"
