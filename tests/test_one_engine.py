@@ -160,3 +160,80 @@ def test_verify_mode_checks_the_lexing_of_every_fast_answer(accel, monkeypatch):
     with pytest.raises(VerifyError):
         for enc, ids in samples:
             fmt.loss_mask(ids, enc)
+
+
+# ---------------------------------------------------------------- K10: C's one merge
+
+def _c_check(fm, batch) -> int:
+    """The C executor's own pass 1 (``_speedups.lex``: the plan's steps in C) through
+    verify_lex on each sample alone and on the batch packed into one sequence, and equal to
+    the numpy executor's tables wherever both take the sample; how many C took."""
+    took = 0
+    packed = [x for ids in batch[:8] for x in ids]
+    for ids in [*batch, packed]:
+        arr = np.asarray(ids, dtype=np.int64)
+        for given in (list(ids), arr):  # (C reads a list and an int64 buffer alike)
+            c = fm.c_lex(given)
+            if c is None:
+                continue
+            took += 1
+            assert fm.verify_lex(arr, [0, len(arr)], 0, c)
+            p = fm._lex(arr, [0, len(arr)])
+            if not p[-1][0]:
+                assert c[:5] == p[:5]
+    return took
+
+
+@pytest.mark.skipif(fastpath._speedups is None, reason="accelerator not built")
+@pytest.mark.parametrize("name", cg.list_formats())
+def test_the_c_merge_is_the_builder_on_every_format(name):
+    # C's pass 1 is the plan's one merge executed in C: for every bundled format's id
+    # fixtures (whole, cut; alone and packed), after the memo learned them (C reads the
+    # split and lstrip memos the Python engine fills), its tables are the builder's
+    fmt = cg.load_format(name)
+    by_enc: dict = {}
+    for enc, ids in _samples(fmt):
+        by_enc.setdefault(id(enc), (enc, []))[1].append(ids)
+    took, soft = 0, False
+    for enc, batch in by_enc.values():
+        fm = fmt._fast_masker(enc)
+        soft |= fm.soft_lut is not None
+        if fm.plan is None:
+            continue
+        for ids in batch:
+            fmt.loss_mask(ids, enc, strict=False)
+        fmt.loss_mask([x for ids in batch[:8] for x in ids], enc, strict=False)
+        took += _c_check(fm, batch)
+    enabled = any(fmt._fast_masker(enc).plan is not None for enc, _ in by_enc.values())
+    assert took or soft or not enabled
+
+
+def test_no_second_merge_in_c():
+    # the batch symbol pass (`symbols`, a second writing of the merge) is gone: C has one
+    # merge, run's pass 1, which `lex` exposes
+    if fastpath._speedups is not None:
+        assert not hasattr(fastpath._speedups, "symbols")
+        assert hasattr(fastpath._speedups, "lex")
+
+
+@pytest.mark.parametrize("blanks", [3, 16, 17])
+def test_lstrip_after_a_literal_ended_header_is_one_rule(blanks, monkeypatch):
+    # an lstrip marker right after a literal-ended header's run: every executor splits the
+    # header first and then absorbs the blank text after it, as the reference does (the
+    # executors used to hand short runs back and, past LSTRIP_MAX ids of header + text,
+    # disagreed with the builder)
+    fmt = cg.load_format("gemma4")
+    enc = next(e for e, _ in _samples(fmt) if fmt._fast_masker(e).lstrip_code is not None)
+    fm = fmt._fast_masker(enc)
+    ids = [fm.lx.marker_ids["M_TURN_OPEN"], *enc.encode("model\n"), *enc.encode(" ") * blanks,
+           fm.lx.marker_ids["M_EOS"]]
+    arr = np.asarray(ids, dtype=np.int64)
+    fmt.parse_ids(ids, enc, strict=False)
+    lexed = fm._lex(arr, [0, len(arr)])
+    assert lexed[-1] == [None] and fm.verify_lex(arr, [0, len(arr)], 0, lexed)
+    if fm.plan is not None:
+        fmt.loss_mask(ids, enc, strict=False)  # (the memos C reads are filled)
+        assert fm.verify_lex(arr, [0, len(arr)], 0, fm.c_lex(ids))
+    monkeypatch.setenv("CHATGRAMMAR_VERIFY", "1")
+    assert fmt.loss_mask(ids, enc, strict=False) == \
+        fmt.parse_ids(ids, enc, strict=False).mask()

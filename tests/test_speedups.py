@@ -330,18 +330,20 @@ def test_symbol_tables_on_random_id_streams(data):
 
 @needs_c
 def test_symbols_checks_its_inputs():
-    a = np.arange(10, dtype=np.int64)
-    b = np.zeros(4, dtype=np.int64)
-    cand = np.asarray([3], dtype=np.int64)
-    code = np.asarray([1], dtype=np.int64)
-    with pytest.raises(ValueError):  # starts not ending at len(arr)
-        S.symbols(a, [0, 5], cand, code, b, b, True)
-    with pytest.raises(ValueError):  # a code outside the budget table
-        S.symbols(a, [0, 10], cand, np.asarray([9], dtype=np.int64), b, b, True)
-    with pytest.raises(ValueError):  # a marker outside every sample
-        S.symbols(a, [0, 10], np.asarray([12], dtype=np.int64), code, b, b, True)
+    # (the batch `symbols` pass, a second merge in C, is gone: C's one merge is run's pass 1,
+    # which `lex` exposes) its plan is checked: not a tuple, tables of different lengths, a
+    # gap class the plan has not, ids that are no int64 buffer
+    fm = _k3_masker()
+    plan, x = fm.plan, [1, 2, 3]
+    assert S.lex(plan, x) is not None
+    with pytest.raises(TypeError):
+        S.lex(list(plan), x)
+    with pytest.raises(ValueError):  # a budget table shorter than the gap classes
+        S.lex((*plan[:3], plan[3][:-8], *plan[4:]), x)
     with pytest.raises(ValueError):
-        S.symbols(a, [0], cand, code, b, b, True)
+        S.lex((*plan[:2], np.full(len(fm.gclass), 7, np.int64).tobytes(), *plan[3:]), x)
+    with pytest.raises(TypeError):
+        S.lex(plan, np.zeros(3, dtype=np.float64))
 
 
 # ----------------------------------------------------------------------------- scratch buffer

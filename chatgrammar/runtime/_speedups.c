@@ -28,12 +28,15 @@
  *     native int64 bytes. Equivalent to the numpy `(arr >= lo).nonzero()` / `lut.take` /
  *     `codes.nonzero()` sequence of lexers.IdPlan.find (the plan's one marker search).
  *
- * symbols(...) and run's find_symbols merge the markers into the symbol stream as the plan's
- * one stream builder does (lexers.IdPlan.stream, which the reference lexer and the numpy fast
- * path both are): same entries, same run shapes, same item-key words. They are executors of
- * that plan, not a rule set of their own: every rule that decodes they read from the plan's
- * memos, anything else they hand back, and FastMasker.verify_lex (CHATGRAMMAR_VERIFY=1,
- * tests/test_one_engine.py) checks their tables against the builder's.
+ * run's pass 1 (find_symbols) is the plan's one merge, as the plan writes it: the steps of
+ * lexers.IdPlan.stream (begins, classes, split, lstrip), then the key tables of
+ * FastMasker._tables, one C function each, in the same order, over the same arrays (the
+ * plan's marker table, gclass, budget, lstrip_code, LSTRIP_MAX) and reading the plan's
+ * memos for the two rules that decode (split_c, space_memo); anything else (a prefix or a
+ * run not decoded yet, a straddle, no literal within the budget, a soft marker's piece, an
+ * unknown special id) it hands back, as the numpy executor does. There is no other merge in
+ * C. lex(plan, ids) returns its tables, which FastMasker.verify_lex checks against the
+ * builder's (CHATGRAMMAR_VERIFY=1, tests/test_one_engine.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -288,172 +291,6 @@ fail:
     return NULL;
 }
 
-/* symbols(), step 1: each sample's begin-of-input (code 0, zero width) merged before its
- * markers into P / K / mend; bl[j] = the index of sample j's first symbol. -1 on error. */
-static int
-merge_samples(PyObject *starts, Py_ssize_t S, Py_ssize_t N, const int64_t *cand,
-              const int64_t *codes, Py_ssize_t M, Py_ssize_t nb, int64_t *P, int64_t *K,
-              int64_t *mend, PyObject *bl)
-{
-    Py_ssize_t t = 0, c = 0, prev = 0;
-    for (Py_ssize_t j = 0; j < S; j++) {
-        Py_ssize_t s0 = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(starts, j));
-        Py_ssize_t s1 = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(starts, j + 1));
-        if ((s0 == -1 || s1 == -1) && PyErr_Occurred())
-            return -1;
-        if (s0 < prev || s1 < s0 || s1 > N || (j == 0 && s0 != 0)) {
-            PyErr_SetString(PyExc_ValueError, "symbols: starts must rise from 0 to len(arr)");
-            return -1;
-        }
-        prev = s0;
-        PyList_SET_ITEM(bl, j, PyLong_FromSsize_t(t));
-        P[t] = s0;
-        K[t] = 0;
-        mend[t] = s0;
-        t++;
-        while (c < M && cand[c] < s1) {
-            if (cand[c] < s0 || codes[c] <= 0 || codes[c] >= nb) {
-                PyErr_SetString(PyExc_ValueError, "symbols: bad marker position or code");
-                return -1;
-            }
-            P[t] = cand[c];
-            K[t] = codes[c];
-            mend[t] = cand[c] + 1;
-            t++;
-            c++;
-        }
-        if (j == S - 1 && s1 != N) {
-            PyErr_SetString(PyExc_ValueError, "symbols: starts must end at len(arr)");
-            return -1;
-        }
-    }
-    if (c != M) {
-        PyErr_SetString(PyExc_ValueError, "symbols: a marker lies outside every sample");
-        return -1;
-    }
-    return 0;
-}
-
-/* symbols(arr, starts, cand, codes, budget, budget1, has_values)
- *     -> (symb, meta, vals, off, B, bl)
- * FastMasker._lex after the marker pass (IdPlan.stream, then FastMasker._tables), for formats
- * without literal-ended headers or lstrip markers (see the Python code for the meaning of
- * each output; it is the reference). */
-static PyObject *
-symbols(PyObject *self, PyObject *args)
-{
-    PyObject *arr_o, *starts_o, *cand_o, *codes_o, *bud_o, *bud1_o;
-    int has_values;
-    if (!PyArg_ParseTuple(args, "OOOOOOp:symbols", &arr_o, &starts_o, &cand_o, &codes_o,
-                          &bud_o, &bud1_o, &has_values))
-        return NULL;
-    Py_buffer av = {0}, cv = {0}, kv = {0}, bv = {0}, b1v = {0};
-    PyObject *starts = NULL, *res = NULL;
-    PyObject *symb = NULL, *meta = NULL, *vals = NULL, *off = NULL, *B = NULL, *bl = NULL;
-    int64_t *P = NULL, *K = NULL, *mend = NULL;
-    if (get_int64_buffer(arr_o, &av, "arr") < 0)
-        return NULL;
-    if (get_int64_buffer(cand_o, &cv, "cand") < 0 || get_int64_buffer(codes_o, &kv, "codes") < 0
-        || get_int64_buffer(bud_o, &bv, "budget") < 0
-        || get_int64_buffer(bud1_o, &b1v, "budget1") < 0)
-        goto done;
-    const int64_t *a = av.buf, *cand = cv.buf, *codes = kv.buf, *bud = bv.buf, *bud1 = b1v.buf;
-    Py_ssize_t N = av.len / 8, M = cv.len / 8, nb = bv.len / 8;
-    if (kv.len != cv.len || b1v.len != bv.len) {
-        PyErr_SetString(PyExc_ValueError, "symbols: mismatched buffer lengths");
-        goto done;
-    }
-    starts = PySequence_Fast(starts_o, "symbols: starts must be a sequence");
-    if (starts == NULL)
-        goto done;
-    Py_ssize_t S = PySequence_Fast_GET_SIZE(starts) - 1;
-    if (S < 1) {
-        PyErr_SetString(PyExc_ValueError, "symbols: need at least one sample");
-        goto done;
-    }
-    Py_ssize_t T = M + S;
-    P = PyMem_Malloc((T + 1) * sizeof(int64_t));
-    K = PyMem_Malloc((T + 1) * sizeof(int64_t));
-    mend = PyMem_Malloc((T + 1) * sizeof(int64_t));
-    bl = PyList_New(S + 1);
-    if (P == NULL || K == NULL || mend == NULL || bl == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if (merge_samples(starts, S, N, cand, codes, M, nb, P, K, mend, bl) < 0)
-        goto done;
-    Py_ssize_t t;
-    PyList_SET_ITEM(bl, S, PyLong_FromSsize_t(T));
-    P[T] = N;
-    symb = PyBytes_FromStringAndSize(NULL, T * 2);
-    meta = PyBytes_FromStringAndSize(NULL, T * 8);
-    B = PyList_New(3 * T + 1);
-    if (symb == NULL || meta == NULL || B == NULL)
-        goto done;
-    uint16_t *sy = (uint16_t *)PyBytes_AS_STRING(symb);
-    int64_t *me = (int64_t *)PyBytes_AS_STRING(meta);
-    Py_ssize_t total = 0;
-    if (has_values) {
-        off = PyList_New(T + 1);
-        if (off == NULL)
-            goto done;
-        PyList_SET_ITEM(off, 0, PyLong_FromSsize_t(0));
-    }
-    for (t = 0; t < T; t++) {
-        int64_t glen = P[t + 1] - mend[t];
-        int64_t sym = K[t] * 4 + (glen > 0);
-        sy[t] = (uint16_t)sym;
-        if (has_values) {
-            int64_t take = glen < bud[K[t]] ? glen : bud[K[t]];
-            int64_t vlen = glen < bud1[K[t]] ? glen : bud1[K[t]];
-            me[t] = sym * 65536 + vlen;
-            total += take;
-            PyList_SET_ITEM(off, t + 1, PyLong_FromSsize_t(total));
-        } else {
-            me[t] = sym;
-        }
-        PyList_SET_ITEM(B, 3 * t, PyLong_FromLongLong(P[t]));
-        PyList_SET_ITEM(B, 3 * t + 1, PyLong_FromLongLong(mend[t]));
-        PyList_SET_ITEM(B, 3 * t + 2, PyLong_FromLongLong(P[t + 1]));
-    }
-    PyList_SET_ITEM(B, 3 * T, PyLong_FromSsize_t(N));
-    vals = PyBytes_FromStringAndSize(NULL, total * 8);
-    if (vals == NULL)
-        goto done;
-    if (has_values) {
-        int64_t *v = (int64_t *)PyBytes_AS_STRING(vals);
-        for (t = 0; t < T; t++) {
-            int64_t glen = P[t + 1] - mend[t];
-            int64_t take = glen < bud[K[t]] ? glen : bud[K[t]];
-            if (take > 0) {
-                memcpy(v, a + mend[t], take * sizeof(int64_t));
-                v += take;
-            }
-        }
-    }
-    if (PyErr_Occurred())  /* a PyLong allocation failed above */
-        goto done;
-    res = Py_BuildValue("(OOOOOO)", symb, meta, vals, has_values ? off : Py_None, B, bl);
-done:
-    Py_XDECREF(symb);
-    Py_XDECREF(meta);
-    Py_XDECREF(vals);
-    Py_XDECREF(off);
-    Py_XDECREF(B);
-    Py_XDECREF(bl);
-    Py_XDECREF(starts);
-    PyMem_Free(P);
-    PyMem_Free(K);
-    PyMem_Free(mend);
-    if (av.obj) PyBuffer_Release(&av);
-    if (cv.obj) PyBuffer_Release(&cv);
-    if (kv.obj) PyBuffer_Release(&kv);
-    if (bv.obj) PyBuffer_Release(&bv);
-    if (b1v.obj) PyBuffer_Release(&b1v);
-    return res;
-}
-
-
 /* ------------------------------------------------------------------------------------------
  * run(plan, ids, memo, last_only, out[, gen_ok])
  *     -> list | True | None | (keys) | (int, mask) | bytes
@@ -479,7 +316,7 @@ done:
  *     pass 1 (reading every id) is skipped; any other call reads the sample afresh.
  */
 typedef struct {
-    int64_t *P, *mend, *K, *take, *off, *meta, *split, *bounds, *spans, *key;
+    int64_t *P, *mend, *K, *cls, *take, *off, *meta, *split, *bounds, *spans, *key;
     Py_ssize_t cap_t, cap_b, cap_s, cap_k;
     /* walk: where the automaton's table lacks an entry (symbol index, configuration) */
     Py_ssize_t need_t;
@@ -533,60 +370,72 @@ slot_pos(const scratch_t *s, int64_t k)
     return r == 0 ? s->P[q] : (r == 1 ? s->mend[q] : s->split[q]);
 }
 
+/* The plan as FastMasker._c_plan hands it over: the lexing plan's own arrays (lexers.IdPlan:
+ * the marker table restricted to the marker ids' range, gclass, budget, lstrip_code,
+ * LSTRIP_MAX; the memos of its two decoding rules, split_c and space_memo), the automaton's
+ * table and end flags, and the generation prompts' table. Every lexing decision of
+ * find_symbols is read from these: no rule is written here. */
 typedef struct {
-    int64_t lo, span, nb, unk, soft_n;
-    const int64_t *lut, *bud, *bud1;
+    int64_t lo, span, nb, unk, soft_n, lstrip_max;
+    const int64_t *lut, *gclass, *budget;
     const unsigned char *soft;
     /* NULL, or [longest prompt, length each other id adds at least, (prompt mask, text
      * length) per code] */
     const int64_t *gen;
     int has_values;
     PyObject *table, *ends;
-    /* literal-ended headers: per code its split budget (0: none), and the memo
-     * bytes(code, ids of a header prefix) -> 1 (the literal ends there), 0 (not in it yet),
-     * -1 (it ends inside the last id); lstrip: per code 1 when the marker absorbs a
-     * whitespace-only run before it, and the memo bytes(ids of the run) -> bool */
-    const int64_t *sbud, *lstrip;
+    /* lstrip: NULL, or per code 1 when the marker absorbs a whitespace-only run before it.
+     * split_memo (IdPlan.split_c): bytes(code, ids of a header prefix) -> 1 (the literal ends
+     * there), 0 (not in it yet), -1 (it ends inside the last id); space_memo
+     * (IdPlan.space_memo): bytes(ids of a run) -> bool (IdPlan.blank) */
+    const int64_t *lstrip;
     PyObject *split_memo, *space_memo;
 } plan_t;
+
+/* the gap classes of lexers.py (IdPlan.gclass) */
+enum { G_BODY = 0, G_DECODE = 1, G_SPLIT = 2 };
 
 static int
 parse_plan(PyObject *plan, plan_t *p)
 {
-    PyObject *lut, *bud, *bud1, *soft, *gen, *sbud, *lstrip;
+    PyObject *lut, *gcl, *bud, *lstrip, *soft, *gen;
     if (!PyTuple_Check(plan)) {
         PyErr_SetString(PyExc_TypeError, "run: plan must be a tuple");
         return -1;
     }
     /* The usual types read item by item (PyArg_ParseTuple's format parser is a good part of
-     * a short sample's time: this runs on every call); anything else through it. */
+     * a short sample's time: this runs on every call); anything else through it. Layout:
+     * (lo, lutr, gclass, budget, lstrip, lstrip_max, unk, soft, split_c, space_memo,
+     *  has_values, gen, table, ends) */
     PyObject **it = &PyTuple_GET_ITEM(plan, 0);
     if (PyTuple_GET_SIZE(plan) == 14 && PyLong_CheckExact(it[0]) && PyBytes_Check(it[1])
-        && PyBytes_Check(it[2]) && PyBytes_Check(it[3]) && PyBool_Check(it[4])
-        && PyList_Check(it[6]) && PyList_Check(it[7]) && PyLong_CheckExact(it[8])) {
-        lut = it[1]; bud = it[2]; bud1 = it[3]; gen = it[5]; soft = it[9]; sbud = it[10];
-        lstrip = it[12];
-        p->table = it[6]; p->ends = it[7]; p->split_memo = it[11]; p->space_memo = it[13];
-        p->has_values = it[4] == Py_True;
+        && PyBytes_Check(it[2]) && PyBytes_Check(it[3]) && PyLong_CheckExact(it[5])
+        && PyLong_CheckExact(it[6]) && PyBool_Check(it[10]) && PyList_Check(it[12])
+        && PyList_Check(it[13])) {
+        lut = it[1]; gcl = it[2]; bud = it[3]; lstrip = it[4]; soft = it[7]; gen = it[11];
+        p->split_memo = it[8]; p->space_memo = it[9];
+        p->has_values = it[10] == Py_True;
+        p->table = it[12]; p->ends = it[13];
         p->lo = PyLong_AsLongLong(it[0]);
-        p->unk = PyLong_AsLongLong(it[8]);
+        p->lstrip_max = PyLong_AsLongLong(it[5]);
+        p->unk = PyLong_AsLongLong(it[6]);
         if (PyErr_Occurred())
             return -1;
-    } else if (!PyArg_ParseTuple(plan, "LSSSpOO!O!LOOOOO:plan", &p->lo, &lut, &bud, &bud1,
-                                 &p->has_values, &gen, &PyList_Type, &p->table,
-                                 &PyList_Type, &p->ends, &p->unk, &soft, &sbud,
-                                 &p->split_memo, &lstrip, &p->space_memo)) {
+    } else if (!PyArg_ParseTuple(plan, "LSSSOLLOOOpOO!O!:plan", &p->lo, &lut, &gcl, &bud,
+                                 &lstrip, &p->lstrip_max, &p->unk, &soft, &p->split_memo,
+                                 &p->space_memo, &p->has_values, &gen, &PyList_Type,
+                                 &p->table, &PyList_Type, &p->ends)) {
         return -1;
     }
     p->lut = (const int64_t *)PyBytes_AS_STRING(lut);
     p->span = PyBytes_GET_SIZE(lut) / 8 - 1;
     if (p->span < 0)
         p->span = 0;
-    p->bud = (const int64_t *)PyBytes_AS_STRING(bud);
-    p->bud1 = (const int64_t *)PyBytes_AS_STRING(bud1);
-    p->nb = PyBytes_GET_SIZE(bud) / 8;
-    if (PyBytes_GET_SIZE(bud1) / 8 != p->nb) {
-        PyErr_SetString(PyExc_ValueError, "run: budget tables differ in length");
+    p->gclass = (const int64_t *)PyBytes_AS_STRING(gcl);
+    p->budget = (const int64_t *)PyBytes_AS_STRING(bud);
+    p->nb = PyBytes_GET_SIZE(gcl) / 8;
+    if (PyBytes_GET_SIZE(bud) / 8 != p->nb) {
+        PyErr_SetString(PyExc_ValueError, "run: gclass and budget differ in length");
         return -1;
     }
     p->gen = NULL;
@@ -603,21 +452,22 @@ parse_plan(PyObject *plan, plan_t *p)
         p->soft = (const unsigned char *)PyBytes_AS_STRING(soft);
         p->soft_n = PyBytes_GET_SIZE(soft);
     }
-    p->sbud = p->lstrip = NULL;
-    if (PyBytes_Check(sbud) && PyDict_Check(p->split_memo)) {
-        if (PyBytes_GET_SIZE(sbud) != p->nb * 8) {
-            PyErr_SetString(PyExc_ValueError, "run: bad split budget table");
-            return -1;
-        }
-        p->sbud = (const int64_t *)PyBytes_AS_STRING(sbud);
-    }
-    if (PyBytes_Check(lstrip) && PyDict_Check(p->space_memo)) {
-        if (PyBytes_GET_SIZE(lstrip) != p->nb * 8) {
+    p->lstrip = NULL;
+    if (PyBytes_Check(lstrip)) {
+        if (PyBytes_GET_SIZE(lstrip) != p->nb * 8 || !PyDict_Check(p->space_memo)) {
             PyErr_SetString(PyExc_ValueError, "run: bad lstrip table");
             return -1;
         }
         p->lstrip = (const int64_t *)PyBytes_AS_STRING(lstrip);
     }
+    if (!PyDict_Check(p->split_memo))
+        p->split_memo = NULL;  /* (no literal-ended header: nothing reads it) */
+    for (Py_ssize_t k = 0; k < p->nb; k++)
+        if (p->gclass[k] < G_BODY || p->gclass[k] > G_SPLIT
+            || (p->gclass[k] == G_SPLIT && p->split_memo == NULL) || p->budget[k] < 0) {
+            PyErr_SetString(PyExc_ValueError, "run: bad gap class or budget table");
+            return -1;
+        }
     return 0;
 }
 
@@ -652,15 +502,23 @@ memo_get(PyObject *memo, PyObject **items, const int64_t *arr, int64_t s, int64_
     return (int)x;
 }
 
-/* Pass 1: the markers (code != 0) of the sample; 1 on a reason to leave it to Python. */
+/* ---- Pass 1: the plan's steps, as lexers.IdPlan.stream runs them (then FastMasker._tables),
+ * one function each, in the same order, over the same arrays (the scratch buffers: P, K,
+ * mend, cls, split = Stream.hend; take, off, meta = the key tables). Each returns 0, 1 (a
+ * reason to hand the sample back: the Python engine decides) or -1 (an error). */
+
+/* Steps 0 and 1: the marker search (IdPlan.find over the restricted table) and the sample's
+ * begin entry (code 0, zero width) before its markers (lexers._merge_begins). The executor's
+ * hand-backs are the fast path's: an id that is not an exact small int, an id of the plan's
+ * soft_lut, an unknown special id (unk: FastMasker._lex). */
 static int
-find_symbols(const plan_t *p, PyObject **items, const int64_t *arr, Py_ssize_t n,
-             Py_ssize_t *T_out)
+step_begins(const plan_t *p, PyObject **items, const int64_t *arr, Py_ssize_t n,
+            Py_ssize_t *T_out)
 {
     scratch_t *s = &S_;
-    int64_t **more[6] = {&s->mend, &s->K, &s->take, &s->off, &s->meta, &s->split};
+    int64_t **more[7] = {&s->mend, &s->K, &s->cls, &s->take, &s->off, &s->meta, &s->split};
     Py_ssize_t T = 1;
-    if (grow(&s->P, &s->cap_t, 64, 7, more) < 0)
+    if (grow(&s->P, &s->cap_t, 64, 8, more) < 0)
         return -1;
     s->P[0] = 0; s->K[0] = 0; s->mend[0] = 0;
     uint64_t span = (uint64_t)p->span;
@@ -675,74 +533,134 @@ find_symbols(const plan_t *p, PyObject **items, const int64_t *arr, Py_ssize_t n
             int64_t code = p->lut[d];
             if (code == p->unk || code >= p->nb)
                 return 1;  /* a special id the format does not know */
-            if (T + 2 > s->cap_t && grow(&s->P, &s->cap_t, T + 2, 7, more) < 0)
+            if (T + 2 > s->cap_t && grow(&s->P, &s->cap_t, T + 2, 8, more) < 0)
                 return -1;
             s->P[T] = i; s->K[T] = code; s->mend[T] = i + 1;
             T++;
         }
     }
     s->P[T] = n;
-    if (p->lstrip != NULL) {
-        /* IdPlan.stream's lstrip rule (IdPlan.blank, from its memo): such a marker starts
-         * at the start of a whitespace-only run (at most 16 ids) right before it; the run is
-         * gone. (The builder splits headers first; the two orders agree wherever no lstrip
-         * marker follows a literal-ended header, which both hand back.) */
-        for (Py_ssize_t t = 1; t < T; t++) {
-            int64_t s0 = s->mend[t - 1], e0 = s->P[t];
-            if (!p->lstrip[s->K[t]] || e0 - s0 <= 0 || e0 - s0 > 16)
-                continue;
-            if (p->sbud != NULL && p->sbud[s->K[t - 1]] > 0)
-                return 1;  /* after a literal-ended header: the Python engine */
-            int r = memo_get(p->space_memo, items, arr, s0, e0, 0, 0);
+    *T_out = T;
+    return 0;
+}
+
+/* Step 2: each run's gap class, gclass[K] (Stream.cls); every run ends where the next entry
+ * starts (Stream.hend before the split). */
+static void
+step_classes(const plan_t *p, Py_ssize_t T)
+{
+    scratch_t *s = &S_;
+    for (Py_ssize_t t = 0; t < T; t++) {
+        s->cls[t] = p->gclass[s->K[t]];
+        s->split[t] = s->P[t + 1];
+    }
+}
+
+/* Step 3: literal-ended headers (IdPlan._split_runs): a SPLIT run's header ends with the
+ * first id within budget[K] whose prefix holds the literal (IdPlan.split_prefix, read from
+ * its memo split_c). As the builder for an executor, exact ends only: a straddle, no literal
+ * within the budget or a prefix not memoised yet is handed back. */
+static int
+step_split(const plan_t *p, PyObject **items, const int64_t *arr, Py_ssize_t T)
+{
+    scratch_t *s = &S_;
+    for (Py_ssize_t t = 0; t < T; t++) {
+        int64_t a = s->mend[t], e = s->P[t + 1], k = s->K[t], h = -1;
+        if (s->cls[t] != G_SPLIT || e <= a)
+            continue;
+        int64_t lim = a + p->budget[k] < e ? a + p->budget[k] : e;
+        for (int64_t q = a + 1; q <= lim && h < 0; q++) {
+            int r = memo_get(p->split_memo, items, arr, a, q, 1, k);
             if (r == -3)
                 return -1;
-            if (r < 0)
-                return 1;  /* not decoded yet: Python decides (and memoises it) */
-            if (r)
-                s->P[t] = s0;
+            if (r == -2 || r == -1)
+                return 1;  /* not memoised, or a straddle */
+            if (r == 1)
+                h = q;
+        }
+        if (h < 0)
+            return 1;  /* no literal within the budget */
+        s->split[t] = h;
+    }
+    return 0;
+}
+
+/* Step 4: lstrip (IdPlan._lstrip), after the split: a marker of lstrip_code starts at the
+ * start of a whitespace-only run right before it (the text after a literal-ended header, or
+ * the whole run after any other marker) of at most lstrip_max ids (IdPlan.blank, read from
+ * its memo space_memo; not memoised yet: handed back); the run is gone. */
+static int
+step_lstrip(const plan_t *p, PyObject **items, const int64_t *arr, Py_ssize_t T)
+{
+    scratch_t *s = &S_;
+    if (p->lstrip == NULL)
+        return 0;
+    for (Py_ssize_t t = 1; t < T; t++) {
+        if (!p->lstrip[s->K[t]])
+            continue;
+        int64_t s0 = s->mend[t - 1], e0 = s->P[t];
+        if (s->cls[t - 1] == G_SPLIT) {
+            if (e0 <= s0)
+                continue;  /* an empty run: nothing was split */
+            s0 = s->split[t - 1];
+        }
+        if (e0 - s0 <= 0 || e0 - s0 > p->lstrip_max)
+            continue;
+        int r = memo_get(p->space_memo, items, arr, s0, e0, 0, 0);
+        if (r == -3)
+            return -1;
+        if (r < 0)
+            return 1;  /* not decoded yet: Python decides (and memoises it) */
+        if (r) {
+            s->P[t] = s0;
+            s->split[t - 1] = s0;
         }
     }
+    return 0;
+}
+
+/* Step 5: the key tables (FastMasker._tables): per entry its symbol (code * 4 + the run's
+ * shape: none, run, header, header + text), its meta word (symbol << 16 | the header ids the
+ * key holds) and how many of its ids the key takes: a DECODE run its first budget ids (and
+ * whether it is longer: budget + 1), a split header its ids, a content run none. */
+static void
+step_tables(const plan_t *p, Py_ssize_t T)
+{
+    scratch_t *s = &S_;
     s->off[0] = 0;
     for (Py_ssize_t t = 0; t < T; t++) {
-        int64_t glen = s->P[t + 1] - s->mend[t], k = s->K[t];
-        int64_t sym = k * 4 + (glen > 0);
-        s->split[t] = s->P[t + 1];
-        if (p->sbud != NULL && p->sbud[k] > 0 && glen > 0) {
-            /* IdPlan.stream's literal-ended header (IdPlan.split_prefix, from its memo):
-             * the header ends with the first id whose prefix decodes to the literal */
-            int64_t a = s->mend[t], e = s->P[t + 1], lim = a + p->sbud[k], h = -1;
-            if (lim > e)
-                lim = e;
-            for (int64_t q = a + 1; q <= lim && h < 0; q++) {
-                int r = memo_get(p->split_memo, items, arr, a, q, 1, k);
-                if (r == -3)
-                    return -1;
-                if (r == -2 || r == -1)
-                    return 1;  /* not memoised, or a straddle: the Python engine */
-                if (r == 1)
-                    h = q;
-            }
-            if (h < 0)
-                return 1;  /* no literal within the budget: the Python engine */
-            s->split[t] = h;
+        int64_t a = s->mend[t], e = s->P[t + 1], k = s->K[t], glen = e - a;
+        int64_t sym = k * 4 + (glen > 0), take = 0, vlen = 0;
+        if (s->cls[t] == G_SPLIT && glen > 0) {
+            int64_t h = s->split[t];
             sym = k * 4 + (h < e ? 3 : 2);  /* HEAD_RUN or HEAD */
-            s->meta[t] = sym * 65536 + (h - a);
-            s->take[t] = h - a;
-            s->off[t + 1] = s->off[t] + (h - a);
-            continue;
+            take = vlen = h - a;
+        } else if (s->cls[t] == G_DECODE) {
+            int64_t b = p->budget[k];
+            take = glen < b ? glen : b;
+            vlen = glen < b + 1 ? glen : b + 1;
         }
-        if (p->has_values) {
-            int64_t take = glen < p->bud[k] ? glen : p->bud[k];
-            int64_t vlen = glen < p->bud1[k] ? glen : p->bud1[k];
-            s->meta[t] = sym * 65536 + vlen;
-            s->take[t] = take;
-            s->off[t + 1] = s->off[t] + take;
-        } else {
-            s->meta[t] = sym;
-            s->take[t] = 0;
-            s->off[t + 1] = s->off[t];
-        }
+        if (!p->has_values)
+            take = vlen = 0;
+        s->meta[t] = p->has_values ? sym * 65536 + vlen : sym;
+        s->take[t] = take;
+        s->off[t + 1] = s->off[t] + take;
     }
+}
+
+/* Pass 1 (IdPlan.stream's steps, then the key tables); 1 on a reason to hand it back. */
+static int
+find_symbols(const plan_t *p, PyObject **items, const int64_t *arr, Py_ssize_t n,
+             Py_ssize_t *T_out)
+{
+    Py_ssize_t T;
+    int r = step_begins(p, items, arr, n, &T);
+    if (r != 0)
+        return r;
+    step_classes(p, T);
+    if ((r = step_split(p, items, arr, T)) != 0 || (r = step_lstrip(p, items, arr, T)) != 0)
+        return r;
+    step_tables(p, T);
     *T_out = T;
     return 0;
 }
@@ -1012,6 +930,88 @@ walk_rest(const plan_t *p, Py_ssize_t T)
     return b;
 }
 
+/* lex(plan, ids) -> (symb, meta, vals, off, B) | None
+ *     run's pass 1 alone (find_symbols: the plan's steps) on one sample, its tables in the
+ *     form FastMasker._tables gives them (symbols as native uint16, meta words and key ids as
+ *     native int64, off: a list or None, B: the slots [marker start, run start, header end]
+ *     per entry and the sample's length), or None where run would hand the sample back.
+ *     FastMasker.verify_lex compares them with the builder's (CHATGRAMMAR_VERIFY=1, tests). */
+static PyObject *
+lex(PyObject *self, PyObject *args)
+{
+    PyObject *plan_o, *ids;
+    if (!PyArg_ParseTuple(args, "OO:lex", &plan_o, &ids))
+        return NULL;
+    plan_t p;
+    if (parse_plan(plan_o, &p) < 0)
+        return NULL;
+    Py_buffer av = {0};
+    PyObject **items = NULL, *res = NULL, *symb = NULL, *meta = NULL, *vals = NULL;
+    PyObject *off = NULL, *B = NULL;
+    const int64_t *arr = NULL;
+    Py_ssize_t n, T;
+    if (PyList_CheckExact(ids)) {
+        items = ((PyListObject *)ids)->ob_item;
+        n = PyList_GET_SIZE(ids);
+    } else {
+        if (get_int64_buffer(ids, &av, "ids") < 0)
+            return NULL;
+        arr = (const int64_t *)av.buf;
+        n = av.len / 8;
+    }
+    Py_CLEAR(S_.held);  /* (the scratch buffers are reused: nothing to resume after this) */
+    Py_CLEAR(S_.held_plan);
+    int r = find_symbols(&p, items, arr, n, &T);
+    if (r < 0) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto done;
+    }
+    if (r > 0) {
+        res = Py_None;
+        Py_INCREF(res);
+        goto done;
+    }
+    scratch_t *s = &S_;
+    symb = PyBytes_FromStringAndSize(NULL, T * 2);
+    meta = PyBytes_FromStringAndSize((const char *)s->meta, T * 8);
+    vals = PyBytes_FromStringAndSize(NULL, s->off[T] * 8);
+    off = p.has_values ? PyList_New(T + 1) : Py_None;
+    B = PyList_New(3 * T + 1);
+    if (symb == NULL || meta == NULL || vals == NULL || off == NULL || B == NULL)
+        goto done;
+    if (off == Py_None)
+        Py_INCREF(off);
+    uint16_t *sy = (uint16_t *)PyBytes_AS_STRING(symb);
+    int64_t *v = (int64_t *)PyBytes_AS_STRING(vals);
+    for (Py_ssize_t t = 0; t < T; t++) {
+        sy[t] = (uint16_t)(s->meta[t] >> (p.has_values ? 16 : 0));
+        for (int64_t i = 0; i < s->take[t]; i++)
+            if (read_id(items, arr, s->mend[t] + i, v++) < 0) {
+                PyErr_SetString(PyExc_RuntimeError, "lex: an id changed");  /* (pass 1 read it) */
+                goto done;
+            }
+        if (off != Py_None)
+            PyList_SET_ITEM(off, t, PyLong_FromLongLong(s->off[t]));
+        PyList_SET_ITEM(B, 3 * t, PyLong_FromLongLong(s->P[t]));
+        PyList_SET_ITEM(B, 3 * t + 1, PyLong_FromLongLong(s->mend[t]));
+        PyList_SET_ITEM(B, 3 * t + 2, PyLong_FromLongLong(s->split[t]));
+    }
+    if (off != Py_None)
+        PyList_SET_ITEM(off, T, PyLong_FromLongLong(s->off[T]));
+    PyList_SET_ITEM(B, 3 * T, PyLong_FromSsize_t(n));
+    if (!PyErr_Occurred())  /* (a PyLong allocation may have failed above) */
+        res = PyTuple_Pack(5, symb, meta, vals, off, B);
+done:
+    Py_XDECREF(symb);
+    Py_XDECREF(meta);
+    Py_XDECREF(vals);
+    Py_XDECREF(off);
+    Py_XDECREF(B);
+    if (av.obj) PyBuffer_Release(&av);
+    return res;
+}
+
 static PyObject *
 run(PyObject *self, PyObject *args)
 {
@@ -1133,9 +1133,9 @@ static PyMethodDef methods[] = {
      "find_markers(arr, lo, lut) -> (positions, codes) as native int64 bytes."},
     {"mask_list", mask_list, METH_VARARGS,
      "mask_list(n, spans) -> list of n ints: 1 inside any (start, end, ...) span, else 0."},
-    {"symbols", symbols, METH_VARARGS,
-     "symbols(arr, starts, cand, codes, budget, budget1, has_values) -> the symbol tables of "
-     "FastMasker._lex (formats without literal-ended headers or lstrip markers)."},
+    {"lex", lex, METH_VARARGS,
+     "lex(plan, ids) -> (symb, meta, vals, off, B) | None: run's pass 1 alone (the plan's "
+     "steps), as FastMasker._tables gives them; None where run hands the sample back."},
     {"run", run, METH_VARARGS,
      "run(plan, ids, memo, last_only, out) -> list | True | None: one sample through the "
      "memoised engine (None: the Python engine must take it)."},

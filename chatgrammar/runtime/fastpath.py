@@ -76,7 +76,7 @@ if os.environ.get("CHATGRAMMAR_PURE"):
 from ..core.compile import HEADER, TEXT
 from .parse import unknown_marker_ids
 from ..errors import ParseError, VerifyError
-from .lexers import BODY, DECODE, SPLIT, IdLexer, as_id_array
+from .lexers import BODY, DECODE, LSTRIP_MAX, SPLIT, IdLexer, as_id_array
 from .parse import Source, plain_reduce
 from .policy import MaskPolicy, last_run
 from .spans import Conversation, Issue
@@ -347,13 +347,11 @@ class FastMasker:
         if refused:
             self.enabled = False
             self.disabled = refused
-        self.gclass = gclass
-        self.split_budget = budget.tolist()
+        self.gclass, self.budget = gclass, budget  # (the plan's, for the id markers' codes)
         self.has_split = plan.has_split
         lstrip = None if plan.lstrip_code is None else plan.lstrip_code[:k + 1]
         self.lstrip_code = lstrip if lstrip is not None and lstrip.any() else None
         self.space_memo = plan.space_memo
-        self.split_delim = plan.delim
         # Special/added ids of markers the format does not know (parse.unknown_marker_ids) are
         # found with the markers, under a code of their own (`unk_code`): a sample holding one
         # takes the full pipeline, which reports it where it would train.
@@ -368,10 +366,6 @@ class FastMasker:
         self.lo, self.hi, self.lutr = plan.restrict(mlut)
         self.lut = lx.lut
         self.auto = _Automaton(self.drv, lx.terms, self.nsym)
-        # what the item key holds of a header run: its first `budget` ids, and whether it
-        # is longer (the plan's header_value reads exactly that)
-        self.budget1 = np.where(gclass == DECODE, budget + 1, 0)
-        self.budget = np.where(gclass == DECODE, budget, 0)
         self.has_values = bool((self.gclass != BODY).any())
         self.pad = np.full(GRAM, PAD_SYM, dtype=np.uint16).tobytes()
         self._policy_ids: dict = {}
@@ -409,30 +403,22 @@ class FastMasker:
 
     def _c_plan(self):
         """The lexing plan and automaton as the C executor takes them (``_speedups.run``):
-        the same tables :meth:`_lex` / :meth:`_walk` use, with the memos of the two rules
-        that decode (literal-ended headers: :meth:`IdPlan.split_prefix`'s, ``lstrip``:
-        :meth:`IdPlan.blank`'s), which the C executor reads and the Python engine fills.
-        None where the accelerator is not built."""
+        the plan's own arrays for the id markers' codes (the restricted marker table with
+        ``unk_code``, ``gclass``, ``budget``, ``lstrip_code``, ``LSTRIP_MAX``) and the memos of
+        its two rules that decode (:meth:`IdPlan.split_prefix`'s ``split_c``,
+        :meth:`IdPlan.blank`'s ``space_memo``), which the C executor reads and the Python
+        engine fills; the automaton's table and end flags. None where the accelerator is not
+        built."""
         if _speedups is None or not hasattr(_speedups, "run") or not self.enabled:
             return None
         soft = None if self.soft_lut is None else self.soft_lut.astype(np.uint8).tobytes()
-        nb = len(self.budget)
-        sbud = None
-        if self.has_split:
-            sbud = np.zeros(nb, dtype=np.int64)
-            for code in self.split_delim:
-                sbud[code] = max(1, self.split_budget[code])
-            sbud = sbud.tobytes()
-        lstrip = None
-        if self.lstrip_code is not None:
-            lstrip = np.zeros(nb, dtype=np.int64)
-            lstrip[:len(self.lstrip_code)] = self.lstrip_code
-            lstrip = lstrip.tobytes()
+        lstrip = None if self.lstrip_code is None else \
+            self.lstrip_code.astype(np.int64).tobytes()
         return (self.lo, self.lutr.astype(np.int64).tobytes(),
-                self.budget.astype(np.int64).tobytes(), self.budget1.astype(np.int64).tobytes(),
-                self.has_values, self._gen_table(), self.auto.table,
-                self.auto.end_flags, self.unk_code, soft, sbud, self.split_c, lstrip,
-                self.space_memo)
+                self.gclass.astype(np.int64).tobytes(), self.budget.astype(np.int64).tobytes(),
+                lstrip, LSTRIP_MAX, self.unk_code, soft,
+                self.split_c if self.has_split else None, self.space_memo,
+                self.has_values, self._gen_table(), self.auto.table, self.auto.end_flags)
 
     def _prefixes_apply(self, spec) -> bool:
         """Whether a learning parse also teaches the memo its items cut after each content
@@ -518,9 +504,26 @@ class FastMasker:
             r = out
         if verify_enabled():
             a = ids_input(ids)[0]
-            self.verify_lex(a, [0, len(a)], 0, self._lex(a, [0, len(a)]))
+            # the C executor's own pass 1 (its merge) against the builder, then the mask
+            lexed = self.c_lex(ids)
+            if lexed is None:  # (a memo it read was cleared in between: numpy's then)
+                lexed = self._lex(a, [0, len(a)])
+            self.verify_lex(a, [0, len(a)], 0, lexed)
             self._verify(a, r, policy, strict)
         return r
+
+    def c_lex(self, ids):
+        """The C executor's symbol tables of one sample (``_speedups.lex``: its pass 1, the
+        plan's steps in C), in :meth:`_lex`'s form; None where it hands the sample back or
+        the accelerator is not built. :meth:`verify_lex` checks them against the builder."""
+        if self.plan is None or _speedups is None:
+            return None
+        if type(ids) is not list:
+            ids = np.ascontiguousarray(ids_input(ids)[0])
+        got = _speedups.lex(self.plan, ids)
+        if got is None:
+            return None
+        return (*got, [0, (len(got[4]) - 1) // 3], [None])
 
     def _c_retry(self, ids, r, hit, policy, strict, out):
         """What :meth:`run_c` does with an answer of the C executor that is not a mask:
@@ -927,26 +930,23 @@ class FastMasker:
                 for j in set(np.searchsorted(starts, hits, side="right").tolist()):
                     if 1 <= j <= S:
                         slow[j - 1] = "soft marker may be spelled in a content run"
-        if (_speedups is not None and not self.has_split and self.lstrip_code is None
-                and arr.flags.c_contiguous):
-            # the same tables in one C pass (this method's code below is the reference)
-            return (*_speedups.symbols(arr, starts, cand, codes, self.budget, self.budget1,
-                                       self.has_values), slow)
         return self._symbols(arr, starts, cand, codes, slow)
 
     def _symbols(self, arr, starts, cand, codes, slow):
         """The symbol tables of :meth:`_lex` from the marker positions and codes: the plan's
         one stream builder (:meth:`IdPlan.stream`, which hands back in ``slow`` what this
-        executor does not take), then the memo's view of it (:meth:`_tables`). This is
-        what ``_speedups.symbols`` and the C executor's ``find_symbols`` are checked
-        against (:meth:`verify_lex`)."""
+        executor does not take), then the memo's view of it (:meth:`_tables`). The C
+        executor's pass (``find_symbols`` in ``_speedups.c``: the same steps over the same
+        arrays) is checked against it (:meth:`verify_lex`)."""
         return self._tables(arr, self.lexplan.stream(arr, starts, cand, codes, handback=slow),
                             slow)
 
     def _tables(self, arr, st, slow):
-        """The memo's tables of a symbol stream: per entry its symbol (``code * 4`` + the
-        run's shape), its meta word and header ids (the item key), its slots (marker start,
-        run start, header end)."""
+        """The memo's tables of a symbol stream (the plan's last step; C ``step_tables``):
+        per entry its symbol (``code * 4`` + the run's shape), its meta word and header ids
+        (the item key: a ``DECODE`` run's first ``budget`` ids, and whether it is longer, as
+        :meth:`IdPlan.header_value` reads it; a split header's ids; nothing of a content
+        run), its slots (marker start, run start, header end)."""
         P, Kx, mend = st.P, st.K, st.mend
         N = len(arr)
         T = len(Kx)
@@ -957,8 +957,10 @@ class FastMasker:
             sp = st.sst == 1  # (the builder applies exact ends only for an executor)
             sym[sp] = Kx[sp] * 4 + np.where(split_at[sp] < P[1:][sp], HEAD_RUN, HEAD)
         if self.has_values:
-            take = np.minimum(glen, self.budget[Kx])
-            vlen = np.minimum(glen, self.budget1[Kx])
+            dec = st.cls == DECODE
+            bud = np.where(dec, self.budget[Kx], 0)
+            take = np.minimum(glen, bud)
+            vlen = np.minimum(glen, bud + dec)
             if self.has_split:
                 sp = st.cls == SPLIT
                 take[sp] = vlen[sp] = (split_at - mend)[sp]

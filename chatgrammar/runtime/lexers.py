@@ -206,7 +206,6 @@ _MEMO_MAX = 100_000
 _TEXT_MEMO_MAX = 20_000
 # why an executor hands a sample back to the reference (FastMasker.reasons, fmt.stats())
 HANDBACK_SPLIT = "header literal not found within its budget, or straddling"
-HANDBACK_LSTRIP = "lstrip after a literal-ended header"
 
 
 class Stream:
@@ -390,9 +389,9 @@ class IdPlan:
             handback: None for the reference (every case executed). For an executor that
                 hands samples back (the fast path): per sample, None or why it already goes
                 to the reference; the decoding rules skip those, anything the executor does
-                not take (a straddle, no literal within the budget, ``lstrip`` after a
-                literal-ended header) sets its reason there, and soft markers are not
-                searched (the executor hands back every sample that may spell one).
+                not take (a straddle, no literal within the budget) sets its reason there,
+                and soft markers are not searched (the executor hands back every sample
+                that may spell one).
             boundary: if given, collects ``(id index, note)`` for each span boundary that
                 falls inside a merged token, in input order (the reference's
                 ``Conversation.boundaries``).
@@ -400,22 +399,22 @@ class IdPlan:
         Returns:
             The :class:`Stream`.
         """
-        st = _merge_begins(arr, starts, cand, codes)
-        st.cls = self.gclass[st.K]
+        # The plan's steps, in this order; the C executor (_speedups.c, find_symbols) runs
+        # the same steps, one function each, over the same plan arrays and memos:
+        st = _merge_begins(arr, starts, cand, codes)             # 1. begins
+        st.cls = self.gclass[st.K]                               # 2. classes
         straddles: list = []
-        if self.has_split:
-            if handback is not None and self.lstrip_code is not None:
-                self._lstrip_after_split(st, handback)
+        if self.has_split:                                       # 3. split
             straddles = self._split_runs(arr, st, handback)
         else:
             st.hend = st.P[1:]  # (a view: the runs' ends, whatever lstrip moves)
-        if self.soft_regex is not None and handback is None:
+        if self.soft_regex is not None and handback is None:     # (soft: the reference's)
             st = self._soft_runs(arr, st, boundary)
         elif boundary is not None:
             boundary.extend(self._straddle_note(st, i) for i in straddles)
-        if self.lstrip_code is not None:
-            self._lstrip(arr, st, handback is not None)
-        return st
+        if self.lstrip_code is not None:                         # 4. lstrip
+            self._lstrip(arr, st)
+        return st  # (5. the key tables: FastMasker._tables, C step_tables)
 
     def _split_runs(self, arr, st: Stream, handback) -> list[int]:
         """Each literal-ended header run split where :meth:`split_prefix` says (an executor
@@ -448,31 +447,20 @@ class IdPlan:
             hend[done] = hs
         return straddles
 
-    def _lstrip_after_split(self, st: Stream, handback: list) -> None:
-        """An executor hands back a sample where an ``lstrip`` marker follows a
-        literal-ended header's run of at most LSTRIP_MAX ids (the reference splits it,
-        then absorbs its text part)."""
-        P, K, mend = st.P, st.K, st.mend
-        i = self.lstrip_code[K].nonzero()[0]
-        if not len(i):
-            return
-        n = P[i] - mend[i - 1]
-        hit = i[(st.cls[i - 1] == SPLIT) & (n > 0) & (n <= LSTRIP_MAX)]
-        for t in hit.tolist():
-            handback[st.sample_of(t)] = HANDBACK_LSTRIP
-
-    def _lstrip(self, arr, st: Stream, executor: bool) -> None:
-        """The ``lstrip`` rule (:meth:`blank`) on the stream: a marker that absorbs
-        whitespace starts at the start of a whitespace-only text run right before it (the
-        text after a literal-ended header, or the whole run after any other marker); the
-        run is gone. Python loops over those markers only."""
+    def _lstrip(self, arr, st: Stream) -> None:
+        """The ``lstrip`` rule (:meth:`blank`) on the stream, after the split: a marker that
+        absorbs whitespace starts at the start of a whitespace-only text run right before
+        it (the text after a literal-ended header, or the whole run after any other marker);
+        the run is gone. The same for the reference and an executor (a run whose split an
+        executor did not apply is in a sample it hands back). Python loops over those
+        markers only."""
         P, K, mend = st.P, st.K, st.mend
         has_split = self.has_split
         for i in self.lstrip_code[K].nonzero()[0].tolist():
             s0, e0 = int(mend[i - 1]), int(P[i])
             if has_split and st.cls[i - 1] == SPLIT:
-                if executor or st.sst[i - 1] == NO_SPLIT:
-                    continue  # (handed back; or an empty run)
+                if st.sst[i - 1] == NO_SPLIT:
+                    continue  # (an empty run; or its sample is handed back)
                 s0 = int(st.hend[i - 1])
             if 0 < e0 - s0 <= LSTRIP_MAX and self.blank(arr, s0, e0):
                 P[i] = s0
