@@ -673,3 +673,39 @@ def test_cuts_of_a_learned_item_are_served_without_a_new_parse(version):
     assert fm.stats["slow"] == before["slow"]
     assert fm.stats.get("window", 0) == before.get("window", 0)
     assert fm.stats["fast"] == before["fast"] + len(ends)
+
+
+
+def test_cut_items_are_learned_only_while_items_repeat(monkeypatch):
+    # K10: a learning parse resumes its cuts (stats "resumed") only while, over the last
+    # stretch of learning parses, at most half the samples needed one; on samples whose items
+    # never repeat it stops ("cut_skip"), and comes back once the memo answers most samples.
+    # The masks are the reference's throughout.
+    from chatgrammar.runtime import fastpath
+
+    bench = _bench()
+    enc = bench.kimi_encoding("kimi-k2")
+    fmt = cg.load_format("kimi-k2")
+    fm = fmt._fast_masker(enc)
+    fm.forget()
+    monkeypatch.setattr(fastpath, "_LEARN_STRETCH", 2)
+    monkeypatch.setattr(fastpath, "_LEARN_WARM", 0)
+    st = fm.stats
+    monkeypatch.setattr(fm, "_stretch", (st["harvest"], st["fast"] + st["slow"]))
+    monkeypatch.setattr(fm, "_cuts_on", True)
+    xs = bench.never_repeating("kimi-k2", 12, seed="cut-test")
+
+    def run(batch):
+        for x in batch:
+            assert fmt.loss_mask(x, enc) == fmt.parse_ids(x, enc).mask()
+        return st.get("resumed", 0), st.get("cut_skip", 0)
+
+    r0 = st.get("resumed", 0)
+    r1, k1 = run(xs[:4])
+    assert r1 > r0  # (the first stretch learns them)
+    r2, k2 = run(xs[4:8])
+    assert r2 == r1 and k2 > k1  # every sample was a learning parse: off
+    for _ in range(10):
+        run(xs[:8])  # memoised: answered without a parse
+    r3, _ = run(xs[8:])
+    assert r3 > r2  # the memo answers most samples again: on

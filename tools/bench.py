@@ -30,6 +30,7 @@ import random
 import re
 import statistics
 import struct
+import zlib
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -408,7 +409,7 @@ def _mtok(n: int, seconds: float) -> float:
 MAX_LENGTH = 2048
 PACK = 8
 CLASSES = ("whole", "truncated", "last_turn_only", "lenient", "packed", "1M cut", "numpy in",
-           "whole, pure")
+           "whole, pure", "never repeating")
 CLASS_LABEL = {
     "whole": "whole samples",
     "truncated": f"truncated by `max_length={MAX_LENGTH}` (most cut mid-turn)",
@@ -418,6 +419,7 @@ CLASS_LABEL = {
     "1M cut": "one ~1M-token sequence cut mid-turn",
     "numpy in": "whole samples, numpy in (numpy out)",
     "whole, pure": "whole samples without the C accelerator",
+    "never repeating": "whole samples, a new tool name in every assistant turn (no target)",
 }
 
 
@@ -447,6 +449,24 @@ def cut_mid_turn(big: list[int], version: str, target: int = 1_000_000) -> list[
     return big[:target]
 
 
+def never_repeating(version: str, n: int, seed) -> list[list[int]]:
+    """``n`` whole samples in which every assistant turn calls a tool under a name no other turn
+    has. In kimi-k2 the name is a header the item key holds, so no such turn repeats and every
+    sample is learned by a parse (the memo's worst case, and its cut learning's); kimi-k3's
+    item keys do not hold it (its items repeat as usual)."""
+    rng = random.Random(f"{version}:never:{seed}")
+    enc = kimi_encoding(version)
+    out = []
+    for i in range(n):
+        msgs = make_messages(version, rng)
+        for k, m in enumerate(msgs):
+            if m["role"] == "assistant" and not m.get("tool_calls"):
+                m["tool_calls"] = [{"id": f"c{i}_{k}", "type": "function", "function": {
+                    "name": f"t{seed}x{i}x{k}", "arguments": {"q": _text(rng, 3)}}}]
+        out.append(enc.encode(render(version, msgs), allowed_special="all"))
+    return out
+
+
 def class_inputs(version: str, ids: list[list[int]], cls: str):
     """The inputs of one class made from fresh samples ``ids``: (inputs, call kwargs)."""
     import numpy as np
@@ -468,6 +488,8 @@ def class_inputs(version: str, ids: list[list[int]], cls: str):
         return [cut_mid_turn(big, version)], {}
     if cls == "numpy in":
         return [np.asarray(x, dtype=np.int64) for x in ids], {}
+    if cls == "never repeating":  # (as many samples, drawn from what the slice starts with)
+        return never_repeating(version, len(ids), zlib.crc32(repr(ids[0][:64]).encode())), {}
     raise ValueError(cls)
 
 
@@ -846,7 +868,7 @@ def targets(results: dict) -> list[tuple[str, str, bool]]:
     for v in ("kimi-k2", "kimi-k3"):
         r = results[v]
         for c in CLASSES:
-            if c == "whole, pure":
+            if c in ("whole, pure", "never repeating"):
                 continue
             want = 5 if c == "numpy in" else 3
             x = r[c]["ratio"]
@@ -876,7 +898,9 @@ def targets(results: dict) -> list[tuple[str, str, bool]]:
 
 # Earlier measurements of the same classes, newest first: (what was measured, the ratios
 # for kimi-k2 and kimi-k3 in HISTORY_ROWS order). report() renders them as tables.
-HISTORY_ROWS = (*(CLASS_LABEL[c] for c in CLASSES), "text mode against the regex")
+# (the classes these earlier tables measured: "never repeating" came later)
+HISTORY_ROWS = (*(CLASS_LABEL[c] for c in CLASSES if c != "never repeating"),
+                "text mode against the regex")
 HISTORY = (
     ("docs/performance.md at 2d7032e (session 8's final main, a quiet machine: load average\n"
      "0.5 -> 1.0; kimi-k3 rounds: truncated 3.14 2.58 3.36). Since then a cut item is learned by\n"
@@ -972,6 +996,17 @@ NOTES = """- **One engine.** Every class above runs the same memoised core
   error (the Python engine, which raises or recovers).
   Without the extension the numpy/Python executor of the same plan and memo runs (the "without
   the C accelerator" row).
+- **Never-repeating items** (the "never repeating" row, no target): every assistant turn
+  calls a tool under a new name; in kimi-k2 that is a header the item key holds, so each
+  sample is learned by a parse (a window, or the whole sample) — the memo's worst case, far
+  below the scanner (kimi-k3's item keys do not hold the name: its items repeat as usual). A
+  learning parse also learns its cut items by resuming the configurations saved in it (at most 96
+  per parse), which costs a few times the parse itself: on these samples every sample ~3x
+  dearer (kimi-k2, 150 such samples, CPU time against the scanner: 0.03-0.04x with it,
+  0.08-0.10x without). So it learns them only while the memo's items repeat: over each stretch
+  of 16 learning parses, at most half the samples needed one (after the first 256, which
+  always do: `FastMasker._learn_cuts`;
+  `fmt.stats()["ids"]["cut_skip"]` counts the learning parses that skipped it).
 - **Truncation** (an item cut by the end of input) is an item like any other, keyed also by
   the automaton configuration it ends in; a cut shape not seen before costs one full parse of
   a short window: a short whole first item the memo keeps, then the cut item (its key holds

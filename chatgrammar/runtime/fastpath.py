@@ -101,6 +101,15 @@ _WINDOW_MIN = 1024
 _PREFIX_TOKENS = 512
 # and at most this many of them per parse
 _PREFIX_LEARN = 96
+# ... and only while the memo's items repeat: over each stretch of this many learning parses,
+# at most _LEARN_RATE of the samples seen needed one. On data whose items never repeat nearly
+# every sample is a learning parse and its cut items are never asked for (learning them made
+# each sample ~3x dearer); the rate is checked again at each stretch's end. The first
+# _LEARN_WARM learning parses always learn them (a young memo's cut items are the common
+# shapes, which truncated samples ask for next): a bounded one-time cost.
+_LEARN_STRETCH = 16
+_LEARN_RATE = 0.5
+_LEARN_WARM = 256
 # loss_masks works through a batch in groups of about this many tokens (2 MB as int64)
 _BATCH_TOKENS = 1 << 18
 # The walk steps GRAM symbols at a time: one dict lookup per GRAM markers.
@@ -392,6 +401,9 @@ class FastMasker:
             if self.has_values and not self.has_split else {}
         self._alias_of: dict[bytes, bytes] = {}  # cut item key -> its _alias (bounded)
         self.prefix_ok = self._prefixes_apply(fmt.spec)
+        # (learning parses, samples) at the start of the current stretch; its verdict
+        self._stretch = (0, 0)
+        self._cuts_on = True
         self.stats = {"fast": 0, "slow": 0, "harvest": 0, "c": 0, "alias": 0}
         self.reasons: dict[str, int] = {}   # slow samples by why
         self._why = None
@@ -1200,8 +1212,13 @@ class FastMasker:
         ``_PREFIX_LEARN``. Keyed as :meth:`_walk` keys the last item: the symbols up to
         there, the last one without its run when the cut is right after its marker, and the
         configuration they end in when that is inside an item (else the item is whole
-        there: an element whose ``after`` markers are left out)."""
+        there: an element whose ``after`` markers are left out). None (nothing learned)
+        while nearly every sample needs a learning parse (:meth:`_learn_cuts`; ``stats()``
+        counts such parses as ``cut_skip``)."""
         if len(toks) > _PREFIX_TOKENS:
+            return None
+        if not self._learn_cuts():
+            self.stats["cut_skip"] = self.stats.get("cut_skip", 0) + 1
             return None
         lexed = self._lex(arr, [0, len(arr)])
         if lexed[-1][0]:
@@ -1248,6 +1265,22 @@ class FastMasker:
                     out.append((n_tok, key))
             k += shape == RUN
         return out[:_PREFIX_LEARN]
+
+    def _learn_cuts(self) -> bool:
+        """Whether learning parses learn their cut items now: always for the first
+        ``_LEARN_WARM``; then, at the end of each stretch of ``_LEARN_STRETCH`` learning
+        parses, yes when at most ``_LEARN_RATE`` of the samples seen in it needed one (the
+        memo's items repeat, so its cut items will be asked for), no when nearly every sample
+        is learned (items that never repeat)."""
+        st = self.stats
+        h, n = st["harvest"], st["fast"] + st["slow"]
+        if h < _LEARN_WARM:
+            return True
+        h0, n0 = self._stretch
+        if h - h0 >= _LEARN_STRETCH:
+            self._cuts_on = h - h0 <= _LEARN_RATE * max(n - n0, 1)
+            self._stretch = (h, n)
+        return self._cuts_on
 
     def _learn(self, arr, toks, turns, reads, pre=None) -> None:
         lexed = self._lex(arr, [0, len(arr)])
