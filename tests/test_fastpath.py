@@ -414,14 +414,21 @@ def test_a_tokenizer_that_gains_special_tokens_gets_a_fresh_lexer():
     # training scripts call add_special_tokens after the tokenizer was first used: the state
     # follows the tokenizer's content, so the new marker ids are seen (no stale lexer)
     pytest.importorskip("transformers")
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
+    import json
 
-    from tests.tokenizers import QWEN_PATTERN, QWEN_TIKTOKEN, qwen_fast_tokenizer
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.tokenizers import qwen_fast_tokenizer
 
     fmt = cg.load_format("chatml")
-    backend = TikTokenConverter(vocab_file=str(QWEN_TIKTOKEN), pattern=QWEN_PATTERN).converted()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend)
+    ref = qwen_fast_tokenizer()
+    # Qwen's BPE with no added token: exactly what TikTokenConverter(qwen.tiktoken) converts
+    # (the same JSON), taken from the shared tokenizer's backend instead of converting the
+    # 151k ranks again (~2.5 CPU-s; issue 14)
+    state = json.loads(ref.backend_tokenizer.to_str())
+    state["added_tokens"], state["normalizer"] = [], None
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(state)))
     text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello there<|im_end|>\n"
     before = tok.encode(text, add_special_tokens=False)
     try:  # without the specials the markers are ordinary text: no turn can train
@@ -431,7 +438,6 @@ def test_a_tokenizer_that_gains_special_tokens_gets_a_fresh_lexer():
     tok.add_special_tokens({"additional_special_tokens": ["<|endoftext|>", "<|im_start|>",
                                                           "<|im_end|>"]})
     ids = tok.encode(text, add_special_tokens=False)
-    ref = qwen_fast_tokenizer()
     assert ids == ref.encode(text, add_special_tokens=False)
     want = fmt.parse_ids(ids, ref).mask()
     assert sum(want) > 0

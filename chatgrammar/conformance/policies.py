@@ -304,14 +304,24 @@ def policy_problems(name: str, R: str, got: set, base: set, case, res, conv, fmt
     raise KeyError(name)
 
 
-def _id_problems(fmt, R: str, synth, policy: MaskPolicy, conv, got: set) -> str | None:
-    """Id mode (parse and fast path, one id per marker) must train what text mode trains."""
+def _id_parse(fmt, R: str, synth) -> tuple:
+    """``(ids, char bounds of each id, parse_ids result or the ParseError's message)`` of
+    ``R`` in id mode (one id per marker): the parse does not depend on the policy, so each
+    case is encoded and parsed once for every policy checked (:func:`_id_problems`)."""
     ids, starts = synth.encode_with_offsets(R)
-    bounds = starts + [len(R)]
     try:
         conv_ids = fmt.parse_ids(ids, synth)
     except ParseError as exc:
-        return f"id mode does not parse: {exc.message}"
+        conv_ids = exc.message
+    return ids, starts + [len(R)], conv_ids
+
+
+def _id_problems(fmt, parsed: tuple, synth, policy: MaskPolicy, got: set) -> str | None:
+    """Id mode (parse and fast path, one id per marker) must train what text mode trains
+    (``parsed``: the case's :func:`_id_parse`)."""
+    ids, bounds, conv_ids = parsed
+    if isinstance(conv_ids, str):
+        return f"id mode does not parse: {conv_ids}"
     idspans = merge_spans((s.start, s.end) for s in conv_ids.spans(policy))
     if _chars((bounds[s], bounds[e]) for s, e in idspans) != got:
         return "id mode (Format.parse_ids) trains otherwise than text mode"
@@ -389,13 +399,14 @@ def check_policies(fmt, result, *, policies: dict[str, MaskPolicy] | None = None
         conv = fmt.parse(R)
         base = _chars(merge_spans((s.start, s.end) for s in conv.spans(OUTPUT_POLICY)))
         shifted = _shifted(fmt, R, case, conv)
+        parsed = _id_parse(fmt, R, synth)
         for name, policy in policies.items():
             # what the format says at mask time (a plain-text tool-call DeviationWarning)
             with warnings.catch_warnings(record=True) as said:
                 warnings.simplefilter("always", DeviationWarning)
                 got = _chars(merge_spans((s.start, s.end) for s in conv.spans(policy)))
                 problems = policy_problems(name, R, got, base, case, res, conv, fmt)
-                ids_problem = _id_problems(fmt, R, synth, policy, conv, got)
+                ids_problem = _id_problems(fmt, parsed, synth, policy, got)
             if ids_problem:
                 problems.append(ids_problem)
             if problems:
