@@ -84,6 +84,10 @@ CROSS = {
     # '<|calls|>' after a tool call is written where other turns write '<|end|>': it ends the
     # turn (trained only with end_marker), not the call block
     "solar-open": ["upstage-Solar-Open-100B.jinja"],
+    # a round counter in the user header ('[Round N]', '<|user|>\n[N]'): a counter header
+    "chatglm": ["wild/vllm-template_chatglm.jinja"],
+    "chatglm2": ["wild/vllm-template_chatglm2.jinja"],
+    "zoot": ["wild/zoot-v3.jinja"],
 }
 
 #: Templates inference refuses, with the reason it must give (a precise InferenceError, never
