@@ -81,6 +81,13 @@ CROSS = {
     # a fixed developer block after the system turn; <|assistant_end|> printed only before the
     # next user header (a lazy terminator of the assistant turns, user turns have their own)
     "apertus": ["Apertus-8B-Instruct.jinja"],
+    # '<|calls|>' after a tool call is written where other turns write '<|end|>': it ends the
+    # turn (trained only with end_marker), not the call block
+    "solar-open": ["upstage-Solar-Open-100B.jinja"],
+    # a round counter in the user header ('[Round N]', '<|user|>\n[N]'): a counter header
+    "chatglm": ["wild/vllm-template_chatglm.jinja"],
+    "chatglm2": ["wild/vllm-template_chatglm2.jinja"],
+    "zoot": ["wild/zoot-v3.jinja"],
 }
 
 #: Templates inference refuses, with the reason it must give (a precise InferenceError, never
@@ -417,6 +424,8 @@ def test_map_fn_auto_says_inferred():
 # ------------------------------------------------------------------------ (c) bad input
 PARTS_ONLY = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% for p in m.content %}"
               "{{ p.text }}{% endfor %}<|im_end|>\n{% endfor %}")
+# prints no content at all, neither a string nor a list of text parts
+NO_CONTENT = ("{% for m in messages %}<|im_start|>{{ m.role }}\n<|im_end|>\n{% endfor %}")
 NO_ASSISTANT = ("{% for m in messages %}{% if m.role == 'user' %}<|user|>{{ m.content }}"
                 "<|end|>{% endif %}{% endfor %}")
 SOME_SHAPES = ("{% for m in messages %}{% if m.role == 'system' %}"
@@ -432,7 +441,7 @@ def test_template_rejecting_some_shapes_is_recorded():
 
 
 @pytest.mark.parametrize("template,message", [
-    (PARTS_ONLY, "list of text parts"),
+    (NO_CONTENT, "list of text parts"),
     (NO_ASSISTANT, "never emits an assistant turn"),
     ("{% for m in messages %}{{ m.content }}", "does not compile"),
     ("   ", "empty"),
@@ -751,6 +760,17 @@ WILD_CLASSES = {
     # and after the last one (`trailing`); the final prompt with that indentation trains nothing
     "wild/chujiezheng-openchat.jinja": ({"bos_token": "<s>", "eos_token": "<|end_of_turn|>"},
                                         [" Hello there", " Later"]),
+    # Jinja indentation before a BOS printed before every question ('        <s>[INST] …':
+    # the between-turn marker lstrips it) and a newline after '[/INST]' that the reply's
+    # indentation follows (no generation prompt: the indentation is output, the newline the
+    # question's: '[/INST]\n' joined)
+    "wild/chujiezheng-mistral.jinja": ({"bos_token": "<s>", "eos_token": "</s>"},
+                                       ["         Hello there ", "         Later "]),
+    # a generation prompt printed after every conversation, '…<|end_header_id|>\n', while
+    # history replies follow '…<|end_header_id|>\n\n': the forced prompt is the assistant
+    # header and the second newline is output (before, the spec did not compile)
+    "wild/theroyallab-chatml_with_headers.jinja": ({"bos_token": "", "eos_token": "<|im_end|>"},
+                                                   ["\nHello there", "\nLater"]),
 }
 
 
@@ -1029,3 +1049,105 @@ def test_reasoning_closer_alone_is_an_empty_reasoning_block():
     assert [t.strip() for t in conv.trained_text(cg.MaskPolicy(thinking=False))] \
         == ["Hello there", "Later"]
     assert "greet" in "".join(conv.trained_text(OUTPUT_POLICY))
+
+
+#: Real templates that print message content only when it is a list of text parts (a string
+#: prints nothing, or raises): vision fine-tunes' multimodal layout -> (variables, what a
+#: two-exchange rendering with content as parts trains).
+PARTS_CLASSES = {
+    # a SmolVLM fine-tune: 'User: …<end_of_utterance>\nAssistant: …' over `for line in content`
+    "wild/Timestep-AI-timestep.jinja": ({"eos_token": "<|im_end|>"}, [" Hello there", " Later"]),
+    # the same, with content[0].get('type') (a string content raises) and <tool_call> blocks
+    "wild/mjschock-timestep.jinja": ({"eos_token": "<|im_end|>"}, [" Hello there", " Later"]),
+    # axolotl's LLaVA: 'USER: … ASSISTANT: … ', a bare system text, no terminator but the EOS
+    "wild/axolotl-llava.jinja": ({"bos_token": "<s>", "eos_token": "</s>"},
+                                 [" Hello there", " Later"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARTS_CLASSES))
+def test_content_only_as_text_parts_is_verified_with_text_parts(name):
+    from chatgrammar.conformance.matrix import as_parts, get_case
+    from chatgrammar.conformance.templates import check_template, content_shape
+
+    kw, want = PARTS_CLASSES[name]
+    tpl = _read(name)
+    fmt = cg.infer_format(tpl, **kw)
+    v = fmt.verification
+    assert v.content == "parts" and content_shape(fmt) == "parts"
+    assert len(v.checked) >= 14 and not v.deviations and "text parts" in v.summary()
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in TWO_EXCHANGES]
+    assert [t.strip() for t in fmt.parse(render_chat(tpl, parts, **kw)).trained_text()] == \
+        [w.strip() for w in want]
+    # the check of the format (what `tools/wild.py` runs) gives the matrix content as parts
+    res = check_template(fmt, tpl, variables=kw, cases=[as_parts(get_case("basic"))])
+    assert res.ok, [c.reason for c in res.cases]
+    # a string content prints nothing (or the template raises): nothing but whitespace trains,
+    # never a user's or a system's text
+    for case in default_matrix():
+        if "content-parts" in case.tags:
+            continue   # already given as parts
+        try:
+            text = render_case(tpl, case, **kw).text
+        except TemplateError:
+            continue
+        try:
+            trained = fmt.parse(text).trained_text(OUTPUT_POLICY)
+        except cg.ParseError:
+            continue
+        assert not "".join(trained).strip(), (case.name, trained)
+
+
+def test_parts_only_template_is_inferred_with_parts():
+    fmt = cg.infer_format(PARTS_ONLY)
+    assert fmt.verification.content == "parts"
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]}]
+    # no generation prompt: the role line is output (docs/inference.md, NLPark's AnFeng)
+    assert fmt.parse(render_chat(PARTS_ONLY, msgs)).trained_text() == ["assistant\nHello"]
+
+
+def test_round_counter_in_the_user_header():
+    # LongCat-Flash-Chat: '[Round 0] USER:Q ASSISTANT:A</longcat_s> [Round 1] USER:…': the
+    # user header carries a per-round counter; it becomes chatglm2's counter header (open at
+    # the text before the number, header until the text after it, pattern [0-9]{1,6}). Its
+    # tool declarations are bare text before the first turn with no close ('# Tools … #
+    # Messages\n'): an untrained preamble element that ends where the first turn opens
+    kw = {"bos_token": "<longcat_s>", "eos_token": "</longcat_s>"}
+    tpl = _read("infer/longcat-flash-chat-no-thinking-switch.jinja")
+    fmt = cg.infer_format(tpl, **kw)
+    v = fmt.verification
+    assert len(v.checked) >= 14 and "tools-declared" in v.checked, v.summary()
+    assert any("counter" in n for n in v.notes)
+    user = next(el for el in fmt.spec.elements.values() if el.role == "user")
+    assert user.header is not None
+    text = render_chat(tpl, TWO_EXCHANGES + [{"role": "user", "content": "Again"},
+                                             {"role": "assistant", "content": "Sure"}], **kw)
+    assert "[Round 2] USER:Again" in text
+    assert fmt.parse(text).trained_text() == ["Hello there", "Later", "Sure"]
+    # a round header is never an assistant turn, whatever its number
+    with pytest.raises(cg.ParseError):
+        fmt.parse("[Round 0] USER:Hi ASSISTANT:Hello</longcat_s> [Round x] USER:Bye")
+    # the real template is refused for another reason than the counter: its thinking
+    # switches write '/think_on' before the assistant header, which history replies lack
+    with pytest.raises(cg.InferenceError) as exc:
+        cg.infer_format(_read("wild/meituan-longcat-LongCat-Flash-Chat.jinja"), **kw)
+    assert "render their header differently" not in str(exc.value)
+
+
+def test_a_marker_written_after_a_call_in_place_of_the_terminator_ends_the_turn():
+    # Solar Open: '<|begin|>assistant<|tool_calls|>…<|tool_call:end|><|calls|><|begin|>tool…'
+    # where other replies end with '<|end|>': '<|calls|>' closes the turn (trained only with
+    # end_marker, as the bundled solar-open says), the call block ends with its turn
+    tpl = _read("upstage-Solar-Open-100B.jinja")
+    fmt = cg.infer_format(tpl)
+    assert not fmt.verification.refused and len(fmt.verification.checked) >= 19
+    reply = next(el for el in fmt.spec.elements.values() if el.role == "assistant" and el.close)
+    assert "<|calls|>" in [fmt.spec.markers[m].text for m in reply.close.markers]
+    text = render_case(tpl, next(c for c in default_matrix() if c.name == "tool-call")).text
+    conv = fmt.parse(text)
+    assert not any("<|calls|>" in t for t in conv.trained_text(OUTPUT_POLICY))
+    assert any("<|calls|>" in t for t in conv.trained_text(WITH_END))
+    assert any("get_weather" in t for t in conv.trained_text(OUTPUT_POLICY))
+    assert not any("get_weather" in t for t in conv.trained_text(
+        OUTPUT_POLICY.replace(tool_calls=False)))

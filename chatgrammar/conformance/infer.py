@@ -296,6 +296,8 @@ class _Shape:
     blocks: list = field(default_factory=list)     # fixed (open, close) blocks before headers
     renamed: tuple | None = None                   # (history, prompt) names of the assistant
     unjoined: Exception | None = None              # why the role-name forms failed
+    counters: dict = field(default_factory=dict)   # role -> (text before, after) a counter
+    call_ends_turn: str | None = None              # the marker after a call ends its turn
     notes: list = field(default_factory=list)
 
 
@@ -361,12 +363,66 @@ def _one(lex: _Lexicon, values: dict, role: str, what: str, suffix: bool) -> tup
         extra.extend(p for m, p in lex.pieces(rest) if m)
     if suffix and any(not m and p.strip() for t in uniq
                       for m, p in lex.pieces(t[:len(t) - len(common)])):
+        count = _counter(uniq)
+        if count is not None:
+            values.setdefault("_counters", {})[role] = count
+            return uniq[0].lstrip(), []
         a, b = uniq[0], uniq[1]
         wa = next(w for t, w in seen if t == a)
         wb = next(w for t, w in seen if t == b)
         raise InferenceError(f"{role} turns render {what} differently: {a!r} ({wa}) vs {b!r} "
                              f"({wb})", where=f"probes {wa}, {wb}")
     return common, extra
+
+
+def _counter(headers: list) -> tuple | None:
+    """``(before, after)`` where every header is ``before + N + after`` with a number ``N``
+    that differs between them (LongCat's ``[Round 0] USER:``, ``[Round 1] USER:``: a round
+    counter), else None. Whitespace before the header is the previous turn's end."""
+    shapes = [re.fullmatch(r"(\D*?)([0-9]{1,6})(\D*)", h.lstrip()) for h in headers]
+    if not all(shapes) or len({m.group(2) for m in shapes}) < 2 or \
+            len({(m.group(1), m.group(3)) for m in shapes}) != 1:
+        return None
+    before, after = shapes[0].group(1), shapes[0].group(3)
+    # the counter sits between two texts, each of which reads as a marker of its own
+    return (before, after) if before.strip() and after.strip() else None
+
+
+def _counted_headers(spec: dict, sh: _Shape) -> None:
+    """A header with a counter (``sh.counters``: ``[Round N] USER:``) written as one marker
+    becomes the spec language's counter header, as ``chatglm2``'s: the text before the number
+    opens the turn, ``header: {until: <the text after it>, pattern: '[0-9]{1,6}'}``."""
+    for before, after in sh.counters.values():
+        rx = re.compile(re.escape(before) + r"[0-9]{1,6}" + re.escape(after.rstrip()))
+        for mname, m in list(spec["markers"].items()):
+            users = [el for el in spec["elements"].values() if el.get("open") == mname]
+            if not rx.fullmatch(m["text"]) or not users or any("header" in el for el in users):
+                continue
+            rest = m["text"][len(before):].lstrip("0123456789")
+            spec["markers"][mname] = {"text": before, "special": False}
+            spec["markers"][mname + "_end"] = {"text": rest, "special": False}
+            for el in users:
+                el["header"] = {"until": mname + "_end", "pattern": "[0-9]{1,6}"}
+            sh.notes.append(f"a counter in the header: {before!r} N {after!r}")
+
+
+def _call_terminator(spec: dict, sh: _Shape, lex: _Lexicon, tokenizer: Any) -> None:
+    """The marker that ends a tool-calling reply in place of the terminator
+    (``sh.call_ends_turn``: Solar Open's ``<|calls|>``) closes the assistant turns too."""
+    text = sh.call_ends_turn
+    if text is None:
+        return
+    name = next((n for n, m in spec["markers"].items() if m["text"] == text), None)
+    if name is None:
+        name = _Names()(text)
+        while name in spec["markers"]:
+            name += "_2"
+        spec["markers"][name] = {"text": text, "special": lex.special(text, tokenizer)}
+    for el in spec["elements"].values():
+        close = el.get("close")
+        if el.get("role") in (None, "assistant") and "open" in el and close and \
+                el.get("kind") is None and name not in close["markers"]:
+            close["markers"].append(name)
 
 
 def _collect(lex: _Lexicon, located: list[_Msg], shape: str, heads: dict, terms: dict,
@@ -467,6 +523,7 @@ def _basic(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
         if h is not None:
             sh.heads[role] = h
             sh.glue.extend(extra)
+    sh.counters = heads.pop("_counters", {})
     for role in ("system", "user", "assistant"):
         t, _ = _one(lex, terms, role, "their terminator", suffix=False)
         if t is not None:
@@ -856,6 +913,15 @@ def _call_block(lex: _Lexicon, sh: _Shape, R: str, h_a: str) -> None:
         if x:
             mirror = _mirror(x[0])
             ends = mirror if mirror in y else y[-1] if y else None
+            if ends is not None and ends != mirror and closes and tail and \
+                    not any(m and p in closes for m, p in tail) and not sh.plain_calls:
+                # the last marker after the call is no twin of its opener and the turn's
+                # terminator is not printed after it (Solar Open writes '<|calls|>' where
+                # other turns write '<|end|>'): it ends the turn, not the block, and trains
+                # only as a terminator (end_marker), as the bundled solar-open says
+                sh.call_ends_turn = ends
+                y = [q for q in y if q != ends]
+                ends = None
             sh.call = (x[0], ends, tuple(dict.fromkeys(x[1:] + inner
                                                        + [q for q in y if q != ends])))
 
@@ -891,13 +957,17 @@ def _decl_text(lex: _Lexicon, text: str, closes: set, opening: set) -> tuple | N
     AI model … <tools> … </tool_call><|im_end|>' before '<|im_start|>system'). Else None."""
     body = text.rstrip()
     ps = [q for q in lex.pieces(body) if q[1]]
-    if len(ps) < 2 or ps[0][0] or not ps[0][1].strip() or not ps[-1][0] \
-            or ps[-1][1] not in closes or FN not in body:
+    if len(ps) < 2 or ps[0][0] or not ps[0][1].strip() or FN not in body:
         return None
-    inner = [p for m, p in ps[:-1] if m]
+    closed = ps[-1][0] and ps[-1][1] in closes
+    if not closed and ps[-1][0]:
+        return None
+    # without a close (LongCat's '# Tools … # Messages\n' before 'SYSTEM:' or the first
+    # user header): it ends where the first turn opens, as a bare system text does
+    inner = [p for m, p in (ps[:-1] if closed else ps) if m]
     if any(p in closes or p in opening for p in inner):
         return None
-    return ps[-1][1], tuple(dict.fromkeys(inner)), len(text)
+    return (ps[-1][1] if closed else None), tuple(dict.fromkeys(inner)), len(text)
 
 
 def _declaration_text(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
@@ -932,7 +1002,7 @@ def _declaration_text(probe: _Probe, lex: _Lexicon, sh: _Shape) -> None:
         k += 1   # the BOS and whitespace before the declarations
     lead = "".join(p for _, p in ps[:k])
     found = _decl_text(lex, pre[len(lead):], closes, heads)
-    if not found:
+    if not found or found[0] is None:   # (a closeless one only where declaring tools adds it)
         return
     sh.decl_text = found[:2]
     cut = len(lead) + found[2]
@@ -1561,7 +1631,8 @@ def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> d
         plan.top.append(bname)
     if sh.decl_text:
         close, inner = sh.decl_text
-        el = {"role": "system", "close": {"markers": [plan.m(close)]}}
+        el = {"role": "system", "close": {"markers": [plan.m(close)]}} if close else \
+            {"role": "system"}
         if inner:
             el["inner_markers"] = [plan.m(x) for x in inner]
         plan.elements["tool_declarations_text"] = el
@@ -1638,6 +1709,9 @@ class Verification:
         refused: ``(matrix case, why)`` for the shapes the format refuses on purpose with a
             located ParseError (a template that renders tool results with the assistant's
             header: its tool messages; :data:`TOOL_AS_ASSISTANT`).
+        content: ``"parts"`` when the template prints message content only as a list of
+            text parts, and the matrix was given content so
+            (:func:`chatgrammar.conformance.matrix.as_parts`); else ``"string"``.
     """
 
     checked: tuple = ()
@@ -1646,10 +1720,13 @@ class Verification:
     notes: tuple = ()
     deviations: tuple = ()
     refused: tuple = ()
+    content: str = "string"
 
     def summary(self) -> str:
         """One line: ``verified on 18 matrix cases; the template rejects 2: tool-call, …``."""
         s = f"verified on {len(self.checked)} matrix case{'s' if len(self.checked) != 1 else ''}"
+        if self.content == "parts":
+            s += " (content as lists of text parts)"
         if self.deviations:
             s += "; the whitespace after an unclosed reply trains (unclosed-whitespace)"
         if self.refused:
@@ -1739,11 +1816,12 @@ _QUICK = ("basic", "no-system", "multi-turn", "tool-call", "parallel-tool-calls"
 
 
 def _verify(fmt: Format, template: str, variables: dict, tokenizer: Any,
-            timeout: float, quick: bool = False) -> tuple[Any, list]:
+            timeout: float, quick: bool = False, content: str = "string") -> tuple[Any, list]:
     from .templates import check_template
     from .matrix import default_matrix
 
-    cases = [c for c in default_matrix() if c.name in _QUICK] if quick else None
+    cases = default_matrix(content=content)
+    cases = [c for c in cases if c.name in _QUICK] if quick else cases
 
     # the one deviation a bundled closeless format (falcon, sea-lion, nemotron4) also makes,
     # in the checker's precise shape: an assistant turn the template never closes ends where
@@ -1784,23 +1862,34 @@ def _shape(probe: _Probe, lex: _Lexicon) -> tuple[_Shape, str]:
     msgs = _BASIC["u-a-u-a"]
     R = probe.render(msgs, shape="u-a-u-a") or probe.render(_BASIC["s-u-a-u-a"],
                                                              shape="s-u-a-u-a")
-    if R is not None and U1 not in R:
+    if R is None or U1 not in R:
+        # a template that prints content only as a list of text parts (the multimodal
+        # layout: `for part in message.content`), dropping or rejecting a string: probed,
+        # and verified over the matrix, with content so given (verification.content)
         probe.parts = True
-        R = probe.render(msgs, shape="u-a-u-a (content parts)")
-        if R is not None and U1 not in R:
+        P = probe.render(msgs, shape="u-a-u-a (content parts)") or probe.render(
+            _BASIC["s-u-a-u-a"], shape="s-u-a-u-a (content parts)")
+        if R is not None and (P is None or U1 not in P):
             raise InferenceError("the template does not print message content, neither as a "
                                  "string nor as a list of text parts", where="probe u-a-u-a")
-        if R is not None:
-            raise InferenceError("the template prints message content only when it is a list "
-                                 "of text parts (a string content is dropped): the matrix's "
-                                 "string messages cannot be parsed", where="probe u-a-u-a")
+        if P is None or U1 not in P:
+            probe.parts = False   # rejected either way: _basic says why
+        else:
+            probe.cache.clear()
+            probe.rejected.clear()
     sh = _Shape()
+    if probe.parts:
+        sh.notes.append("the template prints message content only when it is a list of text "
+                        "parts: verified with content so given (a string content prints "
+                        "nothing, and trains nothing)")
     probe.forced = _forced_suffix(probe)
     if probe.forced:
         sh.notes.append(f"every rendering ends with {probe.forced!r} (a generation prompt "
                         "printed even without add_generation_prompt)")
     _basic(probe, lex, sh)
     g = _generation(probe, lex, sh)
+    if not (g or "").strip() and probe.forced:
+        g = probe.forced   # the prompt printed after every conversation is the generation one
     h_a = _assistant_header(lex, sh, g)
     for ws, extra in dict.fromkeys(probe.prefills):
         # also with the whitespace before it, which an lstrip opener takes into the last turn
@@ -1846,7 +1935,11 @@ def _forced_suffix(probe: _Probe) -> str:
         ps = _PLAIN.pieces(between)
         if ps and ps[0][0] and tail.startswith(ps[0][1]) and len(tail) > len(ps[0][1]):
             tail = tail[len(ps[0][1]):]
-    if not tail.strip() or not r_ua[:r_ua.rfind(A1)].endswith(tail):
+    before = r_ua[:r_ua.rfind(A1)]
+    # a history reply may start with whitespace the prompt lacks (theroyallab's
+    # '<|end_header_id|>\n' prompt, '<|end_header_id|>\n\nA' replies): that is output
+    if not tail.strip() or not (before.endswith(tail) or before.rstrip().endswith(
+            tail.rstrip()) and before[len(before.rstrip()):].startswith(tail[len(tail.rstrip()):])):
         return ""
     for text in (x, y):   # never from inside a marker ("|>\n" of two different markers)
         at = len(text) - len(tail)
@@ -1988,7 +2081,9 @@ def _lstrip_variant(spec: dict) -> dict:
             alt["markers"][m]["lstrip"] = True
     used = {m for el in alt["elements"].values()
             for m in (el.get("close") or {}).get("markers", [])}
-    for m in alt.get("preamble", []):   # a BOS after the template's indentation (AmberChat)
+    # a BOS after the template's indentation (AmberChat), also one printed before every turn
+    # (chujiezheng's Mistral: '        <s>[INST] …', a between-turn marker)
+    for m in alt.get("preamble", []) + alt.get("between_markers", []):
         if m in alt["markers"] and m not in used:   # (OLMo's EOS is also its BOS)
             alt["markers"][m]["lstrip"] = True
     return alt
@@ -2326,15 +2421,33 @@ def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> Inferre
     probe = _Probe(template, variables, TIMEOUT)
     lex = _Lexicon(specials=_tokenizer_specials(tokenizer))
     sh, h_a = _shape(probe, lex)
-    spec = _design(lex, sh, h_a, tokenizer, name)
+    notes = list(sh.notes)
     try:
-        return _infer_spec(template, variables, tokenizer, name, probe, lex, sh, h_a, spec)
-    except InferenceError:
-        if sh.unjoined is not None:
-            # read by whole headers (_joined_openers) it did not verify either: the reason the
-            # role-name forms gave is the one to report (Harmony's "no common separator")
-            raise sh.unjoined from None
-        raise
+        return _infer_designed(template, variables, tokenizer, name, probe, lex, sh, h_a)
+    except InferenceError as exc:
+        err = exc
+    if sh.decl_text is not None and sh.decl_text[0] is None:
+        # closeless bare declarations (LongCat's) that no candidate verifies with: read
+        # without them, as before that rule (a bare system text after them, DeepSeek's,
+        # makes two closeless elements in a row: an ambiguous grammar)
+        sh.decl_text, sh.notes = None, notes
+        try:
+            return _infer_designed(template, variables, tokenizer, name, probe, lex, sh, h_a)
+        except InferenceError as exc:
+            err = exc
+    if sh.unjoined is not None:
+        # read by whole headers (_joined_openers) it did not verify either: the reason the
+        # role-name forms gave is the one to report (Harmony's "no common separator")
+        raise sh.unjoined from None
+    raise err
+
+
+def _infer_designed(template: str, variables: dict, tokenizer: Any, name: str,
+                    probe: "_Probe", lex: _Lexicon, sh: "_Shape", h_a: str) -> InferredFormat:
+    spec = _design(lex, sh, h_a, tokenizer, name)
+    _counted_headers(spec, sh)
+    _call_terminator(spec, sh, lex, tokenizer)
+    return _infer_spec(template, variables, tokenizer, name, probe, lex, sh, h_a, spec)
 
 
 def _infer_spec(template: str, variables: dict, tokenizer: Any, name: str, probe: "_Probe",
@@ -2416,9 +2529,11 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
                 f"the inferred spec does not compile: {str(exc).splitlines()[0]}",
                 where="compile", details=text)
             continue
-        res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT, quick=True)
+        content = "parts" if probe.parts else "string"
+        res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT, quick=True,
+                             content=content)
         if not fails or _tool_parse_errors(fails):
-            res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT)
+            res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT, content=content)
         refused = _refused_tool_shapes(fmt, probe, sh, fails)
         if refused or (not fails and _joined_follow(cand)):
             # kept unless a better candidate comes: one that parses every case with exact
@@ -2490,7 +2605,7 @@ def _verified(fmt: InferredFormat, res: Any, probe: "_Probe", sh: "_Shape",
         probes_rejected=tuple(probe.rejected.items()), notes=tuple(notes),
         deviations=tuple(dict.fromkeys(
             re.sub(r"at char \d+: ", "", d) for c in res.cases for d in c.deviations))[:4],
-        refused=refused)
+        refused=refused, content="parts" if probe.parts else "string")
     return fmt
 
 

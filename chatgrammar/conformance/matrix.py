@@ -42,6 +42,7 @@ __all__ = [
     "RenderedCase",
     "TOOLS",
     "default_matrix",
+    "as_parts",
     "get_case",
     "case_names",
     "render_case",
@@ -424,21 +425,53 @@ _MATRIX = _build()
 _BY_NAME = {case.name: case for case in _MATRIX}
 
 
-def default_matrix(tags: Iterable[str] | None = None) -> list[MatrixCase]:
+def default_matrix(tags: Iterable[str] | None = None, *,
+                   content: str = "string") -> list[MatrixCase]:
     """The built-in matrix, as fresh deep copies (rendering never sees shared objects).
 
     Args:
         tags: keep only the cases carrying all of these tags (``None``: every case).
+        content: ``"string"`` (the cases as written) or ``"parts"``: every string content
+            given as a list of one text part (:func:`as_parts`), for a template that prints
+            content only in the multimodal layout.
 
     Returns:
         The cases, in a fixed order.
 
+    Raises:
+        ValueError: ``content`` is neither ``"string"`` nor ``"parts"``.
+
     Example:
         >>> [c.name for c in default_matrix(tags={"parallel-calls"})]
         ['parallel-tool-calls']
+        >>> default_matrix(tags={"parallel-calls"}, content="parts")[0].messages[0]["content"]
+        [{'type': 'text', 'text': 'You are a helpful assistant.'}]
     """
+    if content not in ("string", "parts"):
+        raise ValueError(f"content must be 'string' or 'parts', not {content!r}")
     wanted = frozenset(tags or ())
-    return [copy.deepcopy(case) for case in _MATRIX if wanted <= case.tags]
+    cases = [copy.deepcopy(case) for case in _MATRIX if wanted <= case.tags]
+    return [as_parts(c) for c in cases] if content == "parts" else cases
+
+
+def as_parts(case: MatrixCase) -> MatrixCase:
+    """The same case (same name, same expected outputs) with every string ``content`` given
+    as a list of one text part, ``[{"type": "text", "text": content}]`` (the layout of
+    multimodal datasets; ``content-parts`` is already so).
+
+    Args:
+        case: a matrix case.
+
+    Returns:
+        A new case; ``case`` is not changed.
+
+    Example:
+        >>> as_parts(get_case("basic")).messages[1]["content"]
+        [{'type': 'text', 'text': 'What is the capital of France?'}]
+    """
+    msgs = [{**m, "content": [{"type": "text", "text": m["content"]}]}
+            if isinstance(m.get("content"), str) else m for m in copy.deepcopy(case.messages)]
+    return dataclasses.replace(case, messages=msgs)
 
 
 def case_names() -> list[str]:

@@ -1074,7 +1074,9 @@ def check_template(fmt: Format, template: str, *, name: str = "template",
         accepted = dict(tests_for(fmt).get("accepted") or {})
     if refused is None:
         refused = dict(tests_for(fmt).get("refused") or {})
-    for case in (default_matrix() if cases is None else cases):
+    if cases is None:
+        cases = default_matrix(content=content_shape(fmt))
+    for case in cases:
         try:
             res = _check_case(fmt, template, case, vars_, synth, tokenizer, timeout, accepted)
         except Exception as exc:  # one broken case must not hide the others' results
@@ -1082,6 +1084,23 @@ def check_template(fmt: Format, template: str, *, name: str = "template",
                              f"{type(exc).__name__}: {exc}")
         out.cases.append(_refusal(res, refused))
     return out
+
+
+def content_shape(fmt: Format) -> str:
+    """How the matrix gives message content to a format's template: ``"parts"`` for a format
+    verified on content as lists of text parts (an inferred format whose template prints
+    content only so: ``verification.content``; a saved one's ``content: parts`` test fact),
+    else ``"string"``.
+
+    Args:
+        fmt: a format.
+
+    Returns:
+        ``"string"`` or ``"parts"`` (:func:`chatgrammar.conformance.matrix.default_matrix`).
+    """
+    shape = getattr(getattr(fmt, "verification", None), "content", None) or \
+        tests_for(fmt).get("content")
+    return "parts" if shape == "parts" else "string"
 
 
 def _refusal(res: CaseResult, refused: dict[str, str]) -> CaseResult:
