@@ -318,14 +318,51 @@ def policy_counts(results: list[WildResult]) -> dict:
     return out
 
 
-def write_expected(results: list[WildResult], wild: Path = WILD) -> None:
-    """Record ``results`` in ``expected.yaml`` (the variables already there are kept)."""
-    old = load_expected(wild)
+def entry_policy_outcome(entry: dict, policy: str) -> str:
+    """What a pinned entry says a template gets under ``policy``: ``wrong`` / ``warned`` when
+    it is pinned so, else its default outcome (``correct`` / ``safe`` / ``warned`` / ``wrong``)."""
+    if policy in (entry.get("policy_wrong") or {}):
+        return "wrong"
+    if policy in (entry.get("policy_warned") or {}):
+        return "warned"
+    outcome = entry.get("outcome", "")
+    if outcome.startswith("bundled ") or outcome == "inferred":
+        return "correct"
+    return {"refused": "safe", "warned": "warned", "SILENT WRONG": "wrong"}.get(outcome, outcome)
+
+
+def entry_policy_counts(entries: dict) -> dict:
+    """:func:`policy_counts` recomputed from pinned entries alone (``untyped``: the wrong ones
+    whose pinned problem is an untyped block), so pins can be merged without re-running all."""
     out = {}
-    for r in sorted(results, key=lambda r: r.template):
+    for name in POLICIES:
+        tally = {"correct": 0, "safe": 0, "warned": 0, "wrong": 0, "untyped": 0}
+        for entry in entries.values():
+            v = entry_policy_outcome(entry, name)
+            tally[v] = tally.get(v, 0) + 1
+            if v == "wrong" and "(untyped:" in (entry.get("policy_wrong") or {}).get(name, ""):
+                tally["untyped"] += 1
+        out[name] = tally
+    return out
+
+
+def write_expected(results: list[WildResult], wild: Path = WILD, *, merge: bool = False) -> None:
+    """Record ``results`` in ``expected.yaml`` (the variables already there are kept).
+
+    Args:
+        results: the templates classified.
+        wild: the wild folder.
+        merge: keep the pinned entries of templates not in ``results`` (a run on some
+            templates pins those only) and recount ``policy_counts`` from all entries.
+    """
+    old = load_expected(wild)
+    out = {k: v for k, v in old.items() if "outcome" in v} if merge else {}
+    for r in results:
         entry = {k: v for k, v in (old.get(r.template) or {}).items() if k == "vars"}
         entry.update(expected_entry(r))
         out[r.template] = entry
+    out = dict(sorted(out.items()))
+    counts = entry_policy_counts(out) if merge else policy_counts(results)
     head = ("# tests/data/templates/wild/expected.yaml: what a user gets from each real template\n"
             "# (tools/wild.py --write-expected; checked by tests/test_wild.py). outcome:\n"
             "# `bundled NAME` (detected, every matrix case right), `inferred` (cg.infer_format,\n"
@@ -339,7 +376,7 @@ def write_expected(results: list[WildResult], wild: Path = WILD) -> None:
              "# plain_text_reasoning) and warns at mask time (cg.DeviationWarning): never silent.\n"
              "# policy_counts: per policy, templates correct / safe / warned / wrong.\n")
     (wild / "expected.yaml").write_text(
-        head + yaml.safe_dump({"policy_counts": policy_counts(results), "templates": out},
+        head + yaml.safe_dump({"policy_counts": counts, "templates": out},
                               sort_keys=False, allow_unicode=True, width=100),
         encoding="utf-8")
 
@@ -417,13 +454,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every failing case")
     ap.add_argument("--write-expected", action="store_true",
-                    help="record the outcomes in the wild folder's expected.yaml (keeps vars)")
+                    help="record the outcomes in the wild folder's expected.yaml (keeps vars; "
+                         "with TEMPLATES, pins those and keeps every other entry)")
     args = ap.parse_args(argv)
     paths = args.templates or sorted(WILD.glob("*.jinja"))
     results = run(paths)
     pinned = {k: set(v.get("policy_wrong") or ()) for k, v in load_expected().items()}
     if args.write_expected:
-        write_expected(results)
+        # templates named on the command line are pinned among the others
+        write_expected(results, merge=bool(args.templates))
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=1))
     else:
