@@ -16,6 +16,7 @@ import pytest
 import chatgrammar as cg
 from chatgrammar.errors import VerifyError
 from chatgrammar.runtime import fastpath
+from chatgrammar.runtime.lexers import LSTRIP_MAX
 from chatgrammar.runtime.parse import LalrCore
 from tests.test_fastpath import _samples
 
@@ -216,7 +217,7 @@ def test_no_second_merge_in_c():
         assert hasattr(fastpath._speedups, "lex")
 
 
-@pytest.mark.parametrize("blanks", [3, 16, 17])
+@pytest.mark.parametrize("blanks", [3, LSTRIP_MAX, LSTRIP_MAX + 1])
 def test_lstrip_after_a_literal_ended_header_is_one_rule(blanks, monkeypatch):
     # an lstrip marker right after a literal-ended header's run: every executor splits the
     # header first and then absorbs the blank text after it, as the reference does (the

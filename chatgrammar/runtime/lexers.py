@@ -200,8 +200,10 @@ BODY, DECODE, SPLIT = 0, 1, 2
 # Stream.sst of a run that is no literal-ended header (or whose split an executor did not
 # apply: it hands the sample back); else IdPlan.split_prefix's answer (1, -1, 0)
 NO_SPLIT = 2
-# An lstrip marker absorbs a whitespace run of at most this many ids before it.
-LSTRIP_MAX = 16
+# An lstrip marker absorbs a whitespace run of at most this many ids before it: as many as
+# `between` text reads (core.compile_regex.BETWEEN_MAX_TOKENS), so untrimmed Jinja indentation
+# before a marker is read alike in both places (text mode has no limit).
+LSTRIP_MAX = 64
 _MEMO_MAX = 100_000
 _TEXT_MEMO_MAX = 20_000
 # why an executor hands a sample back to the reference (FastMasker.reasons, fmt.stats())
