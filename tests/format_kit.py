@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import chatgrammar as cg
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
+from tests.tokenizers import QWEN_PATTERN, qwen_ranks  # noqa: F401 (qwen_ranks: re-exported)
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 
@@ -35,25 +35,6 @@ TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 def template(name: str) -> str:
     """A real chat template of tests/data/templates (provenance in its SOURCES.md)."""
     return (TEMPLATES / name).read_text(encoding="utf-8")
-
-
-@lru_cache(maxsize=None)
-def qwen_ranks() -> dict:
-    """Qwen2.5's 151,643 BPE ranks (piece -> rank, in rank order).
-
-    Read as ``tiktoken.load.load_tiktoken_bpe`` reads the file (one base64 piece and its
-    rank per line), decoding with ``binascii`` directly: the same dict in a third of the
-    time (~0.5 instead of ~1.4 CPU-s; it is read again in every test module, which drops its
-    caches, tests/conftest.py)."""
-    import binascii
-
-    ranks = {}
-    for line in QWEN_TIKTOKEN.read_bytes().splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[binascii.a2b_base64(token)] = int(rank)
-    assert len(ranks) == QWEN_BASE_VOCAB
-    return ranks
 
 
 def renumbered_ranks(taken) -> dict:
