@@ -28,7 +28,8 @@ from xdist.scheduler import LoadScopeScheduling
 # a test. A file not listed counts CPU_PER_TEST per test. Measured on the merged tree of
 # session 9 (one quiet-machine run of the whole suite, CHATGRAMMAR_TEST_COSTLOG); session 10
 # (S10A): test_formats and test_new_families scaled by their single-process before/after
-# ratio (149 -> 112.5 and 17.7 -> 15.6 CPU-s), not yet re-measured in a whole-suite run.
+# CPU-s on a loaded machine (test_formats 149 -> 112.5 in one pair of runs, 156 -> 140 run
+# side by side; test_new_families 17.7 -> 15.6), not yet re-measured in a whole-suite run.
 COST = {
     "tests/test_formats.py": 125,
     "tests/test_fastpath.py": 89,
