@@ -33,7 +33,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN
+from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN  # noqa: F401 (re-exported: test_speedups)
 
 def long_run() -> bool:
     """Whether this is the longer run: ``CHATGRAMMAR_LONG=1`` in the environment (``--runslow``
