@@ -34,7 +34,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
-from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN
+from tests.tokenizers import QWEN_BASE_VOCAB, QWEN_PATTERN, QWEN_TIKTOKEN  # noqa: F401 (re-exported: test_speedups)
 
 def long_run() -> bool:
     """Whether this is the longer run: ``CHATGRAMMAR_LONG=1`` in the environment (``--runslow``
@@ -59,13 +59,10 @@ def sized(default: Any, long: Any) -> Any:
 PLACEHOLDER_BASE = 0xF0000
 
 
-@lru_cache(maxsize=None)
 def _qwen_ranks() -> dict:
-    from tiktoken.load import load_tiktoken_bpe
+    from tests.tokenizers import qwen_ranks
 
-    ranks = load_tiktoken_bpe(str(QWEN_TIKTOKEN))
-    assert len(ranks) == QWEN_BASE_VOCAB
-    return ranks
+    return qwen_ranks()  # (the one shared copy)
 
 
 def marker_texts(fmt: Any, *, soft: bool = True) -> list[str]:

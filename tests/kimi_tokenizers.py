@@ -50,10 +50,10 @@ K2_STRINGS_IN_K3 = ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_syste
                     "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
 
 
-@lru_cache(maxsize=None)
 def _ranks() -> dict:
-    from tiktoken.load import load_tiktoken_bpe
-    return load_tiktoken_bpe(str(QWEN_TIKTOKEN))
+    from tests.tokenizers import qwen_ranks
+
+    return qwen_ranks()  # (the one shared copy, read-only)
 
 
 def _with_reserved(specials: dict[str, int]) -> dict[str, int]:

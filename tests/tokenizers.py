@@ -87,13 +87,70 @@ QWEN_EXTRA_SPECIAL_TOKENS = [content for _, content, special in QWEN_ADDED_TOKEN
 
 
 @lru_cache(maxsize=None)
+def qwen_ranks() -> dict:
+    """Qwen2.5's 151,643 BPE ranks (piece -> rank, in rank order): the one copy every test
+    tiktoken encoding over them shares (read-only).
+
+    Read as ``tiktoken.load.load_tiktoken_bpe`` reads the file (one base64 piece and its rank
+    per line), decoding with ``binascii`` directly: the same dict in a third of the time. It
+    was read three more times per module (tests/fuzz_tokenizers.py, kimi_tokenizers.py and
+    :func:`qwen_tiktoken_encoding` each through ``load_tiktoken_bpe``): ~35 MB and ~1 CPU-s
+    each.
+
+    Example:
+        >>> len(qwen_ranks())
+        151643
+    """
+    import binascii
+
+    ranks = {}
+    for line in QWEN_TIKTOKEN.read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[binascii.a2b_base64(token)] = int(rank)
+    assert len(ranks) == QWEN_BASE_VOCAB
+    return ranks
+
+
+# Built backends kept as their serialisation (tokenizers' JSON, a few MB each), keyed by
+# content: the vocabulary file's bytes and what was added to it. Plain dicts, not lru_caches,
+# so that tests/conftest.py's release between modules (which drops every built tokenizer, tens
+# to hundreds of MB each) keeps them: the next module rebuilds the object from the JSON (about
+# a third of the cost: Qwen's conversion from tiktoken ranks takes ~4 CPU-s, Phi-3's GGUF
+# loader ~4 CPU-s, their rebuild ~1.4 and ~0.3) instead of converting the vocabulary again.
+_SERIALISED: dict[tuple, tuple[type, str, dict]] = {}
+
+
+def _content_key(*paths: Path, extra: Any = ()) -> tuple:
+    import hashlib
+
+    return tuple(hashlib.sha256(p.read_bytes()).hexdigest() for p in paths) + (repr(extra),)
+
+
+def _rebuilt(key: tuple, build) -> Any:
+    """The transformers fast tokenizer ``build()`` makes, rebuilt from its kept serialisation
+    when this process has built it before: the same class and constructor arguments, the
+    backend from its JSON (what ``copy.deepcopy`` of the tokenizer does)."""
+    hit = _SERIALISED.get(key)
+    if hit is None:
+        tok = build()
+        _SERIALISED[key] = (type(tok), tok.backend_tokenizer.to_str(), dict(tok.init_kwargs))
+        return tok
+    from tokenizers import Tokenizer
+
+    cls, state, kwargs = hit
+    return cls(tokenizer_object=Tokenizer.from_str(state), **kwargs)
+
+
+@lru_cache(maxsize=None)
 def qwen_fast_tokenizer() -> Any:
     """Qwen2/2.5/3's tokenizer as a transformers ``PreTrainedTokenizerFast``, built offline.
 
     The BPE comes from ``qwen.tiktoken`` through transformers' ``TikTokenConverter`` with Qwen2's
     split regex; like Qwen's tokenizer.json it normalises to NFC; the added tokens of
     :data:`QWEN_ADDED_TOKENS` get their real ids. No chat template is set (pass ``chat_template=``
-    to ``apply_chat_template``). Building takes about 1.5 s, once per process.
+    to ``apply_chat_template``). Converting takes about 4 CPU-s, once per process; later builds
+    (after tests/conftest.py released it) start from the kept serialisation (:func:`_rebuilt`).
 
     Returns:
         The tokenizer (shared, treat as read-only).
@@ -106,6 +163,14 @@ def qwen_fast_tokenizer() -> Any:
         >>> tok.encode("<|im_start|>user\\n", add_special_tokens=False)[0]
         151644
     """
+    key = _content_key(QWEN_TIKTOKEN, extra=("qwen-fast", QWEN_PATTERN, QWEN_ADDED_TOKENS))
+    tok = _rebuilt(key, _convert_qwen)
+    for token_id, content, _ in QWEN_ADDED_TOKENS:
+        assert tok.convert_tokens_to_ids(content) == token_id, content
+    return tok
+
+
+def _convert_qwen() -> Any:
     from tokenizers import AddedToken, normalizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -121,12 +186,9 @@ def qwen_fast_tokenizer() -> Any:
         else:
             backend.add_tokens([token])
         assert backend.token_to_id(content) == token_id, (content, backend.token_to_id(content))
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend,
-                                  extra_special_tokens=list(QWEN_EXTRA_SPECIAL_TOKENS),
-                                  **QWEN_SPECIAL_TOKENS)
-    for token_id, content, _ in QWEN_ADDED_TOKENS:
-        assert tok.convert_tokens_to_ids(content) == token_id, content
-    return tok
+    return PreTrainedTokenizerFast(tokenizer_object=backend,
+                                   extra_special_tokens=list(QWEN_EXTRA_SPECIAL_TOKENS),
+                                   **QWEN_SPECIAL_TOKENS)
 
 
 @lru_cache(maxsize=None)
@@ -146,14 +208,11 @@ def qwen_tiktoken_encoding() -> Any:
         [151645]
     """
     import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
 
-    ranks = load_tiktoken_bpe(str(QWEN_TIKTOKEN))
-    assert len(ranks) == QWEN_BASE_VOCAB
     return tiktoken.Encoding(
         name="qwen2.5",
         pat_str=QWEN_PATTERN,
-        mergeable_ranks=ranks,
+        mergeable_ranks=qwen_ranks(),
         special_tokens=dict(QWEN_IDS),
     )
 
@@ -278,7 +337,10 @@ def phi3_tokenizer() -> Any:
     """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(PHI3_DIR), gguf_file=PHI3_GGUF)
+    # (transformers' GGUF loader takes ~4 CPU-s; a later build in this process starts from the
+    # kept serialisation, :func:`_rebuilt`)
+    return _rebuilt(_content_key(PHI3_DIR / PHI3_GGUF, extra="phi3-gguf"),
+                    lambda: AutoTokenizer.from_pretrained(str(PHI3_DIR), gguf_file=PHI3_GGUF))
 
 
 def phi3_test_vectors() -> list[tuple[str, list[int]]]:
