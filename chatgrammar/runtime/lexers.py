@@ -97,6 +97,12 @@ def value_free_openers(spec: FormatSpec) -> frozenset:
     item memo keys it by its length class alone (``IdPlan.value_free``). Conservative: any
     other use, or a spec key this rule does not know, makes the value matter.
 
+    Args:
+        spec: the compiled format spec.
+
+    Returns:
+        The terminal names (``term_name``) of those openers.
+
     Example:
         >>> sorted(value_free_openers(load_format("kimi-k2").spec))  # doctest: +SKIP
         ['IM_ASSISTANT', 'IM_SYSTEM', 'IM_USER', 'MEDIA_START', 'TC_BEGIN']
