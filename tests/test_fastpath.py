@@ -682,7 +682,7 @@ def test_cuts_of_a_learned_item_are_served_without_a_new_parse(version):
 
 
 
-def test_cut_items_are_learned_only_while_items_repeat(monkeypatch):
+def test_cut_items_are_learned_only_while_items_repeat(monkeypatch, request):
     # K10: a learning parse resumes its cuts (stats "resumed") only while, over the last
     # stretch of learning parses, at most half the samples needed one; on samples whose items
     # never repeat it stops ("cut_skip"), and comes back once the memo answers most samples.
@@ -694,6 +694,12 @@ def test_cut_items_are_learned_only_while_items_repeat(monkeypatch):
     fmt = cg.load_format("kimi-k2")
     fm = fmt._fast_masker(enc)
     fm.forget()
+    # (kimi-k2's tool names are header text nothing reads, keyed by their length class alone:
+    # lexers.value_free_openers. Keyed by their ids again here, these items never repeat.)
+    monkeypatch.setattr(fm, "vfree", None)
+    if fm.plan is not None:
+        monkeypatch.setattr(fm, "plan", fm._c_plan())
+    request.addfinalizer(fm.forget)
     monkeypatch.setattr(fastpath, "_LEARN_STRETCH", 2)
     monkeypatch.setattr(fastpath, "_LEARN_WARM", 0)
     st = fm.stats
@@ -715,3 +721,58 @@ def test_cut_items_are_learned_only_while_items_repeat(monkeypatch):
         run(xs[:8])  # memoised: answered without a parse
     r3, _ = run(xs[8:])
     assert r3 > r2  # the memo answers most samples again: on
+
+
+_K2_CALL = ("<|im_system|>system<|im_middle|>You are helpful.<|im_end|><|im_user|>user"
+            "<|im_middle|>Find it.<|im_end|><|im_assistant|>assistant<|im_middle|>Sure."
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0"
+            "<|tool_call_argument_begin|>{{\"q\": \"x\"}}<|tool_call_end|>"
+            "<|tool_calls_section_end|><|im_end|><|im_system|>{name}<|im_middle|>found"
+            "<|im_end|><|im_assistant|>assistant<|im_middle|>Done.<|im_end|>")
+
+
+def test_headers_nothing_reads_are_keyed_by_their_length_class(monkeypatch):
+    # K10b: kimi-k2's tool-call header (`functions.NAME:IDX`) and its turn headers are text
+    # nothing reads (lexers.value_free_openers): samples that differ only in a tool name are
+    # one item shape, served by the memo (no learning parse) with the reference's mask under
+    # every policy, by the C executor and by the numpy one; a name longer than the header
+    # budget is its own length class. Where a header's value does matter (kimi-k3: the role is
+    # the XTML header's `role` attribute) the key still holds its ids.
+    from tests.kimi_tokenizers import kimi_k2_encoding, kimi_k3_encoding
+
+    enc = kimi_k2_encoding()
+    fmt = cg.load_format("kimi-k2")
+    fm = fmt._fast_masker(enc)
+    code = fm.lexplan.lut[enc.encode_single_token("<|tool_call_begin|>") + 1]
+    assert fm.vfree is not None and fm.vfree[code]
+    names = ["a", "get_weather", "search_the_web_for_recent_news_articles_about_x",
+             "n" * 300, "q" * 400]
+    xs = [enc.encode(_K2_CALL.format(name=n), allowed_special="all") for n in names]
+    want = _slow_masks(fmt, [(enc, x) for x in xs], POLICIES, True)
+    for c_off in (False, True):
+        fm.forget()
+        if c_off:
+            monkeypatch.setattr(fm, "plan", None)
+        for k, policy in enumerate(POLICIES):
+            for i, x in enumerate(xs):
+                h = fm.stats["harvest"]
+                assert _fast(fmt, x, enc, policy, True) == want[k, i], (c_off, k, i)
+                if i not in (0, 3):  # (0: the first shape, 3: the first name over budget)
+                    assert fm.stats["harvest"] == h, (c_off, k, i)
+        assert fm.stats["harvest"] >= 1
+    monkeypatch.undo()
+    fm.forget()
+
+    enc3 = kimi_k3_encoding()
+    fmt3 = cg.load_format("kimi-k3")
+    fm3 = fmt3._fast_masker(enc3)
+    assert not fm3.lexplan.value_free.any() and fm3.vfree is None
+    text = ('<|open|>message role="user"<|sep|>Q<|close|>message<|sep|><|end_of_msg|>'
+            '<|open|>message role="{r}"<|sep|>A<|close|>message<|sep|><|end_of_msg|>')
+    ys = [enc3.encode(text.format(r=r), allowed_special="all") for r in ("assistant", "user")]
+    want3 = [fmt3.parse_ids(y, enc3).mask() for y in ys]
+    assert want3[0] != want3[1]
+    for y, w in zip(ys * 2, want3 * 2):
+        assert fmt3.loss_mask(y, enc3) == w
+    lexed = fm3._lex(np.asarray(ys[0], dtype=np.int64), [0, len(ys[0])])
+    assert len(lexed[2]) > 0  # (the key's header ids)

@@ -451,9 +451,10 @@ def cut_mid_turn(big: list[int], version: str, target: int = 1_000_000) -> list[
 
 def never_repeating(version: str, n: int, seed) -> list[list[int]]:
     """``n`` whole samples in which every assistant turn calls a tool under a name no other turn
-    has. In kimi-k2 the name is a header the item key holds, so no such turn repeats and every
-    sample is learned by a parse (the memo's worst case, and its cut learning's); kimi-k3's
-    item keys do not hold it (its items repeat as usual)."""
+    has. Neither format's item key holds the name (kimi-k2's tool-call header is text nothing
+    reads, keyed by its length class: ``lexers.value_free_openers``; kimi-k3's XTML keys do
+    not hold it), so the items repeat as usual: this class checks that a new name costs no
+    learning parse."""
     rng = random.Random(f"{version}:never:{seed}")
     enc = kimi_encoding(version)
     out = []
@@ -997,15 +998,19 @@ NOTES = """- **One engine.** Every class above runs the same memoised core
   Without the extension the numpy/Python executor of the same plan and memo runs (the "without
   the C accelerator" row).
 - **Never-repeating items** (the "never repeating" row, no target): every assistant turn
-  calls a tool under a new name; in kimi-k2 that is a header the item key holds, so each
-  sample is learned by a parse (a window, or the whole sample) — the memo's worst case, far
-  below the scanner (kimi-k3's item keys do not hold the name: its items repeat as usual). A
-  learning parse also learns its cut items by resuming the configurations saved in it (at most 96
-  per parse), which costs a few times the parse itself: on these samples every sample ~3x
-  dearer (kimi-k2, 150 such samples, CPU time against the scanner: 0.03-0.04x with it,
-  0.08-0.10x without). So it learns them only while the memo's items repeat: over each stretch
-  of 16 learning parses, at most half the samples needed one (after the first 256, which
-  always do: `FastMasker._learn_cuts`;
+  calls a tool under a new name. Neither format's item key holds the name: kimi-k2's
+  tool-call header (`functions.NAME:IDX`) is text nothing reads, keyed by its length class
+  alone (`lexers.value_free_openers`), and kimi-k3's XTML keys do not hold it, so the items
+  repeat as usual (kimi-k2 went from 0.04-0.10x to about the "whole samples" ratio; a header
+  whose value the parse reads, a role or channel, is still keyed by its ids). Where items
+  truly never repeat (a header the key must hold, new every time) each sample is learned by
+  a parse (a window, or the whole sample), far below the scanner. A learning parse also
+  learns its cut items by resuming the configurations saved in it (at most 96 per parse),
+  which costs a few times the parse itself (on such samples every sample ~3x dearer: kimi-k2
+  with its tool names keyed by their ids, 150 samples, 0.03-0.04x the scanner with it,
+  0.08-0.10x without). So it learns them only while the memo's items repeat: over each
+  stretch of 16 learning parses, at most half the samples needed one (after the first 256,
+  which always do: `FastMasker._learn_cuts`;
   `fmt.stats()["ids"]["cut_skip"]` counts the learning parses that skipped it).
 - **Truncation** (an item cut by the end of input) is an item like any other, keyed also by
   the automaton configuration it ends in; a cut shape not seen before costs one full parse of

@@ -373,7 +373,7 @@ slot_pos(const scratch_t *s, int64_t k)
 /* The plan as FastMasker._c_plan hands it over: the lexing plan's own arrays (lexers.IdPlan:
  * the marker table restricted to the marker ids' range, gclass, budget, lstrip_code,
  * LSTRIP_MAX; the memos of its two decoding rules, split_c and space_memo), the automaton's
- * table and end flags, and the generation prompts' table. Every lexing decision of
+ * table and end flags, the generation prompts' table and value_free. Every lexing decision of
  * find_symbols is read from these: no rule is written here. */
 typedef struct {
     int64_t lo, span, nb, unk, soft_n, lstrip_max;
@@ -390,6 +390,9 @@ typedef struct {
      * (IdPlan.space_memo): bytes(ids of a run) -> bool (IdPlan.blank) */
     const int64_t *lstrip;
     PyObject *split_memo, *space_memo;
+    /* vfree (IdPlan.value_free): NULL, or per code 1 when nothing reads its header's text
+     * (the key holds the header's length class, not its ids) */
+    const int64_t *vfree;
 } plan_t;
 
 /* the gap classes of lexers.py (IdPlan.gclass) */
@@ -398,7 +401,7 @@ enum { G_BODY = 0, G_DECODE = 1, G_SPLIT = 2 };
 static int
 parse_plan(PyObject *plan, plan_t *p)
 {
-    PyObject *lut, *gcl, *bud, *lstrip, *soft, *gen;
+    PyObject *lut, *gcl, *bud, *lstrip, *soft, *gen, *vfree;
     if (!PyTuple_Check(plan)) {
         PyErr_SetString(PyExc_TypeError, "run: plan must be a tuple");
         return -1;
@@ -406,25 +409,25 @@ parse_plan(PyObject *plan, plan_t *p)
     /* The usual types read item by item (PyArg_ParseTuple's format parser is a good part of
      * a short sample's time: this runs on every call); anything else through it. Layout:
      * (lo, lutr, gclass, budget, lstrip, lstrip_max, unk, soft, split_c, space_memo,
-     *  has_values, gen, table, ends) */
+     *  has_values, gen, table, ends, vfree) */
     PyObject **it = &PyTuple_GET_ITEM(plan, 0);
-    if (PyTuple_GET_SIZE(plan) == 14 && PyLong_CheckExact(it[0]) && PyBytes_Check(it[1])
+    if (PyTuple_GET_SIZE(plan) == 15 && PyLong_CheckExact(it[0]) && PyBytes_Check(it[1])
         && PyBytes_Check(it[2]) && PyBytes_Check(it[3]) && PyLong_CheckExact(it[5])
         && PyLong_CheckExact(it[6]) && PyBool_Check(it[10]) && PyList_Check(it[12])
         && PyList_Check(it[13])) {
         lut = it[1]; gcl = it[2]; bud = it[3]; lstrip = it[4]; soft = it[7]; gen = it[11];
         p->split_memo = it[8]; p->space_memo = it[9];
         p->has_values = it[10] == Py_True;
-        p->table = it[12]; p->ends = it[13];
+        p->table = it[12]; p->ends = it[13]; vfree = it[14];
         p->lo = PyLong_AsLongLong(it[0]);
         p->lstrip_max = PyLong_AsLongLong(it[5]);
         p->unk = PyLong_AsLongLong(it[6]);
         if (PyErr_Occurred())
             return -1;
-    } else if (!PyArg_ParseTuple(plan, "LSSSOLLOOOpOO!O!:plan", &p->lo, &lut, &gcl, &bud,
+    } else if (!PyArg_ParseTuple(plan, "LSSSOLLOOOpOO!O!O:plan", &p->lo, &lut, &gcl, &bud,
                                  &lstrip, &p->lstrip_max, &p->unk, &soft, &p->split_memo,
                                  &p->space_memo, &p->has_values, &gen, &PyList_Type,
-                                 &p->table, &PyList_Type, &p->ends)) {
+                                 &p->table, &PyList_Type, &p->ends, &vfree)) {
         return -1;
     }
     p->lut = (const int64_t *)PyBytes_AS_STRING(lut);
@@ -451,6 +454,14 @@ parse_plan(PyObject *plan, plan_t *p)
     if (PyBytes_Check(soft)) {
         p->soft = (const unsigned char *)PyBytes_AS_STRING(soft);
         p->soft_n = PyBytes_GET_SIZE(soft);
+    }
+    p->vfree = NULL;
+    if (PyBytes_Check(vfree)) {
+        if (PyBytes_GET_SIZE(vfree) != p->nb * 8) {
+            PyErr_SetString(PyExc_ValueError, "run: bad value_free table");
+            return -1;
+        }
+        p->vfree = (const int64_t *)PyBytes_AS_STRING(vfree);
     }
     p->lstrip = NULL;
     if (PyBytes_Check(lstrip)) {
@@ -622,7 +633,9 @@ step_lstrip(const plan_t *p, PyObject **items, const int64_t *arr, Py_ssize_t T)
 /* Step 5: the key tables (FastMasker._tables): per entry its symbol (code * 4 + the run's
  * shape: none, run, header, header + text), its meta word (symbol << 16 | the header ids the
  * key holds) and how many of its ids the key takes: a DECODE run its first budget ids (and
- * whether it is longer: budget + 1), a split header its ids, a content run none. */
+ * whether it is longer: budget + 1), or none where nothing reads it (vfree: its length
+ * class, 0 empty, 1 within the budget, 2 longer), a split header its ids, a content run
+ * none. */
 static void
 step_tables(const plan_t *p, Py_ssize_t T)
 {
@@ -637,8 +650,12 @@ step_tables(const plan_t *p, Py_ssize_t T)
             take = vlen = h - a;
         } else if (s->cls[t] == G_DECODE) {
             int64_t b = p->budget[k];
-            take = glen < b ? glen : b;
-            vlen = glen < b + 1 ? glen : b + 1;
+            if (p->vfree != NULL && p->vfree[k]) {
+                vlen = (glen > 0) + (glen > b);
+            } else {
+                take = glen < b ? glen : b;
+                vlen = glen < b + 1 ? glen : b + 1;
+            }
         }
         if (!p->has_values)
             take = vlen = 0;

@@ -357,6 +357,8 @@ class FastMasker:
             self.enabled = False
             self.disabled = refused
         self.gclass, self.budget = gclass, budget  # (the plan's, for the id markers' codes)
+        vfree = plan.value_free[:k + 1]
+        self.vfree = vfree if vfree.any() else None
         self.has_split = plan.has_split
         lstrip = None if plan.lstrip_code is None else plan.lstrip_code[:k + 1]
         self.lstrip_code = lstrip if lstrip is not None and lstrip.any() else None
@@ -430,7 +432,8 @@ class FastMasker:
                 self.gclass.astype(np.int64).tobytes(), self.budget.astype(np.int64).tobytes(),
                 lstrip, LSTRIP_MAX, self.unk_code, soft,
                 self.split_c if self.has_split else None, self.space_memo,
-                self.has_values, self._gen_table(), self.auto.table, self.auto.end_flags)
+                self.has_values, self._gen_table(), self.auto.table, self.auto.end_flags,
+                None if self.vfree is None else self.vfree.astype(np.int64).tobytes())
 
     def _prefixes_apply(self, spec) -> bool:
         """Whether a learning parse also teaches the memo its items cut after each content
@@ -957,7 +960,9 @@ class FastMasker:
         """The memo's tables of a symbol stream (the plan's last step; C ``step_tables``):
         per entry its symbol (``code * 4`` + the run's shape), its meta word and header ids
         (the item key: a ``DECODE`` run's first ``budget`` ids, and whether it is longer, as
-        :meth:`IdPlan.header_value` reads it; a split header's ids; nothing of a content
+        :meth:`IdPlan.header_value` reads it, except a header nothing reads
+        (:attr:`IdPlan.value_free`), whose length class alone is its meta word's length:
+        0 empty, 1 within the budget, 2 longer; a split header's ids; nothing of a content
         run), its slots (marker start, run start, header end)."""
         P, Kx, mend = st.P, st.K, st.mend
         N = len(arr)
@@ -973,6 +978,11 @@ class FastMasker:
             bud = np.where(dec, self.budget[Kx], 0)
             take = np.minimum(glen, bud)
             vlen = np.minimum(glen, bud + dec)
+            if self.vfree is not None:
+                # a header nothing reads (IdPlan.value_free): its length class alone
+                fr = dec & self.vfree[Kx]
+                take[fr] = 0
+                vlen[fr] = (glen[fr] > 0).astype(np.int64) + (glen[fr] > bud[fr])
             if self.has_split:
                 sp = st.cls == SPLIT
                 take[sp] = vlen[sp] = (split_at - mend)[sp]
@@ -1433,15 +1443,18 @@ class FastMasker:
         toks = self.lexplan.tokens(a, st) if ok else None
         ok = ok and self._same_tokens(toks, syms, B)
         if ok and self.has_values:
-            ok = [t[3] for t in toks if t[0] in (TEXT, HEADER) and t[3] is not None] == \
-                self._key_reads(lexed, b0, b1, syms)
+            # (None: a header nothing reads, keyed by its length class, checked by the tables)
+            got = [t[3] for t in toks if t[0] in (TEXT, HEADER) and t[3] is not None]
+            keyed = self._key_reads(lexed, b0, b1, syms)
+            ok = len(got) == len(keyed) and all(k is None or k == g for g, k in zip(got, keyed))
         if not ok:
             raise VerifyError(f"{self.fmt.name}: the vectorised lexer disagrees with the "
                               f"reference lexer on a sample of {len(a)} ids")
         return True
 
     def _key_reads(self, lexed, b0: int, b1: int, syms: list) -> list[str]:
-        """The header texts symbols ``b0:b1`` read, from their item-key ids alone."""
+        """The header texts symbols ``b0:b1`` read, from their item-key ids alone (None for
+        a header nothing reads: the key holds its length class only)."""
         meta = np.frombuffer(lexed[1], dtype=np.int64)
         vals = np.frombuffer(lexed[2], dtype=np.int64)
         off, plan = lexed[3], self.lexplan
@@ -1449,7 +1462,9 @@ class FastMasker:
         for t in range(b0, b1):
             code, vlen = syms[t - b0] >> 2, int(meta[t]) & 0xFFFF
             ids = vals[off[t]:off[t + 1]]
-            if vlen and plan.gclass[code] == DECODE:
+            if vlen and plan.value_free[code]:
+                out.append(None)
+            elif vlen and plan.gclass[code] == DECODE:
                 out.append(plan.header_value(ids, 0, vlen, int(plan.budget[code])))
             elif vlen and plan.gclass[code] == SPLIT:
                 out.append(self.adapter.decode(ids.tolist()))

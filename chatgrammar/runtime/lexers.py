@@ -39,6 +39,9 @@ class LexConfig:
     marker_prefixes: frozenset = frozenset()
     longest_marker: int = 0
     lstrip: frozenset = frozenset()          # terminals that absorb whitespace before them
+    # openers whose header's text nothing reads (value_free_openers): a memo key holds its
+    # length class, not its ids
+    value_free: frozenset = frozenset()
 
     @classmethod
     def from_spec(cls, spec: FormatSpec) -> "LexConfig":
@@ -77,7 +80,55 @@ class LexConfig:
         cfg = cls(marker_text, special, split_after, decode_after, split_max, regex, by_text,
                   prefixes, max((len(t) for t in texts), default=0))
         cfg.lstrip = frozenset(term_name(n) for n, m in spec.markers.items() if m.lstrip)
+        cfg.value_free = value_free_openers(spec)
         return cfg
+
+
+def value_free_openers(spec: FormatSpec) -> frozenset:
+    """The opener terminals whose header's text (the run after them, read as a header) can
+    change neither a mask nor whether the input parses: every element they open has a header
+    that ends at a marker and sets nothing that reads its text (no ``pattern``, ``attributes``,
+    ``trained_after``, header ``markers``, ``until_text`` or any key not known here: every
+    other header key at its default), and no ``tag``, ``kind_by_tag``, ``kind_by_attr`` or
+    ``lead``; the marker has no other use in the spec (no close, ``after``, inner, header,
+    preamble or between-turn marker); and no element without an opener reads a header (its
+    run may be read as between-turn text). Such a header's text only becomes the span's
+    ``header`` (the role comes from the opener or the element, no policy reads it), so the
+    item memo keys it by its length class alone (``IdPlan.value_free``). Conservative: any
+    other use, or a spec key this rule does not know, makes the value matter.
+
+    Args:
+        spec: the compiled format spec.
+
+    Returns:
+        The terminal names (``term_name``) of those openers.
+
+    Example:
+        >>> sorted(value_free_openers(load_format("kimi-k2").spec))  # doctest: +SKIP
+        ['IM_ASSISTANT', 'IM_SYSTEM', 'IM_USER', 'MEDIA_START', 'TC_BEGIN']
+    """
+    from ..core.spec import Header
+    if any(not el.open and el.header is not None for el in spec.elements.values()):
+        return frozenset()
+    hdef = {k: f.get_default(call_default_factory=True) for k, f in Header.model_fields.items()}
+    free: dict[str, bool] = {}
+    other: set = set(spec.between_markers) | {p for p in spec.preamble if p in spec.markers}
+    for el in spec.elements.values():
+        other.update(el.inner_markers)
+        for h in (el.header, el.close.header if el.close else None):
+            if h is not None:
+                other.update(h.markers)
+                other.update([h.until] if h.until else [])
+        if el.close is not None:
+            other.update(el.close.markers + el.close.after + el.close.follow_after)
+        h = el.header
+        plain = (h is not None and h.until is not None and not el.lead and el.tag is None
+                 and not el.kind_by_tag and not el.kind_by_attr
+                 and all(getattr(h, k) == v for k, v in hdef.items()
+                         if k not in ("until", "required", "max_tokens")))
+        for m in el.open:
+            free[m] = free.get(m, True) and plain
+    return frozenset(term_name(m) for m, ok in free.items() if ok and m not in other)
 
 
 def _opener_less_starts(spec: FormatSpec, name: str) -> set:
@@ -283,6 +334,12 @@ class IdPlan:
         self.gclass = np.asarray([r[0] for r in rules], dtype=np.int64)
         self.budget = np.asarray([r[1] for r in rules], dtype=np.int64)
         self.by_code = rules  # the same, as Python ints (per marker)
+        # per code: a header whose text nothing reads (LexConfig.value_free): the memo's key
+        # holds its length class (empty, within the budget, longer), not its ids
+        self.value_free = np.asarray(
+            [False] + [r[0] == DECODE and t in cfg.value_free
+                       for r, t in zip(rules[1:], self.terms)] + [False] * len(self.soft_terms),
+            dtype=bool)
         self.has_split = bool((self.gclass == SPLIT).any())
         self.delim = {i: cfg.split_after[t] for i, t in enumerate(self.terms, start=1)
                       if t in cfg.split_after}
