@@ -903,6 +903,13 @@ def targets(results: dict) -> list[tuple[str, str, bool]]:
 HISTORY_ROWS = (*(CLASS_LABEL[c] for c in CLASSES if c != "never repeating"),
                 "text mode against the regex")
 HISTORY = (
+    ("docs/performance.md at 89291e2 (session 9's final main, a quiet machine: load average\n"
+     "1.05 -> 1.01; kimi-k3 rounds: truncated 4.77 3.99 4.21). Since then C runs the plan's one\n"
+     "merge step for step (`_speedups.symbols` is gone), eager cut learning is bounded on data\n"
+     "whose items never repeat, a header nothing reads is keyed by its length class only, and an\n"
+     "lstrip marker absorbs up to 64 blank ids:",
+     ((4.25, 6.03), (4.54, 4.21), (5.76, 7.45), (4.64, 6.85), (4.86, 6.84), (4.14, 5.92),
+      (8.12, 11.63), (0.83, 1.05), (1.60, 1.19))),
     ("docs/performance.md at 2d7032e (session 8's final main, a quiet machine: load average\n"
      "0.5 -> 1.0; kimi-k3 rounds: truncated 3.14 2.58 3.36). Since then a cut item is learned by\n"
      "resuming a driver configuration saved during an earlier parse (Driver.run(saves=...) /\n"
