@@ -26,27 +26,24 @@ from xdist.scheduler import LoadScopeScheduling
 # run of the whole suite; `python tools/suite_cost.py` re-measures). Only the order of the
 # work and where the heavy files are cut depend on them: a stale figure costs balance, never
 # a test. A file not listed counts CPU_PER_TEST per test. Measured on the merged tree of
-# session 9 (one quiet-machine run of the whole suite, CHATGRAMMAR_TEST_COSTLOG); session 10
-# (S10A): test_formats and test_new_families scaled by their single-process before/after
-# CPU-s on a loaded machine (test_formats 149 -> 112.5 in one pair of runs, 156 -> 140 run
-# side by side; test_new_families 17.7 -> 15.6), not yet re-measured in a whole-suite run.
+# session 10 (one quiet-machine run of the whole suite, CHATGRAMMAR_TEST_COSTLOG).
 COST = {
-    "tests/test_formats.py": 125,
-    "tests/test_fastpath.py": 89,
-    "tests/test_wild.py": 78,
-    "tests/test_fuzz.py": 61,
-    "tests/test_reliability.py": 57,
-    "tests/test_speedups.py": 44,
-    "tests/test_properties.py": 44,
-    "tests/test_one_engine.py": 35,
-    "tests/test_infer.py": 32,
-    "tests/test_integration_trl.py": 28,
-    "tests/test_cli.py": 20,
-    "tests/test_textpath.py": 19,
-    "tests/test_mask_cli.py": 18,
-    "tests/test_hf.py": 16,
-    "tests/test_new_families.py": 12,
-    "tests/test_detect.py": 10,
+    "tests/test_formats.py": 139,
+    "tests/test_fastpath.py": 96,
+    "tests/test_wild.py": 90,
+    "tests/test_one_engine.py": 66,
+    "tests/test_fuzz.py": 59,
+    "tests/test_reliability.py": 52,
+    "tests/test_properties.py": 45,
+    "tests/test_speedups.py": 42,
+    "tests/test_integration_trl.py": 27,
+    "tests/test_infer.py": 24,
+    "tests/test_cli.py": 17,
+    "tests/test_hf.py": 17,
+    "tests/test_textpath.py": 17,
+    "tests/test_mask_cli.py": 16,
+    "tests/test_detect.py": 11,
+    "tests/test_new_families.py": 11,
 }
 CPU_PER_TEST = 0.05
 CHUNK_CPU_S = 25.0
