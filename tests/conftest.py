@@ -136,9 +136,12 @@ BY_FORMAT = ("tests/test_formats.py::", "tests/test_new_families.py::")
 # format's generic tokenizers (tests.fuzz_tokenizers.format_encoding: a tiktoken build over
 # Qwen's 151k ranks each, soft markers as ids and as text) are built once per format, not once
 # per test; each test still starts from the format's fresh per-tokenizer state and memos
-# (``_release_between_formats``), as when they ran test by test over all formats
+# (``_release_between_formats``), as when they ran test by test over all formats.
+# test_one_engine's two all-format tests (C == builder == numpy) read test_fastpath's
+# ``_samples``, kept for the current format only: run format by format, they share one build
+# of each format's renders and encodings (~0.4 CPU-s a format) instead of two
 FRESH_PER_TEST = ("tests/test_fastpath.py::", "tests/test_reliability.py::",
-                  "tests/test_fuzz.py::")
+                  "tests/test_fuzz.py::", "tests/test_one_engine.py::")
 
 
 def pytest_collection_modifyitems(config, items):
