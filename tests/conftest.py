@@ -139,9 +139,11 @@ BY_FORMAT = ("tests/test_formats.py::", "tests/test_new_families.py::")
 # (``_release_between_formats``), as when they ran test by test over all formats.
 # test_one_engine's two all-format tests (C == builder == numpy) read test_fastpath's
 # ``_samples``, kept for the current format only: run format by format, they share one build
-# of each format's renders and encodings (~0.4 CPU-s a format) instead of two
+# of each format's renders and encodings (~0.4 CPU-s a format) instead of two; the same for
+# test_speedups' tests over formats (chatml, llama2, the kimis: in three to five tests each)
 FRESH_PER_TEST = ("tests/test_fastpath.py::", "tests/test_reliability.py::",
-                  "tests/test_fuzz.py::", "tests/test_one_engine.py::")
+                  "tests/test_fuzz.py::", "tests/test_one_engine.py::",
+                  "tests/test_speedups.py::")
 
 
 def pytest_collection_modifyitems(config, items):
