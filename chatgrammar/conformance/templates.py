@@ -435,6 +435,9 @@ class _RenderMemo(_LRU):
 #: Renders that ran out of time in this process, ever: a case check that met one is not kept
 #: by :data:`_CHECKS` (a longer limit, or a less loaded machine, may finish it).
 _TIMEOUTS = [0]
+#: Case checks that may have tried the variables' values as closing tails (_message_starts),
+#: ever: such a check is kept by :data:`_CHECKS` for the same variables only.
+_TAILS_READ = [0]
 
 
 _RENDERS = _RenderMemo()
@@ -660,6 +663,8 @@ def _message_starts(R: str, r: Any, n: int, variables: dict, openers: Any,
         # the rendering with a generation prompt only matters where R does not start with b
         # (_prefix_in reads it nowhere else): not rendered for the others
         g = None if b is None or R.startswith(b) else r(k, True)
+        if g is not None:
+            _TAILS_READ[0] += 1  # _prefix_in may try the tails (the variables' values)
         P[k], t = _prefix_in(b, R, marker_rx, tails, g)
         tail = tail or t
     return P, tail, suffix
@@ -797,27 +802,31 @@ def _checked_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
                   synth: MarkerTokenizer, tokenizer: Any, timeout: float | None,
                   accepted: dict[str, str]) -> CaseResult:
     """:func:`_check_case`, memoised by content in :data:`_CHECKS` (format spec, template,
-    conversation, flags, variables, accepted deviations). Not memoised: a check with a real
-    tokenizer, a template whose renders vary (:meth:`_RenderMemo.key_of`), and a check during
-    which a render ran out of time (its answer depends on the limit and the machine's load)."""
+    conversation, flags, the variables the template names, accepted deviations). Not
+    memoised: a check with a real tokenizer, a template whose renders vary
+    (:meth:`_RenderMemo.key_of`), and a check during which a render ran out of time (its
+    answer depends on the limit and the machine's load).
+
+    The other variables change no rendering; their values matter only as the closing tails
+    :func:`_message_starts` tries where a rendering of the first messages is not a prefix of
+    the whole one. An entry made without reading the tails serves any variables; one that
+    read them, only the same variables."""
     rkey = None if tokenizer is not None else _RenderMemo.key_of(template, case, variables)
-    if rkey is None:
-        return _check_case(fmt, template, case, variables, synth, tokenizer, timeout, accepted)
     try:
-        # every variable counts here, named by the template or not: their values are the
-        # closing tails the location of messages tries (_message_starts)
         facts = json.dumps([variables, accepted], sort_keys=True, ensure_ascii=False)
     except (TypeError, ValueError):
+        rkey = None
+    if rkey is None:
         return _check_case(fmt, template, case, variables, synth, tokenizer, timeout, accepted)
     key = rkey + (_format_key(fmt), case.name, case.description, case.add_generation_prompt,
-                  facts)
+                  json.dumps(accepted, sort_keys=True, ensure_ascii=False))
     hit = _CHECKS.get(key)
-    if hit is not None:
-        return _copy_case(hit)
-    timeouts = _TIMEOUTS[0]
+    if hit is not None and hit[1] in (None, facts):
+        return _copy_case(hit[0])
+    timeouts, tails = _TIMEOUTS[0], _TAILS_READ[0]
     res = _check_case(fmt, template, case, variables, synth, tokenizer, timeout, accepted)
     if _TIMEOUTS[0] == timeouts:
-        _CHECKS.put(key, _copy_case(res))
+        _CHECKS.put(key, (_copy_case(res), None if _TAILS_READ[0] == tails else facts))
     return res
 
 
