@@ -1151,3 +1151,23 @@ def test_a_marker_written_after_a_call_in_place_of_the_terminator_ends_the_turn(
     assert any("get_weather" in t for t in conv.trained_text(OUTPUT_POLICY))
     assert not any("get_weather" in t for t in conv.trained_text(
         OUTPUT_POLICY.replace(tool_calls=False)))
+
+
+def test_a_saved_parts_only_spec_is_validated_with_text_parts(tmp_path, capsys):
+    # a saved inferred spec has no `verification`: `chatgrammar infer -o` writes the content
+    # shape it was verified with into SPEC.tests.yaml (`content: parts`), so `chatgrammar
+    # validate SPEC --template T` checks the saved spec over the same parts matrix; without it,
+    # the string matrix renders no message text and every case fails
+    from chatgrammar.conformance.templates import content_shape
+
+    tpl = str(TEMPLATES / "wild" / "Timestep-AI-timestep.jinja")
+    spec = tmp_path / "ts.yaml"
+    assert main(["infer", tpl, "--var", "eos_token=<|im_end|>", "-o", str(spec)]) == 0
+    assert "ts.tests.yaml" in capsys.readouterr()[0]
+    assert "content: parts" in spec.read_text(encoding="utf-8")   # said in the spec's header
+    saved = cg.load_format(spec)
+    assert _facts_of(saved)["content"] == "parts" and content_shape(saved) == "parts"
+    assert main(["validate", str(spec), "--template", tpl, "--var", "eos_token=<|im_end|>"]) == 0
+    capsys.readouterr()
+    (tmp_path / "ts.tests.yaml").unlink()
+    assert main(["validate", str(spec), "--template", tpl, "--var", "eos_token=<|im_end|>"]) == 1

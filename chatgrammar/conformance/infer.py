@@ -2518,6 +2518,12 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
     header = (f"# {name}: inferred by chatgrammar.infer_format from a chat template "
               f"(sha256 {name[9:]}…).\n# Review it, then rename it and add detect: / examples: "
               "to bundle it (docs/inference.md).\n")
+    if probe.parts:
+        # the spec language has no key for it: the saved spec's test facts carry it, so that
+        # `chatgrammar validate SPEC --template T` checks it as it was verified
+        header += ("# Verified with message content as lists of text parts (the template "
+                   "prints no string content):\n# its .tests.yaml says `content: parts` "
+                   "(chatgrammar infer -o writes it).\n")
     first_problem: InferenceError | None = None
     fallback = None   # a candidate that refuses only the tool shapes (a located ParseError)
     for cand in _variants(spec):
