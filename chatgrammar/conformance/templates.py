@@ -513,6 +513,26 @@ def _prefix_in(b: str | None, R: str, marker_rx: re.Pattern | None,
     return None, ""
 
 
+def _switch_before_header(g: str, m: str, marker_rx: re.Pattern | None) -> int:
+    """Where the header starts in a generation prompt ``g`` that writes a switch before it,
+    which history replies lack (LongCat-Flash-Chat prompts with ``' /think_on ASSISTANT:'``
+    and renders a reply ``' ASSISTANT:A'``): the offset ``j > 0`` of ``g`` from which it shares
+    the most with the message's rendering ``m``, more than ``g``'s own start does, when that
+    shared part holds more than whitespace and ``g[:j]`` is words (no marker). Else 0.
+    Whatever ``g`` holds is prompt text, so the shared part is never output either."""
+    def shared(j: int) -> int:
+        return len(os.path.commonprefix([m[:len(g) - j], g[j:]]))
+
+    base, best, at = shared(0), 0, 0
+    for j in range(1, len(g)):
+        k = shared(j)
+        if k > best:
+            best, at = k, j
+    if not at or best <= base or not m[:best].strip() or not g[:at].strip():
+        return 0
+    return 0 if marker_rx is not None and marker_rx.search(g[:at]) else at
+
+
 class _Openers:
     """Which marker strings are the role header of a turn (turn openers, header terminators,
     header markers) and which belong to the body's structure (everything else)."""
@@ -855,6 +875,11 @@ class _Locator:
             # the rendering of the previous messages)
             while s < e and R[s].isspace() and not R.startswith(g, s):
                 s += 1
+        j = _switch_before_header(g, R[s:e], rx) if not R.startswith(g, s) else 0
+        if j:
+            res.notes.append(f"the generation prompt {_show(g)} writes {_show(g[:j])} before "
+                             "the header the message is rendered with: prompt text, not output")
+            g = g[j:]
         if not R.startswith(g, s):
             # The template prompts with more than it renders for this message (a prefilled
             # "<think>\n" that history turns do not repeat): the header is the common part.
