@@ -1128,11 +1128,40 @@ def test_round_counter_in_the_user_header():
     # a round header is never an assistant turn, whatever its number
     with pytest.raises(cg.ParseError):
         fmt.parse("[Round 0] USER:Hi ASSISTANT:Hello</longcat_s> [Round x] USER:Bye")
-    # the real template is refused for another reason than the counter: its thinking
-    # switches write '/think_on' before the assistant header, which history replies lack
-    with pytest.raises(cg.InferenceError) as exc:
-        cg.infer_format(_read("wild/meituan-longcat-LongCat-Flash-Chat.jinja"), **kw)
-    assert "render their header differently" not in str(exc.value)
+
+
+def test_a_thinking_switch_written_before_the_assistant_header():
+    # LongCat-Flash-Chat's prompts write a switch in words before the assistant header that
+    # history replies lack: ' /think_on ASSISTANT:<longcat_think>\n', ' /think_off
+    # ASSISTANT:<longcat_think>\n\n</longcat_think>\n', replies ' ASSISTANT:A</longcat_s>'.
+    # The switch is prompt text (read as the user turn's), the header is never output (the
+    # checker's oracle: whatever the prompt writes is prompt, also where it writes it after a
+    # switch), and the prompt's final turn is what follows the switch
+    from chatgrammar.conformance.matrix import get_case
+    from chatgrammar.conformance.templates import check_template
+
+    kw = {"bos_token": "<longcat_s>", "eos_token": "</longcat_s>"}
+    tpl = _read("wild/meituan-longcat-LongCat-Flash-Chat.jinja")
+    fmt = cg.infer_format(tpl, **kw)
+    v = fmt.verification
+    assert {"reasoning-thinking-on", "reasoning-thinking-off",
+            "generation-prompt-thinking-off", "multi-turn"} <= set(v.checked), v.summary()
+    msgs = TWO_EXCHANGES[:1]
+    for think, after in ((True, "<longcat_think>\n"),
+                         (False, "<longcat_think>\n\n</longcat_think>\n")):
+        text = render_chat(tpl, msgs, add_generation_prompt=True, enable_thinking=think, **kw)
+        assert text.endswith(" ASSISTANT:" + after) and "/think_" in text
+        conv = fmt.parse(text)
+        assert not "".join(conv.trained_text(OUTPUT_POLICY)).strip()
+        assert not "".join(conv.trained_text(OUTPUT_POLICY.replace(
+            last_turn_only=True))).strip()
+    text = render_chat(tpl, TWO_EXCHANGES, enable_thinking=True, **kw)
+    assert fmt.parse(text).trained_text() == ["Hello there", "Later"]
+    # the oracle: with the switch, the reply's header is not output (it is in the prompt)
+    res = check_template(fmt, tpl, variables=kw, cases=[get_case("reasoning-thinking-on")])
+    assert res.ok and any("before the header" in n for c in res.cases for n in c.notes)
+    # a tool result is refused (a located ParseError), never trained
+    assert {c for c, _ in v.refused} >= {"tool-call", "parallel-tool-calls"}
 
 
 def test_a_marker_written_after_a_call_in_place_of_the_terminator_ends_the_turn():
@@ -1151,3 +1180,23 @@ def test_a_marker_written_after_a_call_in_place_of_the_terminator_ends_the_turn(
     assert any("get_weather" in t for t in conv.trained_text(OUTPUT_POLICY))
     assert not any("get_weather" in t for t in conv.trained_text(
         OUTPUT_POLICY.replace(tool_calls=False)))
+
+
+def test_a_saved_parts_only_spec_is_validated_with_text_parts(tmp_path, capsys):
+    # a saved inferred spec has no `verification`: `chatgrammar infer -o` writes the content
+    # shape it was verified with into SPEC.tests.yaml (`content: parts`), so `chatgrammar
+    # validate SPEC --template T` checks the saved spec over the same parts matrix; without it,
+    # the string matrix renders no message text and every case fails
+    from chatgrammar.conformance.templates import content_shape
+
+    tpl = str(TEMPLATES / "wild" / "Timestep-AI-timestep.jinja")
+    spec = tmp_path / "ts.yaml"
+    assert main(["infer", tpl, "--var", "eos_token=<|im_end|>", "-o", str(spec)]) == 0
+    assert "ts.tests.yaml" in capsys.readouterr()[0]
+    assert "content: parts" in spec.read_text(encoding="utf-8")   # said in the spec's header
+    saved = cg.load_format(spec)
+    assert _facts_of(saved)["content"] == "parts" and content_shape(saved) == "parts"
+    assert main(["validate", str(spec), "--template", tpl, "--var", "eos_token=<|im_end|>"]) == 0
+    capsys.readouterr()
+    (tmp_path / "ts.tests.yaml").unlink()
+    assert main(["validate", str(spec), "--template", tpl, "--var", "eos_token=<|im_end|>"]) == 1

@@ -81,9 +81,19 @@ def _cpu_seconds(pid: int) -> float | None:
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()[:80]
+            return f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()[:300]
     except OSError:
         return "?"
+
+
+def _ppid(pid: int) -> int | None:
+    """The parent of ``pid``: which process forked or spawned it (a datasets ``num_proc``
+    fork of an xdist worker and a Ray worker have the same interpreter command line)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def measure(cmd: list[str], interval: float = 0.5) -> dict:
@@ -97,7 +107,8 @@ def measure(cmd: list[str], interval: float = 0.5) -> dict:
         A dict: ``rc``, ``wall_s``, ``peak_pss_mb`` and ``peak_rss_mb`` (largest sums over the
         tree in one sample), ``at_peak`` (when the PSS peak was sampled and each process's PSS
         then), ``processes`` (per pid: ``cmd``, ``cpu_s`` at its last sample,
-        ``peak_pss_mb``, ``peak_rss_mb``).
+        ``ppid``, ``peak_pss_mb``, ``peak_rss_mb``; the command up to 300 characters, so that
+        e.g. Ray's agents are told apart).
 
     Raises:
         OSError: the command cannot be started.
@@ -118,7 +129,8 @@ def measure(cmd: list[str], interval: float = 0.5) -> dict:
             pss = _kb(f"/proc/{pid}/smaps_rollup", "Pss:")
             rss = _kb(f"/proc/{pid}/status", "VmRSS:")
             cpu = _cpu_seconds(pid)
-            entry = procs.setdefault(pid, {"cmd": _cmdline(pid), "cpu_s": 0.0,
+            entry = procs.setdefault(pid, {"cmd": _cmdline(pid), "ppid": _ppid(pid),
+                                           "cpu_s": 0.0,
                                            "peak_pss_mb": 0.0, "peak_rss_mb": 0.0})
             if cpu is not None:
                 entry["cpu_s"] = cpu
@@ -147,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(cmd, args.interval)
     for pid, p in sorted(result["processes"].items()):
         print(f"{pid:>8} {p['cpu_s']:8.1f} CPU-s  PSS {p['peak_pss_mb']:7.0f} MB  "
-              f"RSS {p['peak_rss_mb']:7.0f} MB  {p['cmd']}")
+              f"RSS {p['peak_rss_mb']:7.0f} MB  ppid {p['ppid']}  {p['cmd'][:100]}")
     print(f"wall {result['wall_s']} s, CPU {sum(p['cpu_s'] for p in result['processes'].values()):.1f}"
           f" s, summed peak PSS {result['peak_pss_mb']:.0f} MB (RSS {result['peak_rss_mb']:.0f} MB)"
           f", rc {result['rc']}")

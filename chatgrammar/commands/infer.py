@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{fmt.name}: written to {args.output}")
         facts = _test_facts(fmt, Path(args.output))
         if facts:
-            print(f"{fmt.name}: its refused shapes / accepted deviations written to {facts} "
+            print(f"{fmt.name}: its test facts (refused shapes, accepted deviations, content "
+                  f"shape) written to {facts} "
                   "(chatgrammar validate reads them)")
     else:
         sys.stdout.write(fmt.spec_yaml)
@@ -99,8 +100,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _test_facts(fmt, spec_path: Path) -> Path | None:
     """Beside a written spec, the ``.tests.yaml`` that tells ``chatgrammar validate`` the tool
-    shapes the inferred format refuses on purpose (``refused:``) and the deviation it accepts
-    (``accepted:``), so the saved spec validates as it was verified; None when there is
+    shapes the inferred format refuses on purpose (``refused:``), the deviation it accepts
+    (``accepted:``) and the content shape it was verified with (``content: parts``), so the
+    saved spec validates as it was verified; None when there is
     nothing to say or such a file exists already (never overwritten)."""
     import yaml
 
@@ -113,6 +115,10 @@ def _test_facts(fmt, spec_path: Path) -> Path | None:
         data["refused"] = {case: why for case, why in v.refused}
     if v.deviations:
         data["accepted"] = dict(ACCEPTED)
+    if v.content == "parts":
+        # the template prints content only as text parts: check_template's default matrix
+        # for the saved spec gives it so (conformance.templates.content_shape)
+        data["content"] = "parts"
     path = tests_path(spec_path)
     if not data or path.exists():
         return None

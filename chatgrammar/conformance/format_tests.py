@@ -30,6 +30,9 @@ Schema (every key optional)::
                                    # also checked with system messages removed
     content_parts: true            # the template reads content parts only: the matrix is also
                                    # checked with string contents turned into text parts
+    content: parts                 # the matrix check_template runs by default gives content
+                                   # as text parts only (an inferred spec saved by
+                                   # `chatgrammar infer -o`, verified so); default "string"
     rejects_tool_messages: "why"   # every tool conversation is a located ParseError by design
     rejects_consecutive_tool_messages: "why"   # two tool results in a row are (hunyuan)
       repeated-prompt: "docs/formats.md, harmony: what is not trained"
@@ -59,7 +62,7 @@ TESTS_SUFFIX = ".tests.yaml"
 ACCEPTED_SHAPES = ("repeated-prompt", "unclosed-whitespace")
 
 _TOP = {"templates", "special_ids", "tokenizers", "accepted", "refused", "no_system",
-        "content_parts", "rejects_tool_messages", "rejects_consecutive_tool_messages"}
+        "content_parts", "content", "rejects_tool_messages", "rejects_consecutive_tool_messages"}
 _TEMPLATE = {"file", "vars", "main", "main_vars", "content_as_parts", "note", "special_ids"}
 
 
@@ -131,6 +134,8 @@ def check_tests(data: Any, file: str = "<tests.yaml>") -> list[str]:
     for flag in ("no_system", "content_parts"):
         if not isinstance(data.get(flag, False), bool):
             out.append(f"{file}: {flag} is true or false")
+    if data.get("content", "string") not in ("string", "parts"):
+        out.append(f"{file}: content is `string` or `parts`")
     return out
 
 

@@ -1583,12 +1583,29 @@ def _prompts_and_plain_text(spec: dict, sh: _Shape, h_a: str, betweens: list) ->
     # '<|CHATBOT_TOKEN |>', the turn's opener): the final turn is what follows it
     gens = list(dict.fromkeys(gens + [g[len(b):] for g in gens for b in betweens
                                       if g.startswith(b) and g[len(b):].strip()]))
+    gens = list(dict.fromkeys(gens + _switched_prompts(gens, h_a)))
     if gens:
         spec["generation_prompt"] = gens
     if sh.plain_calls:
         spec["plain_text_tool_calls"] = True
     if sh.plain_reasoning:
         spec["plain_text_reasoning"] = True
+
+
+def _switched_prompts(gens: list, h_a: str) -> list:
+    """A prompt that writes a switch in words before the assistant header, which history
+    replies lack (LongCat-Flash-Chat's ``/think_off ASSISTANT:<longcat_think>…``, replies
+    `` ASSISTANT:A``): the switch is read as the last turn's text, so the prompt's final turn
+    is what follows it, from the header on (with the whitespace before it, and without)."""
+    head = h_a.strip()
+    out = []
+    for g in gens:
+        at = g.find(head) if head else -1
+        if at <= 0 or not g[:at].strip() or _MARKERISH.search(g[:at]):
+            continue
+        ws = len(g[:at]) - len(g[:at].rstrip())
+        out += [g[at:], g[at - ws:]] if ws else [g[at:]]
+    return out
 
 
 def _design(lex: _Lexicon, sh: _Shape, h_a: str, tokenizer: Any, name: str) -> dict:
@@ -2518,6 +2535,12 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
     header = (f"# {name}: inferred by chatgrammar.infer_format from a chat template "
               f"(sha256 {name[9:]}…).\n# Review it, then rename it and add detect: / examples: "
               "to bundle it (docs/inference.md).\n")
+    if probe.parts:
+        # the spec language has no key for it: the saved spec's test facts carry it, so that
+        # `chatgrammar validate SPEC --template T` checks it as it was verified
+        header += ("# Verified with message content as lists of text parts (the template "
+                   "prints no string content):\n# its .tests.yaml says `content: parts` "
+                   "(chatgrammar infer -o writes it).\n")
     first_problem: InferenceError | None = None
     fallback = None   # a candidate that refuses only the tool shapes (a located ParseError)
     for cand in _variants(spec):

@@ -46,10 +46,13 @@ Example:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any, Iterable, Sequence
 
 from ..errors import ParseError
@@ -154,11 +157,11 @@ class MarkerTokenizer:
         starts: list[int] = []
         pos = 0
         matches = self._rx.finditer(text) if self._rx else ()
+        shift = self.base.__add__  # (the text between markers is mapped at C speed)
         for m in list(matches) + [None]:
             end = m.start() if m is not None else len(text)
-            for k in range(pos, end):
-                ids.append(self.base + ord(text[k]))
-                starts.append(k)
+            ids.extend(map(shift, map(ord, text[pos:end])))
+            starts.extend(range(pos, end))
             if m is not None:
                 ids.append(self.marker_ids[m.group()])
                 starts.append(m.start())
@@ -340,7 +343,40 @@ def _mask_of(spans: Iterable[tuple[int, int]], n: int) -> bytearray:
 
 # --------------------------------------------------------------------------- the oracle
 
-class _RenderMemo:
+class _LRU:
+    """A bounded, thread-safe memo (least recently used out) whose entries hold no object of
+    the caller's: only strings, numbers and tuples or copies made for it."""
+
+    def __init__(self, size: int) -> None:
+        import collections
+        import threading
+
+        self.size = size
+        self._items: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> Any:
+        """The entry under ``key``, or None."""
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None:
+                self._items.move_to_end(key)
+            return hit
+
+    def put(self, key: tuple, value: Any) -> None:
+        """Keep ``value`` under ``key`` (the oldest entries go past the size)."""
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+
+def _named(variables: dict, template: str) -> dict:
+    """The variables whose name the template's source contains."""
+    return {k: v for k, v in variables.items() if not isinstance(k, str) or k in template}
+
+
+class _RenderMemo(_LRU):
     """Renderings of matrix conversations, shared by every check of the same template in this
     process: detection verifies candidates, inference verifies its variants, then the chosen
     format is checked again, each over the same renderings of the same template (about half of
@@ -353,20 +389,21 @@ class _RenderMemo:
     MAX = 4096
 
     def __init__(self) -> None:
-        import collections
-        import threading
-
-        self._items: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
-        self._lock = threading.Lock()
+        super().__init__(self.MAX)
 
     @staticmethod
     def key_of(template: str, case: MatrixCase, variables: dict) -> tuple | None:
-        """The content key of (template, case, variables), or None where renders vary."""
+        """The content key of (template, case, variables), or None where renders vary. Of the
+        variables and switches, only those the template's source names are in the key: Jinja
+        looks a variable up only by a name written in the source (the sandbox reaches no
+        context by other means), so one it never names cannot change a rendering (detection
+        tries up to six variable sets; a template that prints no ``bos_token`` renders the
+        same under each)."""
         if "strftime_now" in template or "random" in template:
             return None
         try:
-            what = json.dumps([case.messages, case.tools, case.template_kwargs, variables],
-                              sort_keys=True, ensure_ascii=False)
+            what = json.dumps([case.messages, case.tools, _named(case.template_kwargs, template),
+                               _named(variables, template)], sort_keys=True, ensure_ascii=False)
         except (TypeError, ValueError):  # not plain JSON: no reliable content key
             return None
         return (template, what)
@@ -374,28 +411,33 @@ class _RenderMemo:
     def render(self, key: tuple | None, k: int, agp: bool, extra: tuple, render: Any) -> tuple:
         """``("ok", text)`` or ``("error", kind, message, lineno)`` (``kind`` a TemplateError
         kind, or ``"value"`` / ``"type"`` for ValueError / TypeError) of ``render()``, memoised
-        under ``key`` (None: not memoised); a RenderTimeout propagates."""
+        under ``key`` (None: not memoised); a RenderTimeout propagates (and is counted in
+        :data:`_TIMEOUTS`)."""
         full = None if key is None else key + (k, agp, extra)
         if full is not None:
-            with self._lock:
-                hit = self._items.get(full)
-                if hit is not None:
-                    self._items.move_to_end(full)
-                    return hit
+            hit = self.get(full)
+            if hit is not None:
+                return hit
         try:
             out: tuple = ("ok", render())
         except RenderTimeout:
+            _TIMEOUTS[0] += 1
             raise
         except TemplateError as exc:
             out = ("error", exc.kind, exc.message, exc.lineno)
         except (ValueError, TypeError) as exc:
             out = ("error", "value" if isinstance(exc, ValueError) else "type", str(exc), None)
         if full is not None:
-            with self._lock:
-                self._items[full] = out
-                while len(self._items) > self.MAX:
-                    self._items.popitem(last=False)
+            self.put(full, out)
         return out
+
+
+#: Renders that ran out of time in this process, ever: a case check that met one is not kept
+#: by :data:`_CHECKS` (a longer limit, or a less loaded machine, may finish it).
+_TIMEOUTS = [0]
+#: Case checks that may have tried the variables' values as closing tails (_message_starts),
+#: ever: such a check is kept by :data:`_CHECKS` for the same variables only.
+_TAILS_READ = [0]
 
 
 _RENDERS = _RenderMemo()
@@ -513,6 +555,26 @@ def _prefix_in(b: str | None, R: str, marker_rx: re.Pattern | None,
     return None, ""
 
 
+def _switch_before_header(g: str, m: str, marker_rx: re.Pattern | None) -> int:
+    """Where the header starts in a generation prompt ``g`` that writes a switch before it,
+    which history replies lack (LongCat-Flash-Chat prompts with ``' /think_on ASSISTANT:'``
+    and renders a reply ``' ASSISTANT:A'``): the offset ``j > 0`` of ``g`` from which it shares
+    the most with the message's rendering ``m``, more than ``g``'s own start does, when that
+    shared part holds more than whitespace and ``g[:j]`` is words (no marker). Else 0.
+    Whatever ``g`` holds is prompt text, so the shared part is never output either."""
+    def shared(j: int) -> int:
+        return len(os.path.commonprefix([m[:len(g) - j], g[j:]]))
+
+    base, best, at = shared(0), 0, 0
+    for j in range(1, len(g)):
+        k = shared(j)
+        if k > best:
+            best, at = k, j
+    if not at or best <= base or not m[:best].strip() or not g[:at].strip():
+        return 0
+    return 0 if marker_rx is not None and marker_rx.search(g[:at]) else at
+
+
 class _Openers:
     """Which marker strings are the role header of a turn (turn openers, header terminators,
     header markers) and which belong to the body's structure (everything else)."""
@@ -618,7 +680,12 @@ def _message_starts(R: str, r: Any, n: int, variables: dict, openers: Any,
                 R.startswith(b[:len(b) - len(suffix)]):
             P[k] = len(b) - len(suffix)  # the fixed suffix belongs to no message
             continue
-        P[k], t = _prefix_in(b, R, marker_rx, tails, r(k, True))
+        # the rendering with a generation prompt only matters where R does not start with b
+        # (_prefix_in reads it nowhere else): not rendered for the others
+        g = None if b is None or R.startswith(b) else r(k, True)
+        if g is not None:
+            _TAILS_READ[0] += 1  # _prefix_in may try the tails (the variables' values)
+        P[k], t = _prefix_in(b, R, marker_rx, tails, g)
         tail = tail or t
     return P, tail, suffix
 
@@ -714,6 +781,72 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
         res.notes.extend(str(b) for b in conv_ids.boundaries)
     res.notes = list(dict.fromkeys(res.notes))
     res.regions, res.message_starts = regions, dict(loc.P)
+    return res
+
+
+#: Case checks by content, shared by every check in this process: detection verifies a
+#: candidate over the matrix, then ``validate --template`` / ``tools/wild.py`` check the format
+#: taken with the same template, variables and deviations again (inference re-verifies its
+#: chosen spec the same way). Each entry is a private copy of a :class:`CaseResult`; a hit
+#: hands out a fresh copy, so no caller sees another's objects.
+_CHECKS = _LRU(512)
+_FORMAT_KEYS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
+def _format_key(fmt: Format) -> str:
+    """What a case check reads of a format: its spec (the parse, the markers of id mode),
+    hashed once per Format object (held weakly)."""
+    try:
+        hit = _FORMAT_KEYS.get(fmt)
+    except TypeError:  # not weakly referenceable: hashed each time
+        hit = None
+    if hit is None:
+        hit = hashlib.sha256(fmt.spec.model_dump_json().encode("utf-8", "surrogatepass")
+                             ).hexdigest()
+        try:
+            _FORMAT_KEYS[fmt] = hit
+        except TypeError:
+            pass
+    return hit
+
+
+def _copy_case(res: CaseResult) -> CaseResult:
+    """A copy of a case result that shares nothing mutable with it (its items are tuples and
+    strings)."""
+    return replace(res, expected=list(res.expected), found=list(res.found),
+                   notes=list(res.notes), deviations=list(res.deviations),
+                   regions=list(res.regions), message_starts=dict(res.message_starts))
+
+
+def _checked_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
+                  synth: MarkerTokenizer, tokenizer: Any, timeout: float | None,
+                  accepted: dict[str, str]) -> CaseResult:
+    """:func:`_check_case`, memoised by content in :data:`_CHECKS` (format spec, template,
+    conversation, flags, the variables the template names, accepted deviations). Not
+    memoised: a check with a real tokenizer, a template whose renders vary
+    (:meth:`_RenderMemo.key_of`), and a check during which a render ran out of time (its
+    answer depends on the limit and the machine's load).
+
+    The other variables change no rendering; their values matter only as the closing tails
+    :func:`_message_starts` tries where a rendering of the first messages is not a prefix of
+    the whole one. An entry made without reading the tails serves any variables; one that
+    read them, only the same variables."""
+    rkey = None if tokenizer is not None else _RenderMemo.key_of(template, case, variables)
+    try:
+        facts = json.dumps([variables, accepted], sort_keys=True, ensure_ascii=False)
+    except (TypeError, ValueError):
+        rkey = None
+    if rkey is None:
+        return _check_case(fmt, template, case, variables, synth, tokenizer, timeout, accepted)
+    key = rkey + (_format_key(fmt), case.name, case.description, case.add_generation_prompt,
+                  json.dumps(accepted, sort_keys=True, ensure_ascii=False))
+    hit = _CHECKS.get(key)
+    if hit is not None and hit[1] in (None, facts):
+        return _copy_case(hit[0])
+    timeouts, tails = _TIMEOUTS[0], _TAILS_READ[0]
+    res = _check_case(fmt, template, case, variables, synth, tokenizer, timeout, accepted)
+    if _TIMEOUTS[0] == timeouts:
+        _CHECKS.put(key, (_copy_case(res), None if _TAILS_READ[0] == tails else facts))
     return res
 
 
@@ -855,6 +988,11 @@ class _Locator:
             # the rendering of the previous messages)
             while s < e and R[s].isspace() and not R.startswith(g, s):
                 s += 1
+        j = _switch_before_header(g, R[s:e], rx) if not R.startswith(g, s) else 0
+        if j:
+            res.notes.append(f"the generation prompt {_show(g)} writes {_show(g[:j])} before "
+                             "the header the message is rendered with: prompt text, not output")
+            g = g[j:]
         if not R.startswith(g, s):
             # The template prompts with more than it renders for this message (a prefilled
             # "<think>\n" that history turns do not repeat): the header is the common part.
@@ -1075,15 +1213,24 @@ def check_template(fmt: Format, template: str, *, name: str = "template",
     if refused is None:
         refused = dict(tests_for(fmt).get("refused") or {})
     if cases is None:
-        cases = default_matrix(content=content_shape(fmt))
+        cases = _default_cases(content_shape(fmt))
     for case in cases:
         try:
-            res = _check_case(fmt, template, case, vars_, synth, tokenizer, timeout, accepted)
+            res = _checked_case(fmt, template, case, vars_, synth, tokenizer, timeout,
+                                accepted)
         except Exception as exc:  # one broken case must not hide the others' results
             res = CaseResult(case.name, "fail", f"error while checking this case: "
                              f"{type(exc).__name__}: {exc}")
         out.cases.append(_refusal(res, refused))
     return out
+
+
+@lru_cache(maxsize=2)
+def _default_cases(content: str) -> tuple[MatrixCase, ...]:
+    """The built-in matrix in one content shape, copied once: a check only reads its cases
+    (every render rebuilds the messages it is given), so the copies ``default_matrix`` hands
+    out for each call are not needed here."""
+    return tuple(default_matrix(content=content))
 
 
 def content_shape(fmt: Format) -> str:
