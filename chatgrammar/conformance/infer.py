@@ -16,9 +16,7 @@ import hashlib
 import json
 import os
 import re
-import threading
 import warnings
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +26,7 @@ from ..errors import ChatGrammarError, DeviationWarning, InferenceError
 from ..runtime.format import Format
 from .render import RenderTimeout, TemplateError, compile_template, render_chat
 from .folds import declare_folds
+from ..core.memo import LRU
 from ..core.spec import parse_spec
 
 __all__ = ["infer_format", "InferredFormat", "Verification", "CrossCheck", "cross_check"]
@@ -1860,9 +1859,8 @@ ACCEPTED = {"unclosed-whitespace": "docs/inference.md, turns without a terminato
 # ------------------------------------------------------------------------------ the entry
 #: Per-render time limit (seconds) of the probes and of verification.
 TIMEOUT = 10.0
-_CACHE: "OrderedDict[str, tuple[str, Verification]]" = OrderedDict()
 _CACHE_SIZE = 64
-_cache_lock = threading.Lock()
+_CACHE = LRU(_CACHE_SIZE)   # key -> (spec YAML, Verification): data, rebuilt per hit
 
 
 def _key(template: str, variables: dict, tokenizer: Any) -> str:
@@ -2721,10 +2719,7 @@ def infer_format(chat_template: str, *, tokenizer: Any = None, **template_kwargs
         raise InferenceError("the chat template is empty", where="input")
     variables = {**_tokenizer_vars(tokenizer), **template_kwargs}
     key = _key(chat_template, variables, tokenizer)
-    with _cache_lock:
-        hit = _CACHE.get(key)
-        if hit is not None:
-            _CACHE.move_to_end(key)
+    hit = _CACHE.get(key)
     if hit is not None:
         return _warn_deviations(_from_yaml(*hit))
     try:
@@ -2744,10 +2739,7 @@ def infer_format(chat_template: str, *, tokenizer: Any = None, **template_kwargs
     # messages the template writes as another role's turn: declared (spec key role_folds),
     # so a policy they change warns at mask time (chatgrammar.conformance.folds)
     fmt = declare_folds(fmt, chat_template, variables)
-    with _cache_lock:
-        _CACHE[key] = (fmt.spec_yaml, fmt.verification)
-        while len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
+    _CACHE.put(key, (fmt.spec_yaml, fmt.verification))
     return _warn_deviations(fmt)
 
 

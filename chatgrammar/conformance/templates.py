@@ -50,11 +50,11 @@ import hashlib
 import json
 import os
 import re
-import weakref
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Iterable, Sequence
 
+from ..core.memo import LRU, PerObject
 from ..errors import ParseError
 from ..runtime.format import Format
 from .format_tests import ACCEPTED_SHAPES, tests_for
@@ -343,40 +343,12 @@ def _mask_of(spans: Iterable[tuple[int, int]], n: int) -> bytearray:
 
 # --------------------------------------------------------------------------- the oracle
 
-class _LRU:
-    """A bounded, thread-safe memo (least recently used out) whose entries hold no object of
-    the caller's: only strings, numbers and tuples or copies made for it."""
-
-    def __init__(self, size: int) -> None:
-        import collections
-        import threading
-
-        self.size = size
-        self._items: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple) -> Any:
-        """The entry under ``key``, or None."""
-        with self._lock:
-            hit = self._items.get(key)
-            if hit is not None:
-                self._items.move_to_end(key)
-            return hit
-
-    def put(self, key: tuple, value: Any) -> None:
-        """Keep ``value`` under ``key`` (the oldest entries go past the size)."""
-        with self._lock:
-            self._items[key] = value
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
-
-
 def _named(variables: dict, template: str) -> dict:
     """The variables whose name the template's source contains."""
     return {k: v for k, v in variables.items() if not isinstance(k, str) or k in template}
 
 
-class _RenderMemo(_LRU):
+class _RenderMemo(LRU):
     """Renderings of matrix conversations, shared by every check of the same template in this
     process: detection verifies candidates, inference verifies its variants, then the chosen
     format is checked again, each over the same renderings of the same template (about half of
@@ -789,25 +761,13 @@ def _check_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
 #: taken with the same template, variables and deviations again (inference re-verifies its
 #: chosen spec the same way). Each entry is a private copy of a :class:`CaseResult`; a hit
 #: hands out a fresh copy, so no caller sees another's objects.
-_CHECKS = _LRU(512)
-_FORMAT_KEYS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_CHECKS = LRU(512)
 
 
-def _format_key(fmt: Format) -> str:
-    """What a case check reads of a format: its spec (the parse, the markers of id mode),
-    hashed once per Format object (held weakly)."""
-    try:
-        hit = _FORMAT_KEYS.get(fmt)
-    except TypeError:  # not weakly referenceable: hashed each time
-        hit = None
-    if hit is None:
-        hit = hashlib.sha256(fmt.spec.model_dump_json().encode("utf-8", "surrogatepass")
-                             ).hexdigest()
-        try:
-            _FORMAT_KEYS[fmt] = hit
-        except TypeError:
-            pass
-    return hit
+#: What a case check reads of a format: its spec (the parse, the markers of id mode), hashed
+#: once per Format object (held weakly).
+_format_key = PerObject(lambda fmt: hashlib.sha256(
+    fmt.spec.model_dump_json().encode("utf-8", "surrogatepass")).hexdigest())
 
 
 def _copy_case(res: CaseResult) -> CaseResult:

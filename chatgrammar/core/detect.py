@@ -39,12 +39,11 @@ import json
 import os
 import threading
 import warnings
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from .memo import LRU, PerObject
 from ..errors import DetectionError, PrecedenceError  # (PrecedenceError: defined there, re-exported)
 from ..runtime.format import Format
 from ..conformance.format_tests import tests_for
@@ -478,9 +477,7 @@ VERIFY_TIMEOUT = 2.0
 #: (the Llama / Mistral SentencePiece defaults most templates that print them expect).
 _GUESSED_VARS = ({}, {"bos_token": "<s>", "eos_token": "</s>"})
 _VERDICTS_MAX = 1024
-_verdict_lock = threading.Lock()
-_verdicts: "OrderedDict[str, dict]" = OrderedDict()
-_spec_keys: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_verdicts = LRU(_VERDICTS_MAX)
 
 #: What a verdict's ``status`` means, best first.
 VERDICTS = {
@@ -499,24 +496,16 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _spec_key(fmt: Format) -> str:
-    """A format's content: its spec and the deviations its test facts accept (both change a
-    verdict), hashed once per Format object (held weakly)."""
-    try:
-        hit = _spec_keys.get(fmt)
-    except TypeError:
-        hit = None
-    if hit is not None:
-        return hit
+def _spec_content(fmt: Format) -> str:
     facts = tests_for(fmt)
     payload = json.dumps([fmt.spec.model_dump(mode="json"), facts.get("accepted"),
                           facts.get("refused")], sort_keys=True, default=str)
-    key = _sha(payload)
-    try:
-        _spec_keys[fmt] = key
-    except TypeError:
-        pass
-    return key
+    return _sha(payload)
+
+
+#: A format's content: its spec and the deviations its test facts accept (both change a
+#: verdict), hashed once per Format object (held weakly).
+_spec_key = PerObject(_spec_content)
 
 
 def _variable_sets(fmt: Format, given: dict | None) -> list[dict]:
@@ -604,16 +593,10 @@ def verify_candidate(fmt: Format, templates: Sequence[str], variables: dict | No
         best: dict | None = None
         for v in _variable_sets(fmt, variables):
             key = _sha(json.dumps([_sha(template), _spec_key(fmt), v], sort_keys=True))
-            with _verdict_lock:
-                hit = _verdicts.get(key)
-                if hit is not None:
-                    _verdicts.move_to_end(key)
+            hit = _verdicts.get(key)
             if hit is None:
                 hit = _verify_once(fmt, template, v)
-                with _verdict_lock:
-                    _verdicts[key] = hit
-                    while len(_verdicts) > _VERDICTS_MAX:
-                        _verdicts.popitem(last=False)
+                _verdicts.put(key, hit)
             # a variable set the template lacks a variable of says nothing about the format
             if best is None or (best.get("lacks_variables") and not hit.get("lacks_variables")) \
                     or (best.get("lacks_variables") == hit.get("lacks_variables")
