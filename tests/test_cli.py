@@ -103,8 +103,8 @@ def one_line_error(p: subprocess.CompletedProcess) -> str:
 def test_validate_good_specs():
     p = run("validate", SPECS / "good", "--isolated", "-v")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert p.stdout.strip().splitlines()[-1] == "validate: ok (3 format specs checked)"
-    assert p.stdout.count("ok   ") == 3
+    assert p.stdout.strip().splitlines()[-1] == "validate: ok (4 format specs checked)"
+    assert p.stdout.count("ok   ") == 4
     assert "yaml, schema, patterns, compile, examples, precedence" in p.stdout
 
 

@@ -214,9 +214,14 @@ class _SpecChecks:
         base, close, top = ("elements", ename, "close"), el.close, self.spec.top
         for i, c in enumerate(close.markers):
             self.need_marker(c, base + ("markers", i))
-        if not close.required and ename not in top:
+        if not close.required and ename not in top and not (
+                el.open and any(ename in e.children for e in self.spec.elements.values())):
+            # a child ends at its parent's close or a sibling's opener: without an opener of
+            # its own, where it starts could not be told either
             raise self.fail("`close.required: false` is for top-level elements (they end "
-                            "where the next one opens)", base + ("required",))
+                            "where the next one opens) and children with an opener (they "
+                            "end where their parent's close or a sibling's opener comes)",
+                            base + ("required",))
         if close.roles and ename not in top:
             raise self.fail("`close.roles` is for top-level elements (a turn of another "
                             "role ends where the next one opens)", base + ("roles",))

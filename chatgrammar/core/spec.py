@@ -96,10 +96,15 @@ class Close(_Model):
     after: list[str] = Field(default_factory=list, description=(
         "Markers that may follow and still belong to the end (`<|end_of_msg|>`)."))
     required: bool = Field(True, description=(
-        "Top-level only. `false`: a missing close ends the element where the next top-level "
-        "element opens (Falcon-H1's tool system prompt has no `<|im_end|>`). It is reported "
-        "like a truncated one (incomplete: its content trains under `truncated`, no end "
-        "marker trains) with a warning."))
+        "`false`: the close may be missing. A top-level element then ends where the next "
+        "top-level element opens (Falcon-H1's tool system prompt has no `<|im_end|>`); it is "
+        "reported like a truncated one (incomplete: its content trains under `truncated`, no "
+        "end marker trains) with a warning. A child (it needs an opener) runs to what cannot "
+        "continue its body: its parent's close, a sibling's opener or the next top-level "
+        "opener; it is complete and nothing is reported, as the template writes it so "
+        "(Qwen-style tool instructions in a system prompt print `<tool_call>` unclosed, an "
+        "assistant turn that opens `<tool_call>` and ends). A marker that may continue its "
+        "body (its own opener when it nests in itself, an inner marker) never closes it."))
     opens_follow: bool = Field(False, description=(
         "The close marker ends this element but is the first thing of its `follow` element, "
         "which starts at it and trains it with its body, as its kind (DeepSeek-V3.2's "

@@ -112,14 +112,18 @@ class LalrCore:
     * :meth:`feed` — feed a symbol (:func:`lalr_step`), and **the implicit close**: where
       the symbol opens a top-level element and cannot be shifted, the first close that may
       be missing (``close.required: false`` or ``close.roles``) that the configuration
-      accepts is fed first, then the symbol once more;
+      accepts is fed first, then the symbol once more (and so on, an unclosed child first,
+      then its turn); a child's close that may be missing is so fed before its parent's
+      close or a sibling's opener;
     * :meth:`can_feed` — would a symbol be shifted, without changing the configuration;
     * :meth:`end` — end of input on a configuration that is complete (``$END`` accepted).
       Closing a configuration cut by the end of input is the driver's ``_finish``; a memo
       keys an item cut there by its configuration and learns it from that parse.
     """
 
-    def __init__(self, tables: ParseTables, implicit_closes: tuple):
+    def __init__(self, tables: ParseTables, implicit_closes: dict[str, tuple]):
+        """``implicit_closes``: terminal -> the closes that may be missing, to try (in order)
+        where that terminal cannot be shifted (:meth:`Driver.implicit_closes`)."""
         self.states = tables.states
         self.shift = tables.shift
         self.starters = tables.starters
@@ -133,13 +137,20 @@ class LalrCore:
         (with the caller's value for it: :meth:`feed` again, without ``on_close``), after
         which ``term`` is fed once more."""
         target = lalr_step(self.states, self.shift, stack, term, reduce)
-        if target >= 0 or on_close is None or not self.implicit or term not in self.starters:
+        if target >= 0 or on_close is None:
             return target
-        c = next((c for c in self.implicit if self.can_feed(stack, c)), None)
-        if c is None:
-            return target
-        on_close(c)
-        return lalr_step(self.states, self.shift, stack, term, reduce)
+        cands = self.implicit.get(term)
+        # one close per open element that may miss it, innermost first (a child's, then its
+        # turn's): at most as many as the configuration is deep
+        for _ in range(len(stack) if cands else 0):
+            c = next((c for c in cands if self.can_feed(stack, c)), None)
+            if c is None:
+                return target
+            on_close(c)
+            target = lalr_step(self.states, self.shift, stack, term, reduce)
+            if target >= 0:
+                return target
+        return target
 
     def end(self, stack: list, reduce) -> bool:
         """Feed ``$END``: True when the start rule was reduced (the input is complete)."""
@@ -341,13 +352,45 @@ class Driver:
         self.cut_header_terms = self._cut_header_terms(spec)
         self.cut_header_openers = frozenset(t for t, how in self.cut_header_terms.items()
                                             if how == "open")
-        self.implicit_closes = tuple(dict.fromkeys(
+        self.implicit_closes = self._implicit_closes(spec, tables)
+        # children whose close may be missing (they end at what cannot continue their body)
+        self.open_kids = frozenset(
+            n for n, el in spec.elements.items() if n not in spec.top and el.open
+            and el.close is not None and not el.close.required)
+        self.core = LalrCore(tables, self.implicit_closes)
+        self._can_feed = self.core.can_feed
+
+    @staticmethod
+    def _implicit_closes(spec: FormatSpec, tables: ParseTables) -> dict[str, tuple]:
+        """Terminal -> the close markers that may be missing, tried where it cannot be
+        shifted. A top-level element's (``close.required: false``, ``close.roles``) before
+        a top-level opener; a child's (``close.required: false``) before its parent's close,
+        a sibling's opener, or a top-level opener (its turn's close may then be missing too):
+        children's first, the innermost open element being the one that can take its
+        close."""
+        top = tuple(dict.fromkeys(
             term_name(c) for n in spec.top
             if spec.elements[n].close is not None
             and (not spec.elements[n].close.required or spec.elements[n].close.roles)
             for c in spec.elements[n].close.markers))
-        self.core = LalrCore(tables, self.implicit_closes)
-        self._can_feed = self.core.can_feed
+        kids: dict[str, list[str]] = {}  # trigger -> child closes
+        for pel in spec.elements.values():
+            opt = [spec.elements[c] for c in dict.fromkeys(pel.children)
+                   if spec.elements[c].close is not None and not spec.elements[c].close.required
+                   and spec.elements[c].open and c not in spec.top]
+            if not opt:
+                continue
+            triggers = [o for c in pel.children for o in spec.elements[c].open]
+            triggers += pel.close.markers if pel.close is not None else []
+            for t in triggers:
+                kids.setdefault(term_name(t), []).extend(
+                    term_name(m) for e in opt for m in e.close.markers)
+        every_kid = tuple(dict.fromkeys(c for cs in kids.values() for c in cs))
+        out = {t: tuple(dict.fromkeys(cs)) for t, cs in kids.items()}
+        if top or every_kid:
+            for t in tables.starters:
+                out[t] = tuple(dict.fromkeys(out.get(t, ()) + every_kid + top))
+        return {t: cs for t, cs in out.items() if cs}
 
     def _cut_header_terms(self, spec: FormatSpec) -> dict[str, str]:
         """Markers whose header, cut by the end of input, the parse reads only through
@@ -1014,7 +1057,11 @@ class _Ctx:
             ct = ch[i]
             b.close = self.drv.marker_by_term[ct[0]]
             b.close_start = ct[1]
-            if ct[3] is SYNTH or ct[3] is IMPLICIT:
+            if ct[3] is IMPLICIT and not el.close.required and b.name in self.drv.open_kids:
+                # a child whose close may be missing ends where its parent's close or a
+                # sibling's opener comes: as the template writes it, complete
+                b.close = None
+            elif ct[3] is SYNTH or ct[3] is IMPLICIT:
                 complete = False
                 b.close = None  # no marker was written: the end of input closed it
                 if ct[3] is IMPLICIT:
