@@ -782,6 +782,9 @@ class _Ctx:
             self.item(_flatten(vals))
             value = None
         elif name == "start":
+            # text right after a preamble entry (compile_grammar: a bare system prompt's
+            # grammar reads it there, not as an item) is between-turn text like an item's
+            self.item([v for v in vals if type(v) is tuple and v[0] == TEXT])
             value = None
         else:  # Lark-internal repetition / inlined rules: splice, reusing the left list
             if vals and type(vals[0]) is _Splice:
