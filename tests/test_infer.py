@@ -13,6 +13,7 @@ from __future__ import annotations
 import pickle
 import re
 import sys
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -1200,3 +1201,22 @@ def test_a_saved_parts_only_spec_is_validated_with_text_parts(tmp_path, capsys):
     capsys.readouterr()
     (tmp_path / "ts.tests.yaml").unlink()
     assert main(["validate", str(spec), "--template", tpl, "--var", "eos_token=<|im_end|>"]) == 1
+
+
+def test_tool_call_opener_unclosed_in_tool_instructions_stays_a_typed_call():
+    # The community "Qwen3.6 Barubary v2" template (wild/pok14575-ops-Vivianna.jinja) prints
+    # '<tool_call>' unclosed in its tool instructions: the call block's close may be missing
+    # (`close.required: false` on a child), so calls stay typed instead of plain text, and
+    # tool_calls=False drops them without a DeviationWarning
+    tpl = _read("wild/pok14575-ops-Vivianna.jinja")
+    fmt = cg.infer_format(tpl)
+    el = fmt.spec.elements["tool_call"]
+    assert el.close is not None and not el.close.required
+    assert not fmt.spec.plain_text_tool_calls and "tools-declared" in fmt.verification.checked
+    text = render_case(tpl, next(c for c in default_matrix() if c.name == "tool-call")).text
+    conv = fmt.parse(text)
+    assert any("get_weather" in t for t in conv.trained_text(OUTPUT_POLICY))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cg.DeviationWarning)
+        dropped = conv.trained_text(OUTPUT_POLICY.replace(tool_calls=False))
+    assert not any("get_weather" in t for t in dropped)

@@ -2017,6 +2017,9 @@ def _variants(spec: dict) -> list[dict]:
         out += _each(out, lambda cand: _closing_after(cand, closing))
     blocks = [n for n, el in spec["elements"].items() if el.get("kind") == "tool_call"]
     if blocks:
+        # before giving the calls up as plain text: a call block that may be unclosed (the
+        # system prompt's tool instructions print its opener alone)
+        out += [c for c in (_open_blocks(b, blocks) for b in (spec, lstripped)) if c is not None]
         out += _each(out, lambda cand: _without_blocks(cand, blocks))
     # last resort, after every strict candidate: a turn's terminator may be missing, the turn
     # then ends at the next turn's opener (Falcon-H1 / Bielik leave the tool-declaring system
@@ -2390,6 +2393,21 @@ def _closing_after(cand: dict, closing: list) -> dict:
                 and not close.get("follow_after"):
             close["after"] = list(dict.fromkeys(close.get("after", []) + closing))
     return alt
+
+
+def _open_blocks(cand: dict, blocks: list) -> dict | None:
+    """Tool-call blocks whose close may be missing (``close.required: false`` on a child):
+    Qwen-style tool instructions print `<tool_call>` unclosed ('output the <tool_call> block
+    first'); the block then runs to its turn's close or the next block's opener, and the calls
+    stay typed (``tool_calls=False`` drops them)."""
+    alt = _copy(cand)
+    changed = False
+    for n in blocks:
+        close = alt["elements"][n].get("close")
+        if close and alt["elements"][n].get("open") and close.get("required", True):
+            close["required"] = False
+            changed = True
+    return alt if changed else None
 
 
 def _without_blocks(cand: dict, blocks: list) -> dict:
