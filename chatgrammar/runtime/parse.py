@@ -135,7 +135,8 @@ class LalrCore:
 
         With ``on_close``, the implicit close: ``on_close(c)`` must feed the close ``c``
         (with the caller's value for it: :meth:`feed` again, without ``on_close``), after
-        which ``term`` is fed once more."""
+        which ``term`` is fed once more; again while it cannot be shifted and another close
+        that may be missing can (an unclosed child's, then its turn's)."""
         target = lalr_step(self.states, self.shift, stack, term, reduce)
         if target >= 0 or on_close is None:
             return target
