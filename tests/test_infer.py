@@ -286,16 +286,22 @@ def test_closeless_layout_reports_its_whitespace_deviation():
 
 def test_tool_markers_written_as_text_in_the_system_prompt():
     # vLLM's Qwen2.5-Coder tool template explains '<tools>' calls with examples inside the
-    # system prompt: the call block cannot be an element; its markers are loose, the call
-    # trains as the assistant's text
+    # system prompt ('use <tools> tags like these examples: … <tools>…</tools>'): the first
+    # '<tools>' is never closed, so the call block's close may be missing (`close.required:
+    # false` on a child: it ends at the next '<tools>'); the call trains as a typed call
+    # (tool_calls=False drops it), where it used to be loose markers in plain text
     tpl = _read("infer/vllm-qwen2.5-coder-tools.jinja")
     fmt = cg.infer_format(tpl, eos_token="<|im_end|>")
-    assert "tool_call" not in fmt.spec.elements and "tools-declared" in fmt.verification.checked
+    call = fmt.spec.elements["tool_call"]
+    assert not call.close.required and "tools-declared" in fmt.verification.checked
     c = next(x for x in default_matrix() if x.name == "tool-call")
     text = render_case(tpl, c, eos_token="<|im_end|>").text
-    trained = fmt.parse(text).trained_text(OUTPUT_POLICY)
+    conv = fmt.parse(text)
+    trained = conv.trained_text(OUTPUT_POLICY)
     assert any("<tools>" in t and "get_weather" in t for t in trained)
     assert not any('"temperature": 22' in t for t in trained)   # the tool result never trains
+    dropped = conv.trained_text(OUTPUT_POLICY.replace(tool_calls=False))
+    assert not any("get_weather" in t for t in dropped) and any("sunny" in t for t in dropped)
 
 
 def test_forced_generation_prompt_and_tool_results_as_responses():
