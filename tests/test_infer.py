@@ -462,6 +462,11 @@ REFUSED_UNBUNDLED = {
     # additional_special_tokens[i] is read: a tokenizer variable, named as bos_token is
     "infer/gigachat-20b.jinja": ({"bos_token": "", "eos_token": ""},
                                  "needs the variable 'additional_special_tokens'"),
+    # every user turn first, then every reply: the reason says so
+    "wild/govindramesh-emergent-alignment.jinja": (
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+        "the template renders messages out of order (message [2] (user) is rendered before "
+        "message [1] (assistant)"),
 }
 
 
@@ -771,6 +776,11 @@ WILD_CLASSES = {
     # header and the second newline is output (before, the spec did not compile)
     "wild/theroyallab-chatml_with_headers.jinja": ({"bos_token": "", "eos_token": "<|im_end|>"},
                                                    ["\nHello there", "\nLater"]),
+    # a Qwen3 fine-tuning template whose history replies follow '<|im_start|>assistant' with
+    # no newline (the prompt has one) and whose tool results are user turns: whole headers
+    # tell the roles apart, the tool results parse as the user turns they are written as
+    "wild/opfernandez-qwen3.jinja": ({"bos_token": "", "eos_token": "<|im_end|>"},
+                                     ["Hello there", "<think>\n\n</think>", "\n\nLater"]),
 }
 
 

@@ -93,6 +93,7 @@ class _Probe:
         self.prefills: list = []  # (whitespace before, text) a forced prompt adds to the header
         self.folded: set = set()  # roles whose message renders only once a later one exists
         self.forced = ""  # a suffix every rendering ends with (a forced generation prompt)
+        self.moved: dict[str, str] = {}  # shape -> a message rendered before an earlier one
 
     def content(self, m: dict) -> dict:
         if self.parts and isinstance(m.get("content"), str) and m["content"]:
@@ -161,6 +162,12 @@ def _locate(probe: _Probe, msgs: list[dict], R: str, shape: str, **kw: Any) -> l
             continue
         pos = R.find(s, last_end)
         if pos < 0:
+            if m["role"] != "system" and kept and 0 <= R.find(s) < kept[-1].pos:
+                # moved before an earlier message (govindramesh's Llama 3 prints every user
+                # turn, then every reply): said when the template cannot be captured
+                probe.moved.setdefault(shape, f"message [{i}] ({m['role']}) is rendered "
+                                              f"before message [{kept[-1].index}] "
+                                              f"({kept[-1].role})")
             continue  # dropped, or moved before an earlier message
         if m["role"] == "system" and R.find(s, pos + len(s)) >= 0:
             # the system prompt printed twice (PiVoT-MoE prints the last system message, then
@@ -1413,6 +1420,16 @@ def _joined_openers(lex: _Lexicon, sh: _Shape, opener: str, roles: dict) -> dict
         texts[r] = opener + c.rest[0][1]
         if any(v in texts[r] for v in _ALL):
             return None   # a value in the header (a tool's name): no fixed opener
+    for r in [r for r in texts if r != "assistant"]:
+        # an untrained role written exactly as another (Qwen's tool results as user turns):
+        # the user's header (or the first's) stands for both; they parse as that role
+        twin = next((q for q in texts if q != r and q != "assistant" and texts[q] == texts[r]
+                     and (q == "user" or (r != "user" and list(texts).index(q) <
+                                          list(texts).index(r)))), None)
+        if twin is not None:
+            del texts[r]
+            sh.notes.append(f"{r} messages are rendered as {twin} turns ({texts[twin]!r}): "
+                            "they parse as such, never trained")
     if len(set(texts.values())) < len(texts) or any(
             a != b and b.startswith(a) for a in texts.values() for b in texts.values()):
         return None   # one header a prefix of another: the longer could never be read
@@ -2434,6 +2451,22 @@ _UNKNOWN = re.compile(r"unknown marker '([^']+)'")
 
 def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> InferredFormat:
     probe = _Probe(template, variables, TIMEOUT)
+    try:
+        return _infer_probed(template, variables, tokenizer, name, probe)
+    except InferenceError as exc:
+        if not probe.moved:
+            raise
+        shape, what = next(iter(probe.moved.items()))
+        # the reason that matters: a format reads turns in the order they are written, and
+        # which message a moved text belongs to is not in the text
+        raise InferenceError(f"the template renders messages out of order ({what}, probe "
+                             f"{shape}): the text no longer says which reply answers which "
+                             f"message; {exc.message}", where=exc.where,
+                             details=exc.details) from None
+
+
+def _infer_probed(template: str, variables: dict, tokenizer: Any, name: str,
+                  probe: "_Probe") -> InferredFormat:
     lex = _Lexicon(specials=_tokenizer_specials(tokenizer))
     sh, h_a = _shape(probe, lex)
     notes = list(sh.notes)
