@@ -434,6 +434,48 @@ SOME_SHAPES = ("{% for m in messages %}{% if m.role == 'system' %}"
                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+_LOOP = "{% for m in messages %}<|im_start|>{{ m.role }}HDR{{ m.content }}<|im_end|>SEP{% endfor %}"
+#: Layouts written inline: name -> (template, a conversation's rendering trains exactly these
+#: texts). Each is inferred and verified on the whole matrix.
+LAYOUTS = {
+    # a blank line after every role line ('assistant\n\n'): the header's lead, not output
+    "blank-line-after-role": (
+        _LOOP.replace("HDR", "\n\n").replace("SEP", "\n")
+        + "{% if add_generation_prompt %}<|im_start|>assistant\n\n{% endif %}",
+        ["Hello there", "Later"]),
+    # '<|endoftext|>' (no variable) written only when no generation prompt follows
+    "closing-marker-without-prompt": (
+        _LOOP.replace("HDR", "\n").replace("SEP", "\n")
+        + "{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}<|endoftext|>"
+          "{% endif %}", ["Hello there", "Later"]),
+    # a closing run of markers (keshavchand's loss markers) instead, after a blank-line header
+    "closing-markers-without-prompt": (
+        _LOOP.replace("HDR", "\n\n").replace("SEP", "")
+        + "{% if add_generation_prompt %}<|im_start|>assistant\n\n{% else %}<|loss_start|>"
+          "<|endoftext|><|loss_end|>{% endif %}", ["Hello there", "Later"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_inline_layout_inferred(name):
+    tpl, trained = LAYOUTS[name]
+    fmt = cg.infer_format(tpl)
+    assert len(fmt.verification.checked) == 20 and not fmt.verification.deviations
+    text = render_chat(tpl, TWO_EXCHANGES)
+    assert fmt.parse(text).trained_text() == trained
+    # a turn of an unknown role is never assistant text
+    with pytest.raises(cg.ParseError):
+        fmt.parse(text.replace("<|im_start|>user", "<|im_start|>critic", 1))
+
+
+def test_closing_marker_without_prompt_checks_with_the_bundled_chatml():
+    # the checker's oracle takes the literal closing marker for a tail no message owns,
+    # also where the rendering ends with the generation prompt (case generation-prompt)
+    from chatgrammar.conformance.templates import check_template
+    res = check_template(cg.load_format("chatml"), LAYOUTS["closing-marker-without-prompt"][0])
+    assert res.ok and res.counts()["pass"] == 20, res.summary()
+
+
 def test_template_rejecting_some_shapes_is_recorded():
     fmt = cg.infer_format(SOME_SHAPES)
     assert "basic" in dict(fmt.verification.rejected)

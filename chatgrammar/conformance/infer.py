@@ -196,7 +196,8 @@ def _locate(probe: _Probe, msgs: list[dict], R: str, shape: str, **kw: Any) -> l
             split = min(_snap(_PLAIN, t, split), _snap(_PLAIN, gap, split))
             # what only the shorter rendering has must be a closing (an EOS), never text
             if not t[split:].strip() or _MARKERISH.fullmatch(t[split:].strip()) or \
-                    _SPECIAL_SHAPE.fullmatch(t[split:].strip()):
+                    _SPECIAL_SHAPE.fullmatch(t[split:].strip()) or \
+                    all(is_m or not p.strip() for is_m, p in _PLAIN.pieces(t[split:])):
                 prev.term, cur.head = gap[:split], gap[split:]
             elif cur.role == "assistant" and split == len(gap) and gap.strip() and \
                     _PLAIN.pieces(gap.lstrip())[0][0] and \
@@ -1138,13 +1139,16 @@ def _role_names(roles: dict, lex: _Lexicon, where: str, opener: str = "",
         # NAME then its separator: the separators' common head ends every header
         seps = [re.match(r"[A-Za-z_][\w.\-]*([^A-Za-z0-9]*)", t) for t in texts.values()]
         sep = os.path.commonprefix([m.group(1) for m in seps]) if all(seps) else ""
+        # the header line ends at its newline; whitespace every role writes after it (the
+        # blank line of 'assistant\n\n') is the header's lead, never the reply's output
+        more = sep[sep.index("\n") + 1:] if "\n" in sep else ""
         sep = sep if "\n" not in sep else sep[:sep.index("\n") + 1]
         if not sep:
             raise InferenceError(f"roles {', '.join(roles)} share the opener and their "
                                  f"headers {sorted(texts.values())} end with no common "
                                  "separator", where=where)
         names = {r: t[:t.index(sep)] for r, t in texts.items()}
-        kind, lead = "until_text", None
+        kind, lead = "until_text", (more if more.isspace() else None)
     elif not any(p.strip() for rest in rests.values() for _, p in rest):
         raise InferenceError(f"roles {', '.join(roles)} share the opener {opener!r} and write "
                              "nothing after it: only a turn's position says whose it is, which "
@@ -2573,6 +2577,7 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
                    "prints no string content):\n# its .tests.yaml says `content: parts` "
                    "(chatgrammar infer -o writes it).\n")
     first_problem: InferenceError | None = None
+    fewest: tuple | None = None   # (quick cases failed, failing cases) of first_problem's
     fallback = None   # a candidate that refuses only the tool shapes (a located ParseError)
     for cand in _variants(spec):
         text = _emit(cand, header)
@@ -2586,8 +2591,11 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
         content = "parts" if probe.parts else "string"
         res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT, quick=True,
                              content=content)
+        # a candidate that passes the quick cases got further than one that does not
+        got = (1 if fails else 0, len(fails))
         if not fails or _tool_parse_errors(fails):
             res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT, content=content)
+            got = (got[0], len(fails))
         refused = _refused_tool_shapes(fmt, probe, sh, fails)
         if refused or (not fails and _joined_follow(cand)):
             # kept unless a better candidate comes: one that parses every case with exact
@@ -2619,14 +2627,20 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
                 after_tool[0] + f"; the spec cannot follow it (case {fails[0].case!r}: "
                 f"{fails[0].reason})", where="case " + fails[0].case,
                 details=fails[0].details + "\n\n" + text)
+            fewest = (-1, 0)   # the reason to give
             continue
         if fails:
             c = fails[0]
-            first_problem = (first_problem if first_problem and first_problem.where != "compile"
-                             else None) or InferenceError(
-                f"the inferred spec fails matrix case {c.case!r}: {c.reason}"
-                + (f" [{len(fails) - 1} more case(s) fail]" if len(fails) > 1 else ""),
-                where=f"case {c.case}", details=c.details + "\n\n" + text)
+            # the candidate that failed the fewest cases says the most about what no spec
+            # can say (vLLM's teleflm example: the indentation between two replies once a
+            # tool call is dropped, not the first candidate's unread indentation)
+            if first_problem is None or first_problem.where == "compile" or (
+                    fewest is not None and got < fewest):
+                fewest = got
+                first_problem = InferenceError(
+                    f"the inferred spec fails matrix case {c.case!r}: {c.reason}"
+                    + (f" [{len(fails) - 1} more case(s) fail]" if len(fails) > 1 else ""),
+                    where=f"case {c.case}", details=c.details + "\n\n" + text)
             continue
         return _verified(fmt, res, probe, sh, ())
     if fallback is not None:

@@ -518,6 +518,13 @@ def _prefix_in(b: str | None, R: str, marker_rx: re.Pattern | None,
     for t in tails:
         if t and b.endswith(t) and ok(len(b) - len(t)):
             return len(b) - len(t), t
+    if marker_rx is not None:
+        # a closing tail of markers only, that no variable names (a literal '<|endoftext|>'
+        # or '<|loss_start|><|im_end|><|loss_end|>' in `{% else %}`), while R ends with the
+        # prompt: where b and g part, from a marker's start on
+        k = _snap_into_marker(b, len(os.path.commonprefix([b, g])), marker_rx)
+        if 0 < k < len(b) and ok(k) and not marker_rx.sub("", b[k:]).strip():
+            return k, b[k:]
     n = 0
     while n < len(b) and n < len(R) and b[-1 - n] == R[-1 - n]:
         n += 1
