@@ -476,6 +476,40 @@ def test_closing_marker_without_prompt_checks_with_the_bundled_chatml():
     assert res.ok and res.counts()["pass"] == 20, res.summary()
 
 
+SHAREGPT = ("{% for m in messages %}{% if m['from'] == 'human' %}<|user|>{{ m['value'] }}<|end|>"
+            "{% elif m['from'] == 'gpt' %}<|bot|>{{ m['value'] }}<|end|>{% else %}<|sys|>"
+            "{{ m['value'] }}<|end|>{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}<|bot|>{% endif %}")
+
+
+def test_sharegpt_template_inferred_and_checked_with_sharegpt_keys(tmp_path):
+    # a template that reads ShareGPT's from / value only (axolotl / unsloth fine-tunes):
+    # probed and verified with every message also in those keys; the saved spec's test
+    # facts say so, and check_template gives them again
+    from chatgrammar.conformance.matrix import SHAREGPT_FROM
+    fmt = cg.infer_format(SHAREGPT)
+    assert fmt.verification.content == "sharegpt" and len(fmt.verification.checked) >= 19
+    msgs = [{**m, "from": SHAREGPT_FROM[m["role"]], "value": m["content"]} for m in TWO_EXCHANGES]
+    assert fmt.parse(render_chat(SHAREGPT, msgs)).trained_text() == ["Hello there", "Later"]
+    p, spec = tmp_path / "sg.jinja", tmp_path / "sg.yaml"
+    p.write_text(SHAREGPT, encoding="utf-8")
+    assert main(["infer", str(p), "-o", str(spec)]) == 0
+    assert "content: sharegpt" in (tmp_path / "sg.tests.yaml").read_text(encoding="utf-8")
+    from chatgrammar.conformance.templates import check_template
+    assert check_template(cg.load_format(spec), SHAREGPT).ok
+
+
+@pytest.mark.parametrize("name,family", [("wild/alexsobolev-IcaroLM.jinja", "chatml"),
+                                         ("wild/AliAbdelrasheed-maqa_llama_4bit.jinja", "llama3")])
+def test_sharegpt_template_checks_with_the_bundled_format(name, family):
+    # every string case is rejected ('dict object' has no attribute 'from'): the check runs
+    # again with the messages also in ShareGPT's keys, as the template's data gives them
+    from chatgrammar.conformance.templates import check_template
+    res = check_template(cg.load_format(family), _read(name),
+                         variables=_variables(family, name))
+    assert res.ok and res.counts()["pass"] >= 19, res.summary()
+
+
 def test_template_rejecting_some_shapes_is_recorded():
     fmt = cg.infer_format(SOME_SHAPES)
     assert "basic" in dict(fmt.verification.rejected)

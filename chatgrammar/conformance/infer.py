@@ -88,6 +88,7 @@ class _Probe:
         self.cache: dict[str, str | None] = {}
         self.rejected: dict[str, str] = {}
         self.parts = False  # content given as a list of text parts
+        self.sharegpt = False  # messages also in ShareGPT's keys (from / value)
         self.tools: list | None = None  # tools always declared (a template that needs them)
         self.unsplit: dict[str, tuple[str, str]] = {}  # role -> text only the shorter render has
         self.prefills: list = []  # (whitespace before, text) a forced prompt adds to the header
@@ -96,15 +97,24 @@ class _Probe:
         self.moved: dict[str, str] = {}  # shape -> a message rendered before an earlier one
 
     def content(self, m: dict) -> dict:
+        if self.sharegpt:
+            from .matrix import SHAREGPT_FROM
+            m = {**m, "from": SHAREGPT_FROM.get(m.get("role"), m.get("role")),
+                 "value": m.get("content")}
         if self.parts and isinstance(m.get("content"), str) and m["content"]:
             return {**m, "content": [{"type": "text", "text": m["content"]}]}
         return m
+
+    @property
+    def shape(self) -> str:
+        """The matrix content shape verification gives (matrix.default_matrix)."""
+        return "parts" if self.parts else "sharegpt" if self.sharegpt else "string"
 
     def render(self, msgs: list[dict], *, agp: bool = False, tools: list | None = None,
                extra: dict | None = None, shape: str = "") -> str | None:
         msgs = [self.content(m) for m in msgs]
         tools = tools if tools is not None else self.tools
-        key = json.dumps([msgs, agp, tools, extra, self.parts], sort_keys=True)
+        key = json.dumps([msgs, agp, tools, extra, self.parts, self.sharegpt], sort_keys=True)
         if key in self.cache:
             return self.cache[key]
         try:
@@ -1748,7 +1758,9 @@ class Verification:
             header: its tool messages; :data:`TOOL_AS_ASSISTANT`).
         content: ``"parts"`` when the template prints message content only as a list of
             text parts, and the matrix was given content so
-            (:func:`chatgrammar.conformance.matrix.as_parts`); else ``"string"``.
+            (:func:`chatgrammar.conformance.matrix.as_parts`); ``"sharegpt"`` when it reads
+            ShareGPT's ``from`` / ``value`` keys only, and every message was also given so
+            (:func:`chatgrammar.conformance.matrix.as_sharegpt`); else ``"string"``.
     """
 
     checked: tuple = ()
@@ -1764,6 +1776,8 @@ class Verification:
         s = f"verified on {len(self.checked)} matrix case{'s' if len(self.checked) != 1 else ''}"
         if self.content == "parts":
             s += " (content as lists of text parts)"
+        elif self.content == "sharegpt":
+            s += " (messages in ShareGPT's from / value keys)"
         if self.deviations:
             s += "; the whitespace after an unclosed reply trains (unclosed-whitespace)"
         if self.refused:
@@ -1898,6 +1912,21 @@ def _shape(probe: _Probe, lex: _Lexicon) -> tuple[_Shape, str]:
     msgs = _BASIC["u-a-u-a"]
     R = probe.render(msgs, shape="u-a-u-a") or probe.render(_BASIC["s-u-a-u-a"],
                                                              shape="s-u-a-u-a")
+    if (R is None or U1 not in R) and re.search(r"""\[\s*['"](?:from|value)['"]\s*\]|\.from\b""",
+                                               probe.template):
+        # a ShareGPT template (`message['from'] == 'human'`, `message['value']`): probed, and
+        # verified over the matrix, with every message also in those keys
+        probe.sharegpt = True
+        S = probe.render(msgs, shape="u-a-u-a (ShareGPT keys)") or probe.render(
+            _BASIC["s-u-a-u-a"], shape="s-u-a-u-a (ShareGPT keys)")
+        if S is None or U1 not in S:
+            probe.sharegpt = False   # not that either (and what it rejected is not said)
+            for k in [k for k in probe.rejected if k.endswith("(ShareGPT keys)")]:
+                del probe.rejected[k]
+        else:
+            R = S
+            probe.cache.clear()
+            probe.rejected.clear()
     if R is None or U1 not in R:
         # a template that prints content only as a list of text parts (the multimodal
         # layout: `for part in message.content`), dropping or rejecting a string: probed,
@@ -1914,6 +1943,9 @@ def _shape(probe: _Probe, lex: _Lexicon) -> tuple[_Shape, str]:
             probe.cache.clear()
             probe.rejected.clear()
     sh = _Shape()
+    if probe.sharegpt:
+        sh.notes.append("the template reads ShareGPT's message keys (from / value): verified "
+                        "with every message also given so")
     if probe.parts:
         sh.notes.append("the template prints message content only when it is a list of text "
                         "parts: verified with content so given (a string content prints "
@@ -2570,6 +2602,10 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
     header = (f"# {name}: inferred by chatgrammar.infer_format from a chat template "
               f"(sha256 {name[9:]}…).\n# Review it, then rename it and add detect: / examples: "
               "to bundle it (docs/inference.md).\n")
+    if probe.sharegpt:
+        header += ("# Verified with messages in ShareGPT's keys (from / value; the template "
+                   "reads no role / content):\n# its .tests.yaml says `content: sharegpt` "
+                   "(chatgrammar infer -o writes it).\n")
     if probe.parts:
         # the spec language has no key for it: the saved spec's test facts carry it, so that
         # `chatgrammar validate SPEC --template T` checks it as it was verified
@@ -2588,7 +2624,7 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
                 f"the inferred spec does not compile: {str(exc).splitlines()[0]}",
                 where="compile", details=text)
             continue
-        content = "parts" if probe.parts else "string"
+        content = probe.shape
         res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT, quick=True,
                              content=content)
         # a candidate that passes the quick cases got further than one that does not
@@ -2673,7 +2709,7 @@ def _verified(fmt: InferredFormat, res: Any, probe: "_Probe", sh: "_Shape",
         probes_rejected=tuple(probe.rejected.items()), notes=tuple(notes),
         deviations=tuple(dict.fromkeys(
             re.sub(r"at char \d+: ", "", d) for c in res.cases for d in c.deviations))[:4],
-        refused=refused, content="parts" if probe.parts else "string")
+        refused=refused, content=probe.shape)
     return fmt
 
 
