@@ -510,6 +510,18 @@ def test_sharegpt_template_checks_with_the_bundled_format(name, family):
     assert res.ok and res.counts()["pass"] >= 19, res.summary()
 
 
+def test_fixed_text_before_a_bundled_layout_extends_the_bundled_format():
+    tpl = _read("wild/iboriss-gemma-4-12b-llamacpp.jinja")
+    fmt = cg.infer_format(tpl, bos_token="<bos>", eos_token="<eos>")
+    assert "extends: gemma4" in fmt.spec_yaml and "fixed_text" in fmt.spec.preamble
+    # the saved spec loads (extends names the bundled format) and masks the same
+    again = inf._from_yaml(fmt.spec_yaml)
+    text = render_chat(tpl, TWO_EXCHANGES, bos_token="<bos>", eos_token="<eos>")
+    assert again.parse(text).trained_text() == fmt.parse(text).trained_text()
+    # without the fixed text in front, no such format: nothing to derive
+    assert inf._after_fixed_text(CHATML, {}, None, "inferred-00000000") is None
+
+
 def test_template_rejecting_some_shapes_is_recorded():
     fmt = cg.infer_format(SOME_SHAPES)
     assert "basic" in dict(fmt.verification.rejected)
@@ -857,6 +869,10 @@ WILD_CLASSES = {
     # tell the roles apart, the tool results parse as the user turns they are written as
     "wild/opfernandez-qwen3.jinja": ({"bos_token": "", "eos_token": "<|im_end|>"},
                                      ["Hello there", "<think>\n\n</think>", "\n\nLater"]),
+    # '#' comment lines written as text before every conversation, then Gemma 4: the bundled
+    # gemma4, derived (extends) with that text as an untrained preamble marker
+    "wild/iboriss-gemma-4-12b-llamacpp.jinja": ({"bos_token": "<bos>", "eos_token": "<eos>"},
+                                                ["Hello there", "Later"]),
 }
 
 

@@ -2628,7 +2628,7 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
         res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT, quick=True,
                              content=content)
         # a candidate that passes the quick cases got further than one that does not
-        got = (1 if fails else 0, len(fails))
+        got = (2 if fails and not _tool_parse_errors(fails) else 1 if fails else 0, len(fails))
         if not fails or _tool_parse_errors(fails):
             res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT, content=content)
             got = (got[0], len(fails))
@@ -2812,6 +2812,11 @@ def infer_format(chat_template: str, *, tokenizer: Any = None, **template_kwargs
                              where="template") from None
     try:
         fmt = _infer(chat_template, variables, tokenizer, f"inferred-{key[:8]}")
+    except InferenceError:
+        # a bundled family's template that writes a fixed text before every conversation
+        fmt = _after_fixed_text(chat_template, variables, tokenizer, f"inferred-{key[:8]}")
+        if fmt is None:
+            raise
     except ChatGrammarError:
         raise
     except RecursionError:
@@ -2824,6 +2829,76 @@ def infer_format(chat_template: str, *, tokenizer: Any = None, **template_kwargs
     fmt = declare_folds(fmt, chat_template, variables)
     _CACHE.put(key, (fmt.spec_yaml, fmt.verification))
     return _warn_deviations(fmt)
+
+
+def _after_fixed_text(template: str, variables: dict, tokenizer: Any, name: str
+                      ) -> InferredFormat | None:
+    """A bundled format, derived (``extends:``) to read a fixed text the template writes
+    before every conversation as an untrained preamble marker: iboriss's Gemma 4 copy renders
+    its ``#`` comment lines before the first turn, and the bundled gemma4 reads the rest. The
+    text is what every basic probe's rendering starts with, up to its first marker-shaped
+    string; it must be written literally in the template, whose copy without it a bundled
+    format is detected for and verified on. The derived format is checked over the matrix on
+    the template itself, with the bundled format's ``refused:`` shapes (kept as its
+    ``verification.refused``). None where any of this does not hold."""
+    from ..core.detect import explain_detection
+    from ..errors import DetectionError
+    from .format_tests import tests_for
+    from .templates import check_template
+
+    probe = _Probe(template, variables, TIMEOUT)
+    try:
+        renders = [probe.render(m, shape=n) for n, m in _BASIC.items()]
+    except InferenceError:
+        return None
+    renders = [r for r in renders if r is not None]
+    text = os.path.commonprefix(renders) if len(renders) >= 2 else ""
+    m = _MARKERISH.search(text)
+    text = text[:m.start()] if m else ""
+    if len(text.strip()) < 8 or any(v in text for v in _ALL) or template.count(text) != 1:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            det = explain_detection(tokenizer, chat_template=template.replace(text, "", 1))
+    except DetectionError:
+        return None
+    if ((det.verification or {}).get(det.format) or {}).get("status") != "verified" or \
+            not re.fullmatch(r"[a-z0-9][a-z0-9.+-]*", det.format):
+        return None
+    base = det.fmt.spec
+    marker = "fixed_text"
+    while marker in base.markers:
+        marker += "_"
+    spec = {"name": name,
+            "description": f"{det.format}, after a fixed text the template writes before "
+                           "every conversation (inferred by chatgrammar.infer_format)",
+            "extends": det.format,
+            "markers": {marker: {"text": text, "special": False}},
+            "preamble": [marker] + list(base.preamble or [])}
+    header = (f"# {name}: the bundled {det.format} format, with the fixed text this chat "
+              "template writes before every\n# conversation as an untrained preamble marker "
+              "(chatgrammar.infer_format, docs/inference.md).\n")
+    try:
+        fmt = _from_yaml(header + yaml.dump(spec, Dumper=_Dumper, sort_keys=False,
+                                            allow_unicode=True, width=100))
+    except ChatGrammarError:
+        return None
+    refused = dict(tests_for(det.fmt).get("refused") or {})
+    res = check_template(fmt, template, name="template", variables=variables,
+                         tokenizer=tokenizer, timeout=TIMEOUT, refused=refused)
+    passed = [c.case for c in res.cases if c.status == "pass"]
+    if res.error or len(passed) < 6 or any(c.status == "fail" for c in res.cases):
+        return None
+    fmt.verification = Verification(
+        checked=tuple(passed),
+        rejected=tuple((c.case, c.reason) for c in res.cases
+                       if c.status == "skip" and c.case not in refused),
+        notes=(f"the template writes {_show(text)} before every conversation: an untrained "
+               f"preamble marker of the bundled {det.format} format, which reads the rest",),
+        refused=tuple((c.case, refused[c.case]) for c in res.cases
+                      if c.status == "skip" and c.case in refused))
+    return fmt
 
 
 def _warn_deviations(fmt: InferredFormat) -> InferredFormat:
