@@ -441,6 +441,94 @@ SOME_SHAPES = ("{% for m in messages %}{% if m.role == 'system' %}"
                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+_LOOP = "{% for m in messages %}<|im_start|>{{ m.role }}HDR{{ m.content }}<|im_end|>SEP{% endfor %}"
+#: Layouts written inline: name -> (template, a conversation's rendering trains exactly these
+#: texts). Each is inferred and verified on the whole matrix.
+LAYOUTS = {
+    # a blank line after every role line ('assistant\n\n'): the header's lead, not output
+    "blank-line-after-role": (
+        _LOOP.replace("HDR", "\n\n").replace("SEP", "\n")
+        + "{% if add_generation_prompt %}<|im_start|>assistant\n\n{% endif %}",
+        ["Hello there", "Later"]),
+    # '<|endoftext|>' (no variable) written only when no generation prompt follows
+    "closing-marker-without-prompt": (
+        _LOOP.replace("HDR", "\n").replace("SEP", "\n")
+        + "{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}<|endoftext|>"
+          "{% endif %}", ["Hello there", "Later"]),
+    # a closing run of markers (keshavchand's loss markers) instead, after a blank-line header
+    "closing-markers-without-prompt": (
+        _LOOP.replace("HDR", "\n\n").replace("SEP", "")
+        + "{% if add_generation_prompt %}<|im_start|>assistant\n\n{% else %}<|loss_start|>"
+          "<|endoftext|><|loss_end|>{% endif %}", ["Hello there", "Later"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_inline_layout_inferred(name):
+    tpl, trained = LAYOUTS[name]
+    fmt = cg.infer_format(tpl)
+    assert len(fmt.verification.checked) == 20 and not fmt.verification.deviations
+    text = render_chat(tpl, TWO_EXCHANGES)
+    assert fmt.parse(text).trained_text() == trained
+    # a turn of an unknown role is never assistant text
+    with pytest.raises(cg.ParseError):
+        fmt.parse(text.replace("<|im_start|>user", "<|im_start|>critic", 1))
+
+
+def test_closing_marker_without_prompt_checks_with_the_bundled_chatml():
+    # the checker's oracle takes the literal closing marker for a tail no message owns,
+    # also where the rendering ends with the generation prompt (case generation-prompt)
+    from chatgrammar.conformance.templates import check_template
+    res = check_template(cg.load_format("chatml"), LAYOUTS["closing-marker-without-prompt"][0])
+    assert res.ok and res.counts()["pass"] == 20, res.summary()
+
+
+SHAREGPT = ("{% for m in messages %}{% if m['from'] == 'human' %}<|user|>{{ m['value'] }}<|end|>"
+            "{% elif m['from'] == 'gpt' %}<|bot|>{{ m['value'] }}<|end|>{% else %}<|sys|>"
+            "{{ m['value'] }}<|end|>{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}<|bot|>{% endif %}")
+
+
+def test_sharegpt_template_inferred_and_checked_with_sharegpt_keys(tmp_path):
+    # a template that reads ShareGPT's from / value only (axolotl / unsloth fine-tunes):
+    # probed and verified with every message also in those keys; the saved spec's test
+    # facts say so, and check_template gives them again
+    from chatgrammar.conformance.matrix import SHAREGPT_FROM
+    fmt = cg.infer_format(SHAREGPT)
+    assert fmt.verification.content == "sharegpt" and len(fmt.verification.checked) >= 19
+    msgs = [{**m, "from": SHAREGPT_FROM[m["role"]], "value": m["content"]} for m in TWO_EXCHANGES]
+    assert fmt.parse(render_chat(SHAREGPT, msgs)).trained_text() == ["Hello there", "Later"]
+    p, spec = tmp_path / "sg.jinja", tmp_path / "sg.yaml"
+    p.write_text(SHAREGPT, encoding="utf-8")
+    assert main(["infer", str(p), "-o", str(spec)]) == 0
+    assert "content: sharegpt" in (tmp_path / "sg.tests.yaml").read_text(encoding="utf-8")
+    from chatgrammar.conformance.templates import check_template
+    assert check_template(cg.load_format(spec), SHAREGPT).ok
+
+
+@pytest.mark.parametrize("name,family", [("wild/alexsobolev-IcaroLM.jinja", "chatml"),
+                                         ("wild/AliAbdelrasheed-maqa_llama_4bit.jinja", "llama3")])
+def test_sharegpt_template_checks_with_the_bundled_format(name, family):
+    # every string case is rejected ('dict object' has no attribute 'from'): the check runs
+    # again with the messages also in ShareGPT's keys, as the template's data gives them
+    from chatgrammar.conformance.templates import check_template
+    res = check_template(cg.load_format(family), _read(name),
+                         variables=_variables(family, name))
+    assert res.ok and res.counts()["pass"] >= 19, res.summary()
+
+
+def test_fixed_text_before_a_bundled_layout_extends_the_bundled_format():
+    tpl = _read("wild/iboriss-gemma-4-12b-llamacpp.jinja")
+    fmt = cg.infer_format(tpl, bos_token="<bos>", eos_token="<eos>")
+    assert "extends: gemma4" in fmt.spec_yaml and "fixed_text" in fmt.spec.preamble
+    # the saved spec loads (extends names the bundled format) and masks the same
+    again = inf._from_yaml(fmt.spec_yaml)
+    text = render_chat(tpl, TWO_EXCHANGES, bos_token="<bos>", eos_token="<eos>")
+    assert again.parse(text).trained_text() == fmt.parse(text).trained_text()
+    # without the fixed text in front, no such format: nothing to derive
+    assert inf._after_fixed_text(CHATML, {}, None, "inferred-00000000") is None
+
+
 def test_template_rejecting_some_shapes_is_recorded():
     fmt = cg.infer_format(SOME_SHAPES)
     assert "basic" in dict(fmt.verification.rejected)
@@ -469,6 +557,11 @@ REFUSED_UNBUNDLED = {
     # additional_special_tokens[i] is read: a tokenizer variable, named as bos_token is
     "infer/gigachat-20b.jinja": ({"bos_token": "", "eos_token": ""},
                                  "needs the variable 'additional_special_tokens'"),
+    # every user turn first, then every reply: the reason says so
+    "wild/govindramesh-emergent-alignment.jinja": (
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+        "the template renders messages out of order (message [2] (user) is rendered before "
+        "message [1] (assistant)"),
 }
 
 
@@ -778,6 +871,15 @@ WILD_CLASSES = {
     # header and the second newline is output (before, the spec did not compile)
     "wild/theroyallab-chatml_with_headers.jinja": ({"bos_token": "", "eos_token": "<|im_end|>"},
                                                    ["\nHello there", "\nLater"]),
+    # a Qwen3 fine-tuning template whose history replies follow '<|im_start|>assistant' with
+    # no newline (the prompt has one) and whose tool results are user turns: whole headers
+    # tell the roles apart, the tool results parse as the user turns they are written as
+    "wild/opfernandez-qwen3.jinja": ({"bos_token": "", "eos_token": "<|im_end|>"},
+                                     ["Hello there", "<think>\n\n</think>", "\n\nLater"]),
+    # '#' comment lines written as text before every conversation, then Gemma 4: the bundled
+    # gemma4, derived (extends) with that text as an untrained preamble marker
+    "wild/iboriss-gemma-4-12b-llamacpp.jinja": ({"bos_token": "<bos>", "eos_token": "<eos>"},
+                                                ["Hello there", "Later"]),
 }
 
 

@@ -115,10 +115,11 @@ def _test_facts(fmt, spec_path: Path) -> Path | None:
         data["refused"] = {case: why for case, why in v.refused}
     if v.deviations:
         data["accepted"] = dict(ACCEPTED)
-    if v.content == "parts":
-        # the template prints content only as text parts: check_template's default matrix
-        # for the saved spec gives it so (conformance.templates.content_shape)
-        data["content"] = "parts"
+    if v.content in ("parts", "sharegpt"):
+        # the template prints content only as text parts (or reads ShareGPT's keys only):
+        # check_template's default matrix for the saved spec gives it so
+        # (conformance.templates.content_shape)
+        data["content"] = v.content
     path = tests_path(spec_path)
     if not data or path.exists():
         return None

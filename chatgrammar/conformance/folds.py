@@ -123,9 +123,10 @@ def moved(R: str, messages: list[dict], outputs, conv) -> dict[tuple[str, str], 
     return found
 
 
-def _cases() -> list:
+def _cases(content: str = "string") -> list:
     from .matrix import default_matrix
-    return [c for c in default_matrix() if c.tags & {"system", "tools", "tool-results"}]
+    return [c for c in default_matrix(content=content)
+            if c.tags & {"system", "tools", "tool-results"}]
 
 
 def find_folds(fmt: Format, template: str, variables: dict | None = None, *,
@@ -150,14 +151,24 @@ def find_folds(fmt: Format, template: str, variables: dict | None = None, *,
     from .matrix import render_case
 
     folds: dict[str, str] = {}
-    for case in _cases():
-        try:
-            R = render_case(template, case, timeout=timeout, **(variables or {})).text
-            conv = fmt.parse(R)
-        except (TemplateError, ParseError):
-            continue
-        for src, dst in moved(R, case.messages, case.outputs, conv):
-            folds.setdefault(src, dst)
+    rendered = False
+    for content in ("string", "sharegpt"):
+        # (a ShareGPT template, `message['from']`, renders no string case: its messages are
+        # then also given in ShareGPT's keys, as check_template does)
+        for case in _cases(content):
+            try:
+                R = render_case(template, case, timeout=timeout, **(variables or {})).text
+            except TemplateError:
+                continue
+            rendered = True
+            try:
+                conv = fmt.parse(R)
+            except ParseError:
+                continue
+            for src, dst in moved(R, case.messages, case.outputs, conv):
+                folds.setdefault(src, dst)
+        if rendered:
+            break
     return folds
 
 

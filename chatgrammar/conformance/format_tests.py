@@ -32,7 +32,8 @@ Schema (every key optional)::
                                    # checked with string contents turned into text parts
     content: parts                 # the matrix check_template runs by default gives content
                                    # as text parts only (an inferred spec saved by
-                                   # `chatgrammar infer -o`, verified so); default "string"
+                                   # `chatgrammar infer -o`, verified so; or sharegpt:
+                                   # every message also in from / value); default "string"
     rejects_tool_messages: "why"   # every tool conversation is a located ParseError by design
     rejects_consecutive_tool_messages: "why"   # two tool results in a row are (hunyuan)
       repeated-prompt: "docs/formats.md, harmony: what is not trained"
@@ -134,8 +135,8 @@ def check_tests(data: Any, file: str = "<tests.yaml>") -> list[str]:
     for flag in ("no_system", "content_parts"):
         if not isinstance(data.get(flag, False), bool):
             out.append(f"{file}: {flag} is true or false")
-    if data.get("content", "string") not in ("string", "parts"):
-        out.append(f"{file}: content is `string` or `parts`")
+    if data.get("content", "string") not in ("string", "parts", "sharegpt"):
+        out.append(f"{file}: content is `string`, `parts` or `sharegpt`")
     return out
 
 

@@ -88,22 +88,33 @@ class _Probe:
         self.cache: dict[str, str | None] = {}
         self.rejected: dict[str, str] = {}
         self.parts = False  # content given as a list of text parts
+        self.sharegpt = False  # messages also in ShareGPT's keys (from / value)
         self.tools: list | None = None  # tools always declared (a template that needs them)
         self.unsplit: dict[str, tuple[str, str]] = {}  # role -> text only the shorter render has
         self.prefills: list = []  # (whitespace before, text) a forced prompt adds to the header
         self.folded: set = set()  # roles whose message renders only once a later one exists
         self.forced = ""  # a suffix every rendering ends with (a forced generation prompt)
+        self.moved: dict[str, str] = {}  # shape -> a message rendered before an earlier one
 
     def content(self, m: dict) -> dict:
+        if self.sharegpt:
+            from .matrix import SHAREGPT_FROM
+            m = {**m, "from": SHAREGPT_FROM.get(m.get("role"), m.get("role")),
+                 "value": m.get("content")}
         if self.parts and isinstance(m.get("content"), str) and m["content"]:
             return {**m, "content": [{"type": "text", "text": m["content"]}]}
         return m
+
+    @property
+    def shape(self) -> str:
+        """The matrix content shape verification gives (matrix.default_matrix)."""
+        return "parts" if self.parts else "sharegpt" if self.sharegpt else "string"
 
     def render(self, msgs: list[dict], *, agp: bool = False, tools: list | None = None,
                extra: dict | None = None, shape: str = "") -> str | None:
         msgs = [self.content(m) for m in msgs]
         tools = tools if tools is not None else self.tools
-        key = json.dumps([msgs, agp, tools, extra, self.parts], sort_keys=True)
+        key = json.dumps([msgs, agp, tools, extra, self.parts, self.sharegpt], sort_keys=True)
         if key in self.cache:
             return self.cache[key]
         try:
@@ -161,6 +172,12 @@ def _locate(probe: _Probe, msgs: list[dict], R: str, shape: str, **kw: Any) -> l
             continue
         pos = R.find(s, last_end)
         if pos < 0:
+            if m["role"] != "system" and kept and 0 <= R.find(s) < kept[-1].pos:
+                # moved before an earlier message (govindramesh's Llama 3 prints every user
+                # turn, then every reply): said when the template cannot be captured
+                probe.moved.setdefault(shape, f"message [{i}] ({m['role']}) is rendered "
+                                              f"before message [{kept[-1].index}] "
+                                              f"({kept[-1].role})")
             continue  # dropped, or moved before an earlier message
         if m["role"] == "system" and R.find(s, pos + len(s)) >= 0:
             # the system prompt printed twice (PiVoT-MoE prints the last system message, then
@@ -189,7 +206,8 @@ def _locate(probe: _Probe, msgs: list[dict], R: str, shape: str, **kw: Any) -> l
             split = min(_snap(_PLAIN, t, split), _snap(_PLAIN, gap, split))
             # what only the shorter rendering has must be a closing (an EOS), never text
             if not t[split:].strip() or _MARKERISH.fullmatch(t[split:].strip()) or \
-                    _SPECIAL_SHAPE.fullmatch(t[split:].strip()):
+                    _SPECIAL_SHAPE.fullmatch(t[split:].strip()) or \
+                    all(is_m or not p.strip() for is_m, p in _PLAIN.pieces(t[split:])):
                 prev.term, cur.head = gap[:split], gap[split:]
             elif cur.role == "assistant" and split == len(gap) and gap.strip() and \
                     _PLAIN.pieces(gap.lstrip())[0][0] and \
@@ -1131,13 +1149,16 @@ def _role_names(roles: dict, lex: _Lexicon, where: str, opener: str = "",
         # NAME then its separator: the separators' common head ends every header
         seps = [re.match(r"[A-Za-z_][\w.\-]*([^A-Za-z0-9]*)", t) for t in texts.values()]
         sep = os.path.commonprefix([m.group(1) for m in seps]) if all(seps) else ""
+        # the header line ends at its newline; whitespace every role writes after it (the
+        # blank line of 'assistant\n\n') is the header's lead, never the reply's output
+        more = sep[sep.index("\n") + 1:] if "\n" in sep else ""
         sep = sep if "\n" not in sep else sep[:sep.index("\n") + 1]
         if not sep:
             raise InferenceError(f"roles {', '.join(roles)} share the opener and their "
                                  f"headers {sorted(texts.values())} end with no common "
                                  "separator", where=where)
         names = {r: t[:t.index(sep)] for r, t in texts.items()}
-        kind, lead = "until_text", None
+        kind, lead = "until_text", (more if more.isspace() else None)
     elif not any(p.strip() for rest in rests.values() for _, p in rest):
         raise InferenceError(f"roles {', '.join(roles)} share the opener {opener!r} and write "
                              "nothing after it: only a turn's position says whose it is, which "
@@ -1413,6 +1434,16 @@ def _joined_openers(lex: _Lexicon, sh: _Shape, opener: str, roles: dict) -> dict
         texts[r] = opener + c.rest[0][1]
         if any(v in texts[r] for v in _ALL):
             return None   # a value in the header (a tool's name): no fixed opener
+    for r in [r for r in texts if r != "assistant"]:
+        # an untrained role written exactly as another (Qwen's tool results as user turns):
+        # the user's header (or the first's) stands for both; they parse as that role
+        twin = next((q for q in texts if q != r and q != "assistant" and texts[q] == texts[r]
+                     and (q == "user" or (r != "user" and list(texts).index(q) <
+                                          list(texts).index(r)))), None)
+        if twin is not None:
+            del texts[r]
+            sh.notes.append(f"{r} messages are rendered as {twin} turns ({texts[twin]!r}): "
+                            "they parse as such, never trained")
     if len(set(texts.values())) < len(texts) or any(
             a != b and b.startswith(a) for a in texts.values() for b in texts.values()):
         return None   # one header a prefix of another: the longer could never be read
@@ -1727,7 +1758,9 @@ class Verification:
             header: its tool messages; :data:`TOOL_AS_ASSISTANT`).
         content: ``"parts"`` when the template prints message content only as a list of
             text parts, and the matrix was given content so
-            (:func:`chatgrammar.conformance.matrix.as_parts`); else ``"string"``.
+            (:func:`chatgrammar.conformance.matrix.as_parts`); ``"sharegpt"`` when it reads
+            ShareGPT's ``from`` / ``value`` keys only, and every message was also given so
+            (:func:`chatgrammar.conformance.matrix.as_sharegpt`); else ``"string"``.
     """
 
     checked: tuple = ()
@@ -1743,6 +1776,8 @@ class Verification:
         s = f"verified on {len(self.checked)} matrix case{'s' if len(self.checked) != 1 else ''}"
         if self.content == "parts":
             s += " (content as lists of text parts)"
+        elif self.content == "sharegpt":
+            s += " (messages in ShareGPT's from / value keys)"
         if self.deviations:
             s += "; the whitespace after an unclosed reply trains (unclosed-whitespace)"
         if self.refused:
@@ -1877,6 +1912,21 @@ def _shape(probe: _Probe, lex: _Lexicon) -> tuple[_Shape, str]:
     msgs = _BASIC["u-a-u-a"]
     R = probe.render(msgs, shape="u-a-u-a") or probe.render(_BASIC["s-u-a-u-a"],
                                                              shape="s-u-a-u-a")
+    if (R is None or U1 not in R) and re.search(r"""\[\s*['"](?:from|value)['"]\s*\]|\.from\b""",
+                                               probe.template):
+        # a ShareGPT template (`message['from'] == 'human'`, `message['value']`): probed, and
+        # verified over the matrix, with every message also in those keys
+        probe.sharegpt = True
+        S = probe.render(msgs, shape="u-a-u-a (ShareGPT keys)") or probe.render(
+            _BASIC["s-u-a-u-a"], shape="s-u-a-u-a (ShareGPT keys)")
+        if S is None or U1 not in S:
+            probe.sharegpt = False   # not that either (and what it rejected is not said)
+            for k in [k for k in probe.rejected if k.endswith("(ShareGPT keys)")]:
+                del probe.rejected[k]
+        else:
+            R = S
+            probe.cache.clear()
+            probe.rejected.clear()
     if R is None or U1 not in R:
         # a template that prints content only as a list of text parts (the multimodal
         # layout: `for part in message.content`), dropping or rejecting a string: probed,
@@ -1893,6 +1943,9 @@ def _shape(probe: _Probe, lex: _Lexicon) -> tuple[_Shape, str]:
             probe.cache.clear()
             probe.rejected.clear()
     sh = _Shape()
+    if probe.sharegpt:
+        sh.notes.append("the template reads ShareGPT's message keys (from / value): verified "
+                        "with every message also given so")
     if probe.parts:
         sh.notes.append("the template prints message content only when it is a list of text "
                         "parts: verified with content so given (a string content prints "
@@ -2452,6 +2505,22 @@ _UNKNOWN = re.compile(r"unknown marker '([^']+)'")
 
 def _infer(template: str, variables: dict, tokenizer: Any, name: str) -> InferredFormat:
     probe = _Probe(template, variables, TIMEOUT)
+    try:
+        return _infer_probed(template, variables, tokenizer, name, probe)
+    except InferenceError as exc:
+        if not probe.moved:
+            raise
+        shape, what = next(iter(probe.moved.items()))
+        # the reason that matters: a format reads turns in the order they are written, and
+        # which message a moved text belongs to is not in the text
+        raise InferenceError(f"the template renders messages out of order ({what}, probe "
+                             f"{shape}): the text no longer says which reply answers which "
+                             f"message; {exc.message}", where=exc.where,
+                             details=exc.details) from None
+
+
+def _infer_probed(template: str, variables: dict, tokenizer: Any, name: str,
+                  probe: "_Probe") -> InferredFormat:
     lex = _Lexicon(specials=_tokenizer_specials(tokenizer))
     sh, h_a = _shape(probe, lex)
     notes = list(sh.notes)
@@ -2551,6 +2620,10 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
     header = (f"# {name}: inferred by chatgrammar.infer_format from a chat template "
               f"(sha256 {name[9:]}…).\n# Review it, then rename it and add detect: / examples: "
               "to bundle it (docs/inference.md).\n")
+    if probe.sharegpt:
+        header += ("# Verified with messages in ShareGPT's keys (from / value; the template "
+                   "reads no role / content):\n# its .tests.yaml says `content: sharegpt` "
+                   "(chatgrammar infer -o writes it).\n")
     if probe.parts:
         # the spec language has no key for it: the saved spec's test facts carry it, so that
         # `chatgrammar validate SPEC --template T` checks it as it was verified
@@ -2558,6 +2631,7 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
                    "prints no string content):\n# its .tests.yaml says `content: parts` "
                    "(chatgrammar infer -o writes it).\n")
     first_problem: InferenceError | None = None
+    fewest: tuple | None = None   # (quick cases failed, failing cases) of first_problem's
     fallback = None   # a candidate that refuses only the tool shapes (a located ParseError)
     for cand in _variants(spec):
         text = _emit(cand, header)
@@ -2568,11 +2642,14 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
                 f"the inferred spec does not compile: {str(exc).splitlines()[0]}",
                 where="compile", details=text)
             continue
-        content = "parts" if probe.parts else "string"
+        content = probe.shape
         res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT, quick=True,
                              content=content)
+        # a candidate that passes the quick cases got further than one that does not
+        got = (2 if fails and not _tool_parse_errors(fails) else 1 if fails else 0, len(fails))
         if not fails or _tool_parse_errors(fails):
             res, fails = _verify(fmt, template, variables, tokenizer, TIMEOUT, content=content)
+            got = (got[0], len(fails))
         refused = _refused_tool_shapes(fmt, probe, sh, fails)
         if refused or (not fails and _joined_follow(cand)):
             # kept unless a better candidate comes: one that parses every case with exact
@@ -2604,14 +2681,20 @@ def _try_variants(template: str, variables: dict, tokenizer: Any, name: str, pro
                 after_tool[0] + f"; the spec cannot follow it (case {fails[0].case!r}: "
                 f"{fails[0].reason})", where="case " + fails[0].case,
                 details=fails[0].details + "\n\n" + text)
+            fewest = (-1, 0)   # the reason to give
             continue
         if fails:
             c = fails[0]
-            first_problem = (first_problem if first_problem and first_problem.where != "compile"
-                             else None) or InferenceError(
-                f"the inferred spec fails matrix case {c.case!r}: {c.reason}"
-                + (f" [{len(fails) - 1} more case(s) fail]" if len(fails) > 1 else ""),
-                where=f"case {c.case}", details=c.details + "\n\n" + text)
+            # the candidate that failed the fewest cases says the most about what no spec
+            # can say (vLLM's teleflm example: the indentation between two replies once a
+            # tool call is dropped, not the first candidate's unread indentation)
+            if first_problem is None or first_problem.where == "compile" or (
+                    fewest is not None and got < fewest):
+                fewest = got
+                first_problem = InferenceError(
+                    f"the inferred spec fails matrix case {c.case!r}: {c.reason}"
+                    + (f" [{len(fails) - 1} more case(s) fail]" if len(fails) > 1 else ""),
+                    where=f"case {c.case}", details=c.details + "\n\n" + text)
             continue
         return _verified(fmt, res, probe, sh, ())
     if fallback is not None:
@@ -2644,7 +2727,7 @@ def _verified(fmt: InferredFormat, res: Any, probe: "_Probe", sh: "_Shape",
         probes_rejected=tuple(probe.rejected.items()), notes=tuple(notes),
         deviations=tuple(dict.fromkeys(
             re.sub(r"at char \d+: ", "", d) for c in res.cases for d in c.deviations))[:4],
-        refused=refused, content="parts" if probe.parts else "string")
+        refused=refused, content=probe.shape)
     return fmt
 
 
@@ -2747,6 +2830,11 @@ def infer_format(chat_template: str, *, tokenizer: Any = None, **template_kwargs
                              where="template") from None
     try:
         fmt = _infer(chat_template, variables, tokenizer, f"inferred-{key[:8]}")
+    except InferenceError:
+        # a bundled family's template that writes a fixed text before every conversation
+        fmt = _after_fixed_text(chat_template, variables, tokenizer, f"inferred-{key[:8]}")
+        if fmt is None:
+            raise
     except ChatGrammarError:
         raise
     except RecursionError:
@@ -2759,6 +2847,76 @@ def infer_format(chat_template: str, *, tokenizer: Any = None, **template_kwargs
     fmt = declare_folds(fmt, chat_template, variables)
     _CACHE.put(key, (fmt.spec_yaml, fmt.verification))
     return _warn_deviations(fmt)
+
+
+def _after_fixed_text(template: str, variables: dict, tokenizer: Any, name: str
+                      ) -> InferredFormat | None:
+    """A bundled format, derived (``extends:``) to read a fixed text the template writes
+    before every conversation as an untrained preamble marker: iboriss's Gemma 4 copy renders
+    its ``#`` comment lines before the first turn, and the bundled gemma4 reads the rest. The
+    text is what every basic probe's rendering starts with, up to its first marker-shaped
+    string; it must be written literally in the template, whose copy without it a bundled
+    format is detected for and verified on. The derived format is checked over the matrix on
+    the template itself, with the bundled format's ``refused:`` shapes (kept as its
+    ``verification.refused``). None where any of this does not hold."""
+    from ..core.detect import explain_detection
+    from ..errors import DetectionError
+    from .format_tests import tests_for
+    from .templates import check_template
+
+    probe = _Probe(template, variables, TIMEOUT)
+    try:
+        renders = [probe.render(m, shape=n) for n, m in _BASIC.items()]
+    except InferenceError:
+        return None
+    renders = [r for r in renders if r is not None]
+    text = os.path.commonprefix(renders) if len(renders) >= 2 else ""
+    m = _MARKERISH.search(text)
+    text = text[:m.start()] if m else ""
+    if len(text.strip()) < 8 or any(v in text for v in _ALL) or template.count(text) != 1:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            det = explain_detection(tokenizer, chat_template=template.replace(text, "", 1))
+    except DetectionError:
+        return None
+    if ((det.verification or {}).get(det.format) or {}).get("status") != "verified" or \
+            not re.fullmatch(r"[a-z0-9][a-z0-9.+-]*", det.format):
+        return None
+    base = det.fmt.spec
+    marker = "fixed_text"
+    while marker in base.markers:
+        marker += "_"
+    spec = {"name": name,
+            "description": f"{det.format}, after a fixed text the template writes before "
+                           "every conversation (inferred by chatgrammar.infer_format)",
+            "extends": det.format,
+            "markers": {marker: {"text": text, "special": False}},
+            "preamble": [marker] + list(base.preamble or [])}
+    header = (f"# {name}: the bundled {det.format} format, with the fixed text this chat "
+              "template writes before every\n# conversation as an untrained preamble marker "
+              "(chatgrammar.infer_format, docs/inference.md).\n")
+    try:
+        fmt = _from_yaml(header + yaml.dump(spec, Dumper=_Dumper, sort_keys=False,
+                                            allow_unicode=True, width=100))
+    except ChatGrammarError:
+        return None
+    refused = dict(tests_for(det.fmt).get("refused") or {})
+    res = check_template(fmt, template, name="template", variables=variables,
+                         tokenizer=tokenizer, timeout=TIMEOUT, refused=refused)
+    passed = [c.case for c in res.cases if c.status == "pass"]
+    if res.error or len(passed) < 6 or any(c.status == "fail" for c in res.cases):
+        return None
+    fmt.verification = Verification(
+        checked=tuple(passed),
+        rejected=tuple((c.case, c.reason) for c in res.cases
+                       if c.status == "skip" and c.case not in refused),
+        notes=(f"the template writes {_show(text)} before every conversation: an untrained "
+               f"preamble marker of the bundled {det.format} format, which reads the rest",),
+        refused=tuple((c.case, refused[c.case]) for c in res.cases
+                      if c.status == "skip" and c.case in refused))
+    return fmt
 
 
 def _warn_deviations(fmt: InferredFormat) -> InferredFormat:

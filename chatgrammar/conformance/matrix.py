@@ -431,15 +431,16 @@ def default_matrix(tags: Iterable[str] | None = None, *,
 
     Args:
         tags: keep only the cases carrying all of these tags (``None``: every case).
-        content: ``"string"`` (the cases as written) or ``"parts"``: every string content
+        content: ``"string"`` (the cases as written), ``"parts"``: every string content
             given as a list of one text part (:func:`as_parts`), for a template that prints
-            content only in the multimodal layout.
+            content only in the multimodal layout, or ``"sharegpt"``: every message also
+            with ShareGPT's ``from`` / ``value`` keys (:func:`as_sharegpt`).
 
     Returns:
         The cases, in a fixed order.
 
     Raises:
-        ValueError: ``content`` is neither ``"string"`` nor ``"parts"``.
+        ValueError: ``content`` is not ``"string"``, ``"parts"`` or ``"sharegpt"``.
 
     Example:
         >>> [c.name for c in default_matrix(tags={"parallel-calls"})]
@@ -447,10 +448,12 @@ def default_matrix(tags: Iterable[str] | None = None, *,
         >>> default_matrix(tags={"parallel-calls"}, content="parts")[0].messages[0]["content"]
         [{'type': 'text', 'text': 'You are a helpful assistant.'}]
     """
-    if content not in ("string", "parts"):
-        raise ValueError(f"content must be 'string' or 'parts', not {content!r}")
+    if content not in ("string", "parts", "sharegpt"):
+        raise ValueError(f"content must be 'string', 'parts' or 'sharegpt', not {content!r}")
     wanted = frozenset(tags or ())
     cases = [copy.deepcopy(case) for case in _MATRIX if wanted <= case.tags]
+    if content == "sharegpt":
+        return [as_sharegpt(c) for c in cases]
     return [as_parts(c) for c in cases] if content == "parts" else cases
 
 
@@ -471,6 +474,33 @@ def as_parts(case: MatrixCase) -> MatrixCase:
     """
     msgs = [{**m, "content": [{"type": "text", "text": m["content"]}]}
             if isinstance(m.get("content"), str) else m for m in copy.deepcopy(case.messages)]
+    return dataclasses.replace(case, messages=msgs)
+
+
+#: ShareGPT's speaker names (the ``from`` key) for the matrix roles, as the ShareGPT templates
+#: of axolotl / unsloth fine-tunes read them (``message['from'] == 'human'``).
+SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
+
+
+def as_sharegpt(case: MatrixCase) -> MatrixCase:
+    """The same case (same name, same expected outputs) with every message also given in
+    ShareGPT's keys: ``from`` (:data:`SHAREGPT_FROM`) and ``value`` (the content), beside
+    ``role`` and ``content`` (for a template that reads ``message['from']`` /
+    ``message['value']`` only: the layout of ShareGPT datasets).
+
+    Args:
+        case: a matrix case.
+
+    Returns:
+        A new case; ``case`` is not changed.
+
+    Example:
+        >>> m = as_sharegpt(get_case("basic")).messages[1]
+        >>> m["from"], m["value"]
+        ('human', 'What is the capital of France?')
+    """
+    msgs = [{**m, "from": SHAREGPT_FROM.get(m.get("role"), m.get("role")),
+             "value": m.get("content")} for m in copy.deepcopy(case.messages)]
     return dataclasses.replace(case, messages=msgs)
 
 

@@ -518,6 +518,13 @@ def _prefix_in(b: str | None, R: str, marker_rx: re.Pattern | None,
     for t in tails:
         if t and b.endswith(t) and ok(len(b) - len(t)):
             return len(b) - len(t), t
+    if marker_rx is not None:
+        # a closing tail of markers only, that no variable names (a literal '<|endoftext|>'
+        # or '<|loss_start|><|im_end|><|loss_end|>' in `{% else %}`), while R ends with the
+        # prompt: where b and g part, from a marker's start on
+        k = _snap_into_marker(b, len(os.path.commonprefix([b, g])), marker_rx)
+        if 0 < k < len(b) and ok(k) and not marker_rx.sub("", b[k:]).strip():
+            return k, b[k:]
     n = 0
     while n < len(b) and n < len(R) and b[-1 - n] == R[-1 - n]:
         n += 1
@@ -1172,17 +1179,33 @@ def check_template(fmt: Format, template: str, *, name: str = "template",
         accepted = dict(tests_for(fmt).get("accepted") or {})
     if refused is None:
         refused = dict(tests_for(fmt).get("refused") or {})
+    default = cases is None
     if cases is None:
         cases = _default_cases(content_shape(fmt))
-    for case in cases:
-        try:
-            res = _checked_case(fmt, template, case, vars_, synth, tokenizer, timeout,
-                                accepted)
-        except Exception as exc:  # one broken case must not hide the others' results
-            res = CaseResult(case.name, "fail", f"error while checking this case: "
-                             f"{type(exc).__name__}: {exc}")
-        out.cases.append(_refusal(res, refused))
+    for _ in range(2):
+        for case in cases:
+            try:
+                res = _checked_case(fmt, template, case, vars_, synth, tokenizer, timeout,
+                                    accepted)
+            except Exception as exc:  # one broken case must not hide the others' results
+                res = CaseResult(case.name, "fail", f"error while checking this case: "
+                                 f"{type(exc).__name__}: {exc}")
+            out.cases.append(_refusal(res, refused))
+        if not (default and content_shape(fmt) == "string" and _reads_sharegpt(out.cases)):
+            break
+        # a ShareGPT template (`message['from'] == 'human'`, `message['value']`) rejects every
+        # case: checked again with the messages also in those keys, as its data gives them
+        cases, out.cases = _default_cases("sharegpt"), []
     return out
+
+
+_SHAREGPT_KEY = re.compile(r"has no attribute '(?:from|value)'")
+
+
+def _reads_sharegpt(cases: Sequence[CaseResult]) -> bool:
+    """The template rejected every case for want of ShareGPT's ``from`` / ``value`` keys."""
+    return bool(cases) and all(c.status == "skip" for c in cases) and \
+        any(_SHAREGPT_KEY.search(c.reason or "") for c in cases)
 
 
 @lru_cache(maxsize=2)
@@ -1197,17 +1220,19 @@ def content_shape(fmt: Format) -> str:
     """How the matrix gives message content to a format's template: ``"parts"`` for a format
     verified on content as lists of text parts (an inferred format whose template prints
     content only so: ``verification.content``; a saved one's ``content: parts`` test fact),
-    else ``"string"``.
+    ``"sharegpt"`` for one verified on messages in ShareGPT's ``from`` / ``value`` keys, else
+    ``"string"``.
 
     Args:
         fmt: a format.
 
     Returns:
-        ``"string"`` or ``"parts"`` (:func:`chatgrammar.conformance.matrix.default_matrix`).
+        ``"string"``, ``"parts"`` or ``"sharegpt"``
+        (:func:`chatgrammar.conformance.matrix.default_matrix`).
     """
     shape = getattr(getattr(fmt, "verification", None), "content", None) or \
         tests_for(fmt).get("content")
-    return "parts" if shape == "parts" else "string"
+    return shape if shape in ("parts", "sharegpt") else "string"
 
 
 def _refusal(res: CaseResult, refused: dict[str, str]) -> CaseResult:
