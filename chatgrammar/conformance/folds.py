@@ -124,8 +124,9 @@ def moved(R: str, messages: list[dict], outputs, conv) -> dict[tuple[str, str], 
 
 
 def _cases() -> list:
-    from .matrix import default_matrix
-    return [c for c in default_matrix() if c.tags & {"system", "tools", "tool-results"}]
+    from .matrix import shared_matrix
+    # (the built-in cases themselves: only read)
+    return [c for c in shared_matrix() if c.tags & {"system", "tools", "tool-results"}]
 
 
 def find_folds(fmt: Format, template: str, variables: dict | None = None, *,
@@ -147,12 +148,14 @@ def find_folds(fmt: Format, template: str, variables: dict | None = None, *,
         >>> find_folds(load_format("mistral"), ciscai_template)   # doctest: +SKIP
         {'system': 'user'}
     """
-    from .matrix import render_case
+    from .templates import render_whole
 
     folds: dict[str, str] = {}
     for case in _cases():
         try:
-            R = render_case(template, case, timeout=timeout, **(variables or {})).text
+            # (the renderings every check of the template shares: detection's candidates,
+            # then the check of the format taken, render the same cases)
+            R = render_whole(template, case, variables or {}, timeout)
             conv = fmt.parse(R)
         except (TemplateError, ParseError):
             continue

@@ -125,8 +125,16 @@ class MarkerTokenizer:
 
     @classmethod
     def for_format(cls, fmt: Format) -> "MarkerTokenizer":
-        """The tokenizer for a format's markers."""
-        return cls(m.text for m in fmt.spec.markers.values())
+        """The tokenizer for a format's markers: one object per Format (held weakly), so
+        every check of that format (each :func:`check_template` case, then
+        :func:`~chatgrammar.conformance.policies.check_policies`) meets the same tokenizer
+        and reuses the format's id lexer and fast-path memo for it. A minimal-protocol
+        object has no readable vocabulary, so the format keys its per-tokenizer state by the
+        object: a new one per call rebuilt the lexer and masker each time. The object holds
+        only the marker table (it never changes), so sharing it is safe."""
+        if cls is not MarkerTokenizer:
+            return cls(m.text for m in fmt.spec.markers.values())
+        return _SYNTHS(fmt)
 
     def convert_tokens_to_ids(self, token: str) -> int | None:
         """The id of a marker string or of one character; None otherwise."""
@@ -171,6 +179,10 @@ class MarkerTokenizer:
     def encode(self, text: str) -> list[int]:
         """The ids of ``text``."""
         return self.encode_with_offsets(text)[0]
+
+
+#: The marker tokenizer of each Format object (MarkerTokenizer.for_format).
+_SYNTHS = PerObject(lambda fmt: MarkerTokenizer(m.text for m in fmt.spec.markers.values()))
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
@@ -633,6 +645,32 @@ def _render_case(template: str, case: MatrixCase, variables: dict,
     return CaseResult(case.name, "skip", f"template rejects it: [{kind}] {message}")
 
 
+def render_whole(template: str, case: MatrixCase, variables: dict,
+                 timeout: float | None) -> str:
+    """``case`` rendered whole with ``variables`` (the case's switches win), as
+    :func:`chatgrammar.conformance.matrix.render_case` renders it, memoised in the renders
+    every check of the template shares (:data:`_RENDERS`).
+
+    Raises:
+        TemplateError: the template rejects the case or fails (RenderTimeout included).
+        ValueError, TypeError: as :func:`~chatgrammar.conformance.render.render_chat`.
+    """
+    got = _RENDERS.render(
+        _RenderMemo.key_of(template, case, variables), len(case.messages),
+        case.add_generation_prompt, (), lambda: render_chat(
+            template, case.messages, tools=case.tools,
+            add_generation_prompt=case.add_generation_prompt, timeout=timeout,
+            **{**variables, **case.template_kwargs}))
+    if got[0] == "ok":
+        return got[1]
+    _, kind, message, lineno = got
+    if kind == "value":
+        raise ValueError(message)
+    if kind == "type":
+        raise TypeError(message)
+    raise TemplateError(message, kind=kind, lineno=lineno)
+
+
 def _message_starts(R: str, r: Any, n: int, variables: dict, openers: Any,
                     marker_rx: Any) -> tuple[dict, str, str]:
     """Where message k starts in R (None where the template renders the first k messages
@@ -810,6 +848,21 @@ def _checked_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
     return res
 
 
+#: The latest renderings' parses in both modes, ``(format key, rendering) -> (synth, text-mode
+#: Conversation, (ids, char bound of each id, id-mode Conversation))``:
+#: :func:`chatgrammar.conformance.policies.check_policies` re-reads the passing cases of the
+#: check just made, under five more policies, from the same parses (a parse does not depend
+#: on the policy; the Conversations are only read). Bounded: a matrix's worth, and more.
+_PARSES = LRU(64)
+
+
+def parses_of(fmt: Format, R: str, synth: Any) -> tuple | None:
+    """``(conv, (ids, bounds, conv_ids))`` of a rendering a check of ``fmt`` parsed in both
+    modes with this ``synth`` (:data:`_PARSES`), or None."""
+    hit = _PARSES.get((_format_key(fmt), R))
+    return hit[1:] if hit is not None and hit[0] is synth else None
+
+
 def _parse_modes(fmt: Format, R: str, synth: MarkerTokenizer, tokenizer: Any,
                  res: CaseResult):
     """Steps 1–3 of a case: text mode, id mode with the marker tokenizer (must agree with text
@@ -828,6 +881,7 @@ def _parse_modes(fmt: Format, R: str, synth: MarkerTokenizer, tokenizer: Any,
         return (f"text mode parses but id mode does not: {exc.message} at token "
                 f"{exc.offset}", "")
     bounds = starts + [len(R)]
+    _PARSES.put((_format_key(fmt), R), (synth, conv, (ids, bounds, conv_ids)))
     for pol in (OUTPUT_POLICY, _WITH_END):
         a = _merge((s.start, s.end) for s in conv.spans(pol))
         b = _merge((bounds[s.start], bounds[s.end]) for s in conv_ids.spans(pol))
