@@ -828,24 +828,47 @@ def _checked_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
     The other variables change no rendering; their values matter only as the closing tails
     :func:`_message_starts` tries where a rendering of the first messages is not a prefix of
     the whole one. An entry made without reading the tails serves any variables; one that
-    read them, only the same variables."""
+    read them, only the same variables.
+
+    Likewise the accepted deviations matter only where the check looks one up (a turn
+    without a terminator, a message rendered as several turns): an entry made without
+    looking any up serves any accepted deviations (inference verifies its spec with its own,
+    then ``validate`` / ``tools/wild.py`` check the format taken with the format's: the same
+    answer wherever none was looked up); one that looked, only the same ones."""
     rkey = None if tokenizer is not None else _RenderMemo.key_of(template, case, variables)
     try:
-        facts = json.dumps([variables, accepted], sort_keys=True, ensure_ascii=False)
+        facts = json.dumps(variables, sort_keys=True, ensure_ascii=False)
+        acc = json.dumps(accepted, sort_keys=True, ensure_ascii=False)
     except (TypeError, ValueError):
         rkey = None
     if rkey is None:
         return _check_case(fmt, template, case, variables, synth, tokenizer, timeout, accepted)
-    key = rkey + (_format_key(fmt), case.name, case.description, case.add_generation_prompt,
-                  json.dumps(accepted, sort_keys=True, ensure_ascii=False))
-    hit = _CHECKS.get(key)
-    if hit is not None and hit[1] in (None, facts):
-        return _copy_case(hit[0])
+    base = rkey + (_format_key(fmt), case.name, case.description, case.add_generation_prompt)
+    for key in (base + (None,), base + (acc,)):
+        hit = _CHECKS.get(key)
+        if hit is not None and hit[1] in (None, facts):
+            return _copy_case(hit[0])
     timeouts, tails = _TIMEOUTS[0], _TAILS_READ[0]
-    res = _check_case(fmt, template, case, variables, synth, tokenizer, timeout, accepted)
+    watched = _Watched(accepted)
+    res = _check_case(fmt, template, case, variables, synth, tokenizer, timeout, watched)
     if _TIMEOUTS[0] == timeouts:
-        _CHECKS.put(key, (_copy_case(res), None if _TAILS_READ[0] == tails else facts))
+        _CHECKS.put(base + ((acc,) if watched.read else (None,)),
+                    (_copy_case(res), None if _TAILS_READ[0] == tails else facts))
     return res
+
+
+class _Watched(dict):
+    """Accepted deviations that note whether a case check looked one up (``read``)."""
+
+    read = False
+
+    def __contains__(self, key: object) -> bool:
+        self.read = True
+        return dict.__contains__(self, key)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read = True
+        return dict.__getitem__(self, key)
 
 
 #: The latest renderings' parses in both modes, ``(format key, rendering) -> (synth, text-mode
