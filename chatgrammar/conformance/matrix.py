@@ -512,8 +512,18 @@ def shared_case(name: str) -> MatrixCase:
     checkers look a case up by name for every case they re-check; a deep copy each time was a
     fair share of their cost). Never change what it returns.
 
+    Args:
+        name: the case name.
+
+    Returns:
+        The shared case (:func:`get_case` returns a copy of it).
+
     Raises:
         KeyError: no such case (the message lists the known names).
+
+    Example:
+        >>> shared_case("basic") is shared_case("basic")
+        True
     """
     try:
         return _BY_NAME[name]
@@ -523,7 +533,15 @@ def shared_case(name: str) -> MatrixCase:
 
 def shared_matrix() -> tuple[MatrixCase, ...]:
     """The built-in cases themselves, in order, string content (read-only, as
-    :func:`shared_case`)."""
+    :func:`shared_case`; :func:`default_matrix` returns copies).
+
+    Returns:
+        A tuple of the shared cases.
+
+    Example:
+        >>> [c.name for c in shared_matrix()] == case_names()
+        True
+    """
     return _SHARED
 
 

@@ -651,9 +651,22 @@ def render_whole(template: str, case: MatrixCase, variables: dict,
     :func:`chatgrammar.conformance.matrix.render_case` renders it, memoised in the renders
     every check of the template shares (:data:`_RENDERS`).
 
+    Args:
+        template: the Jinja source.
+        case: the matrix case.
+        variables: template variables (``bos_token`` …).
+        timeout: per-render time limit in seconds.
+
+    Returns:
+        The rendering.
+
     Raises:
         TemplateError: the template rejects the case or fails (RenderTimeout included).
         ValueError, TypeError: as :func:`~chatgrammar.conformance.render.render_chat`.
+
+    Example:
+        >>> render_whole("{{ messages|length }}", get_case("basic"), {}, 10.0)  # doctest: +SKIP
+        '3'
     """
     got = _RENDERS.render(
         _RenderMemo.key_of(template, case, variables), len(case.messages),
@@ -880,8 +893,23 @@ _PARSES = LRU(64)
 
 
 def parses_of(fmt: Format, R: str, synth: Any) -> tuple | None:
-    """``(conv, (ids, bounds, conv_ids))`` of a rendering a check of ``fmt`` parsed in both
-    modes with this ``synth`` (:data:`_PARSES`), or None."""
+    """The parses of a rendering that a check of ``fmt`` just made in both modes with this
+    ``synth`` (:data:`_PARSES`).
+
+    Args:
+        fmt: the format checked.
+        R: the rendering.
+        synth: the marker tokenizer of id mode (only the very object the check used counts).
+
+    Returns:
+        ``(conv, (ids, bounds, conv_ids))``: the text-mode Conversation, the ids, the char
+        bound of each id (and the length) and the id-mode Conversation; None when no such
+        parse is kept.
+
+    Example:
+        >>> parses_of(fmt, res.cases[0].text, MarkerTokenizer.for_format(fmt))  # doctest: +SKIP
+        (Conversation(...), ([...], [...], Conversation(...)))
+    """
     hit = _PARSES.get((_format_key(fmt), R))
     return hit[1:] if hit is not None and hit[0] is synth else None
 
