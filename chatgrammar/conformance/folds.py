@@ -124,9 +124,10 @@ def moved(R: str, messages: list[dict], outputs, conv) -> dict[tuple[str, str], 
 
 
 def _cases(content: str = "string") -> list:
-    from .matrix import default_matrix
-    return [c for c in default_matrix(content=content)
-            if c.tags & {"system", "tools", "tool-results"}]
+    from .matrix import default_matrix, shared_matrix
+    # (string content: the built-in cases themselves, only read)
+    cases = shared_matrix() if content == "string" else default_matrix(content=content)
+    return [c for c in cases if c.tags & {"system", "tools", "tool-results"}]
 
 
 def find_folds(fmt: Format, template: str, variables: dict | None = None, *,
@@ -148,7 +149,7 @@ def find_folds(fmt: Format, template: str, variables: dict | None = None, *,
         >>> find_folds(load_format("mistral"), ciscai_template)   # doctest: +SKIP
         {'system': 'user'}
     """
-    from .matrix import render_case
+    from .templates import render_whole
 
     folds: dict[str, str] = {}
     rendered = False
@@ -157,7 +158,9 @@ def find_folds(fmt: Format, template: str, variables: dict | None = None, *,
         # then also given in ShareGPT's keys, as check_template does)
         for case in _cases(content):
             try:
-                R = render_case(template, case, timeout=timeout, **(variables or {})).text
+                # (the renderings every check of the template shares: detection's candidates,
+                # then the check of the format taken, render the same cases)
+                R = render_whole(template, case, variables or {}, timeout)
             except TemplateError:
                 continue
             rendered = True

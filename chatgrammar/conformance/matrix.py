@@ -423,6 +423,7 @@ def _build() -> list[MatrixCase]:
 
 _MATRIX = _build()
 _BY_NAME = {case.name: case for case in _MATRIX}
+_SHARED = tuple(_MATRIX)
 
 
 def default_matrix(tags: Iterable[str] | None = None, *,
@@ -533,10 +534,45 @@ def get_case(name: str) -> MatrixCase:
         >>> get_case("tool-call").outputs[0].tool_calls[0].name
         'get_weather'
     """
+    return copy.deepcopy(shared_case(name))
+
+
+def shared_case(name: str) -> MatrixCase:
+    """The built-in case itself, not a copy: for code of the package that only reads it (the
+    checkers look a case up by name for every case they re-check; a deep copy each time was a
+    fair share of their cost). Never change what it returns.
+
+    Args:
+        name: the case name.
+
+    Returns:
+        The shared case (:func:`get_case` returns a copy of it).
+
+    Raises:
+        KeyError: no such case (the message lists the known names).
+
+    Example:
+        >>> shared_case("basic") is shared_case("basic")
+        True
+    """
     try:
-        return copy.deepcopy(_BY_NAME[name])
+        return _BY_NAME[name]
     except KeyError:
         raise KeyError(f"unknown matrix case {name!r}; known: {', '.join(_BY_NAME)}") from None
+
+
+def shared_matrix() -> tuple[MatrixCase, ...]:
+    """The built-in cases themselves, in order, string content (read-only, as
+    :func:`shared_case`; :func:`default_matrix` returns copies).
+
+    Returns:
+        A tuple of the shared cases.
+
+    Example:
+        >>> [c.name for c in shared_matrix()] == case_names()
+        True
+    """
+    return _SHARED
 
 
 # ------------------------------------------------------------------------------- running
@@ -581,9 +617,12 @@ def render_case(template: str, case: MatrixCase, *, timeout: float | None = 10.0
         >>> render_case("{{ messages|length }}", get_case("basic")).text
         '3'
     """
+    # (no copies of the case's messages, tools and switches: rendering rebuilds what it is
+    # given from plain values and never changes the caller's objects)
     return render_chat_with_spans(
-        template, copy.deepcopy(case.messages), timeout=timeout,
-        **{**special_tokens, **case.render_kwargs()},
+        template, case.messages, timeout=timeout,
+        **{**special_tokens, "tools": case.tools,
+           "add_generation_prompt": case.add_generation_prompt, **case.template_kwargs},
     )
 
 

@@ -44,7 +44,7 @@ from ..errors import DeviationWarning, ParseError
 from ..runtime.policy import MaskPolicy
 from ..runtime.spans import merge_spans
 from .folds import moved
-from .matrix import get_case
+from .matrix import shared_case
 
 __all__ = ["POLICIES", "WARNED", "check_policies", "is_warned"]
 
@@ -387,7 +387,7 @@ def check_policies(fmt, result, *, policies: dict[str, MaskPolicy] | None = None
         >>> check_policies(load_format("qwen3"), check_template(fmt, tpl))  # doctest: +SKIP
         {'thinking=False': [], 'tool_calls=False': [], ...}
     """
-    from .templates import MarkerTokenizer, OUTPUT_POLICY
+    from .templates import MarkerTokenizer, OUTPUT_POLICY, parses_of
 
     policies = POLICIES if policies is None else policies
     synth = synth or MarkerTokenizer.for_format(fmt)
@@ -395,11 +395,11 @@ def check_policies(fmt, result, *, policies: dict[str, MaskPolicy] | None = None
     for res in result.cases:
         if res.status != "pass" or res.text is None:
             continue
-        R, case = res.text, get_case(res.case)
-        conv = fmt.parse(R)
+        R, case = res.text, shared_case(res.case)  # (only read)
+        # (the check that passed the case parsed it in both modes: those parses, else anew)
+        conv, parsed = parses_of(fmt, R, synth) or (fmt.parse(R), _id_parse(fmt, R, synth))
         base = _chars(merge_spans((s.start, s.end) for s in conv.spans(OUTPUT_POLICY)))
         shifted = _shifted(fmt, R, case, conv)
-        parsed = _id_parse(fmt, R, synth)
         for name, policy in policies.items():
             # what the format says at mask time (a plain-text tool-call DeviationWarning)
             with warnings.catch_warnings(record=True) as said:

@@ -296,14 +296,23 @@ def has_generation_tags(template: str) -> bool:
 
 
 # --------------------------------------------------------------------------- input handling
+_PRIMITIVE = frozenset((str, int, float, bool))
+
+
 def _plain(value: Any) -> Any:
     """Rebuild a value from plain JSON types (transformers' ``_plain_template_data``).
 
     Rich objects (arrays, images...) become an inert ``"<TypeName>"`` placeholder so the sandbox
     never sees their methods.
     """
-    if value is None or type(value) in (str, int, float, bool):
+    t = type(value)
+    if value is None or t in _PRIMITIVE:
         return value
+    # (plain dicts and lists first: the ABC checks below are most of the cost otherwise)
+    if t is dict:
+        return {_plain(key): _plain(item) for key, item in value.items()}
+    if t is list:
+        return [_plain(item) for item in value]
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, int):
@@ -328,6 +337,13 @@ def _plain(value: Any) -> Any:
 
 def _to_dicts(value: Any) -> Any:
     """Message objects (dataclasses, pydantic models) to dicts (``_message_objects_to_dicts``)."""
+    t = type(value)
+    if value is None or t in _PRIMITIVE:
+        return value
+    if t is dict:  # (plain dicts and lists first: the ABC checks below cost more)
+        return {key: _to_dicts(item) for key, item in value.items()}
+    if t is list:
+        return [_to_dicts(item) for item in value]
     if isinstance(value, Mapping):
         return {key: _to_dicts(item) for key, item in value.items()}
     if isinstance(value, list):

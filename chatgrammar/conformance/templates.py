@@ -125,8 +125,16 @@ class MarkerTokenizer:
 
     @classmethod
     def for_format(cls, fmt: Format) -> "MarkerTokenizer":
-        """The tokenizer for a format's markers."""
-        return cls(m.text for m in fmt.spec.markers.values())
+        """The tokenizer for a format's markers: one object per Format (held weakly), so
+        every check of that format (each :func:`check_template` case, then
+        :func:`~chatgrammar.conformance.policies.check_policies`) meets the same tokenizer
+        and reuses the format's id lexer and fast-path memo for it. A minimal-protocol
+        object has no readable vocabulary, so the format keys its per-tokenizer state by the
+        object: a new one per call rebuilt the lexer and masker each time. The object holds
+        only the marker table (it never changes), so sharing it is safe."""
+        if cls is not MarkerTokenizer:
+            return cls(m.text for m in fmt.spec.markers.values())
+        return _SYNTHS(fmt)
 
     def convert_tokens_to_ids(self, token: str) -> int | None:
         """The id of a marker string or of one character; None otherwise."""
@@ -171,6 +179,10 @@ class MarkerTokenizer:
     def encode(self, text: str) -> list[int]:
         """The ids of ``text``."""
         return self.encode_with_offsets(text)[0]
+
+
+#: The marker tokenizer of each Format object (MarkerTokenizer.for_format).
+_SYNTHS = PerObject(lambda fmt: MarkerTokenizer(m.text for m in fmt.spec.markers.values()))
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
@@ -640,6 +652,45 @@ def _render_case(template: str, case: MatrixCase, variables: dict,
     return CaseResult(case.name, "skip", f"template rejects it: [{kind}] {message}")
 
 
+def render_whole(template: str, case: MatrixCase, variables: dict,
+                 timeout: float | None) -> str:
+    """``case`` rendered whole with ``variables`` (the case's switches win), as
+    :func:`chatgrammar.conformance.matrix.render_case` renders it, memoised in the renders
+    every check of the template shares (:data:`_RENDERS`).
+
+    Args:
+        template: the Jinja source.
+        case: the matrix case.
+        variables: template variables (``bos_token`` …).
+        timeout: per-render time limit in seconds.
+
+    Returns:
+        The rendering.
+
+    Raises:
+        TemplateError: the template rejects the case or fails (RenderTimeout included).
+        ValueError, TypeError: as :func:`~chatgrammar.conformance.render.render_chat`.
+
+    Example:
+        >>> render_whole("{{ messages|length }}", get_case("basic"), {}, 10.0)  # doctest: +SKIP
+        '3'
+    """
+    got = _RENDERS.render(
+        _RenderMemo.key_of(template, case, variables), len(case.messages),
+        case.add_generation_prompt, (), lambda: render_chat(
+            template, case.messages, tools=case.tools,
+            add_generation_prompt=case.add_generation_prompt, timeout=timeout,
+            **{**variables, **case.template_kwargs}))
+    if got[0] == "ok":
+        return got[1]
+    _, kind, message, lineno = got
+    if kind == "value":
+        raise ValueError(message)
+    if kind == "type":
+        raise TypeError(message)
+    raise TemplateError(message, kind=kind, lineno=lineno)
+
+
 def _message_starts(R: str, r: Any, n: int, variables: dict, openers: Any,
                     marker_rx: Any) -> tuple[dict, str, str]:
     """Where message k starts in R (None where the template renders the first k messages
@@ -797,24 +848,77 @@ def _checked_case(fmt: Format, template: str, case: MatrixCase, variables: dict,
     The other variables change no rendering; their values matter only as the closing tails
     :func:`_message_starts` tries where a rendering of the first messages is not a prefix of
     the whole one. An entry made without reading the tails serves any variables; one that
-    read them, only the same variables."""
+    read them, only the same variables.
+
+    Likewise the accepted deviations matter only where the check looks one up (a turn
+    without a terminator, a message rendered as several turns): an entry made without
+    looking any up serves any accepted deviations (inference verifies its spec with its own,
+    then ``validate`` / ``tools/wild.py`` check the format taken with the format's: the same
+    answer wherever none was looked up); one that looked, only the same ones."""
     rkey = None if tokenizer is not None else _RenderMemo.key_of(template, case, variables)
     try:
-        facts = json.dumps([variables, accepted], sort_keys=True, ensure_ascii=False)
+        facts = json.dumps(variables, sort_keys=True, ensure_ascii=False)
+        acc = json.dumps(accepted, sort_keys=True, ensure_ascii=False)
     except (TypeError, ValueError):
         rkey = None
     if rkey is None:
         return _check_case(fmt, template, case, variables, synth, tokenizer, timeout, accepted)
-    key = rkey + (_format_key(fmt), case.name, case.description, case.add_generation_prompt,
-                  json.dumps(accepted, sort_keys=True, ensure_ascii=False))
-    hit = _CHECKS.get(key)
-    if hit is not None and hit[1] in (None, facts):
-        return _copy_case(hit[0])
+    base = rkey + (_format_key(fmt), case.name, case.description, case.add_generation_prompt)
+    for key in (base + (None,), base + (acc,)):
+        hit = _CHECKS.get(key)
+        if hit is not None and hit[1] in (None, facts):
+            return _copy_case(hit[0])
     timeouts, tails = _TIMEOUTS[0], _TAILS_READ[0]
-    res = _check_case(fmt, template, case, variables, synth, tokenizer, timeout, accepted)
+    watched = _Watched(accepted)
+    res = _check_case(fmt, template, case, variables, synth, tokenizer, timeout, watched)
     if _TIMEOUTS[0] == timeouts:
-        _CHECKS.put(key, (_copy_case(res), None if _TAILS_READ[0] == tails else facts))
+        _CHECKS.put(base + ((acc,) if watched.read else (None,)),
+                    (_copy_case(res), None if _TAILS_READ[0] == tails else facts))
     return res
+
+
+class _Watched(dict):
+    """Accepted deviations that note whether a case check looked one up (``read``)."""
+
+    read = False
+
+    def __contains__(self, key: object) -> bool:
+        self.read = True
+        return dict.__contains__(self, key)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read = True
+        return dict.__getitem__(self, key)
+
+
+#: The latest renderings' parses in both modes, ``(format key, rendering) -> (synth, text-mode
+#: Conversation, (ids, char bound of each id, id-mode Conversation))``:
+#: :func:`chatgrammar.conformance.policies.check_policies` re-reads the passing cases of the
+#: check just made, under five more policies, from the same parses (a parse does not depend
+#: on the policy; the Conversations are only read). Bounded: a matrix's worth, and more.
+_PARSES = LRU(64)
+
+
+def parses_of(fmt: Format, R: str, synth: Any) -> tuple | None:
+    """The parses of a rendering that a check of ``fmt`` just made in both modes with this
+    ``synth`` (:data:`_PARSES`).
+
+    Args:
+        fmt: the format checked.
+        R: the rendering.
+        synth: the marker tokenizer of id mode (only the very object the check used counts).
+
+    Returns:
+        ``(conv, (ids, bounds, conv_ids))``: the text-mode Conversation, the ids, the char
+        bound of each id (and the length) and the id-mode Conversation; None when no such
+        parse is kept.
+
+    Example:
+        >>> parses_of(fmt, res.cases[0].text, MarkerTokenizer.for_format(fmt))  # doctest: +SKIP
+        (Conversation(...), ([...], [...], Conversation(...)))
+    """
+    hit = _PARSES.get((_format_key(fmt), R))
+    return hit[1:] if hit is not None and hit[0] is synth else None
 
 
 def _parse_modes(fmt: Format, R: str, synth: MarkerTokenizer, tokenizer: Any,
@@ -835,6 +939,7 @@ def _parse_modes(fmt: Format, R: str, synth: MarkerTokenizer, tokenizer: Any,
         return (f"text mode parses but id mode does not: {exc.message} at token "
                 f"{exc.offset}", "")
     bounds = starts + [len(R)]
+    _PARSES.put((_format_key(fmt), R), (synth, conv, (ids, bounds, conv_ids)))
     for pol in (OUTPUT_POLICY, _WITH_END):
         a = _merge((s.start, s.end) for s in conv.spans(pol))
         b = _merge((bounds[s.start], bounds[s.end]) for s in conv_ids.spans(pol))
