@@ -108,15 +108,29 @@ def encode_with_ranges(tok, text: str) -> tuple[list[int], list[tuple[int, int]]
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
         return enc["input_ids"], [tuple(o) for o in enc["offset_mapping"]]
     ids = tok.encode(text, allowed_special="all")
-    dec, starts = tok.decode_with_offsets(ids)
-    assert dec == text
-    # a token ends after the characters whose first byte it holds (UTF-8 lead bytes, counted
-    # over the whole byte string at once)
+    if not ids:
+        assert text == ""
+        return ids, []
+    # the token bytes once; every offset from them at once (tiktoken's ``decode_with_offsets``
+    # gives the same starts through a Python loop over every byte of every token, ~40% of
+    # this function, and decoded the tokens a second time)
     pieces = tok.decode_tokens_bytes(ids)
-    raw = np.frombuffer(b"".join(pieces), dtype=np.uint8)
-    leads = np.cumsum((raw & 0xC0) != 0x80)
-    ends = leads[np.cumsum([len(b) for b in pieces]) - 1].tolist() if ids else []
-    assert ends[-1:] in ([len(text)], [])
+    joined = b"".join(pieces)
+    assert joined.decode("utf-8", errors="strict") == text
+    raw = np.frombuffer(joined, dtype=np.uint8)
+    lead = (raw & 0xC0) != 0x80  # the first byte of a character (not a continuation byte)
+    leads = np.cumsum(lead)  # characters begun up to and including each byte
+    lens = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+    bounds = np.cumsum(lens)
+    first = bounds - lens
+    # a token starts at the character of its first byte: the characters begun before that
+    # byte, less one when the byte continues a character begun in an earlier token
+    # (tiktoken's rule: ``max(0, text_len - (0x80 <= token[0] < 0xC0))``)
+    before = leads[first] - lead[first]
+    starts = np.maximum(0, before - ~lead[first]).tolist()
+    # a token ends after the characters whose first byte it holds
+    ends = leads[bounds - 1].tolist()
+    assert ends[-1] == len(text)
     return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
 
 
@@ -486,7 +500,9 @@ class FormatData:
             src = (_PARTS_PRELUDE if t.get("content_as_parts") else "") + self.source(file)
             kw = {**(t.get("vars") or {}), **case.render_kwargs()}
             try:
-                self._renders[key] = render_chat(src, _copy.deepcopy(case.messages), **kw)
+                # (no copy of the messages: render_chat rebuilds them, and the tools, from
+                # plain values before the template sees them, so no template edits a case)
+                self._renders[key] = render_chat(src, case.messages, **kw)
             except RenderTimeout:
                 raise  # (a slow machine's accident, not the template's outcome: not kept)
             except TemplateError as exc:
