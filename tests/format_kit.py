@@ -498,10 +498,12 @@ class FormatData:
             from tests.fuzz_tokenizers import _PARTS_PRELUDE
 
             src = (_PARTS_PRELUDE if t.get("content_as_parts") else "") + self.source(file)
-            kw = {**(t.get("vars") or {}), **case.render_kwargs()}
+            # ``case.render_kwargs()`` without its deep copies, and no copy of the messages:
+            # render_chat rebuilds messages, tools and template variables from plain values
+            # before the template sees them, so no template edits a case
+            kw = {**(t.get("vars") or {}), "tools": case.tools,
+                  "add_generation_prompt": case.add_generation_prompt, **case.template_kwargs}
             try:
-                # (no copy of the messages: render_chat rebuilds them, and the tools, from
-                # plain values before the template sees them, so no template edits a case)
                 self._renders[key] = render_chat(src, case.messages, **kw)
             except RenderTimeout:
                 raise  # (a slow machine's accident, not the template's outcome: not kept)
