@@ -19,6 +19,7 @@ on the family live here:
 """
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 from pathlib import Path
 
@@ -107,6 +108,31 @@ def encode_with_ranges(tok, text: str) -> tuple[list[int], list[tuple[int, int]]
             return tok.encode(text, add_special_tokens=False), None
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
         return enc["input_ids"], [tuple(o) for o in enc["offset_mapping"]]
+    memo = _encoded_texts(tok)
+    hit = memo.get(text)
+    if hit is not None:  # (copies: callers may edit what they get)
+        return list(hit[0]), list(hit[1])
+    ids, ranges = _tiktoken_ranges(tok, text)
+    if len(memo) >= 512:
+        del memo[next(iter(memo))]
+    memo[text] = (tuple(ids), tuple(ranges))
+    return ids, ranges
+
+
+# per tiktoken Encoding (an immutable vocabulary; held weakly: the memo goes with it), the
+# texts encoded so far: a format's renderings are encoded by its matrix, batch and truncation
+# checks alike, on the same tokenizers
+_ENCODED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _encoded_texts(tok) -> dict:
+    memo = _ENCODED.get(tok)
+    if memo is None:
+        memo = _ENCODED[tok] = {}
+    return memo
+
+
+def _tiktoken_ranges(tok, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     ids = tok.encode(text, allowed_special="all")
     if not ids:
         assert text == ""
@@ -482,7 +508,7 @@ class FormatData:
             if "real" in tk:
                 return real_tokenizer(tk["real"], tuple(tk.get("add_special") or ()))
             ids = tk["special_ids"]
-        return id_encoding(tuple(ids.items()))
+        return special_ids_encoding(tuple(ids.items()))
 
     # ---------------------------------------------------------------- rendering
     def source(self, file: str) -> str:
@@ -559,6 +585,26 @@ def id_encoding(specials: tuple):
     """Qwen's BPE renumbered around ``specials`` (few kept: each costs tens of MB)."""
     return renumbered_encoding.__wrapped__("suite-" + str(hash(specials) & 0xFFFFFFFF),
                                            specials)
+
+
+#: Special-id tables that several formats of the suite use (tests/test_formats.py names them
+#: at collection: the nine formats over Llama 2's ids, ...): their encodings are built once for
+#: the module (:func:`shared_encoding`), not once per format.
+SHARED_TABLES: set = set()
+
+
+@lru_cache(maxsize=None)  # (only SHARED_TABLES' few; emptied after each module, as every cache)
+def shared_encoding(specials: tuple):
+    """:func:`id_encoding`'s encoding of a table of :data:`SHARED_TABLES`, kept across formats."""
+    return id_encoding.__wrapped__(specials)
+
+
+def special_ids_encoding(specials: tuple, *, keep: bool = True):
+    """The encoding of a special-id table: the shared one when several formats use the table,
+    else :func:`id_encoding`'s (``keep=False``: a fresh one, kept by no cache)."""
+    if specials in SHARED_TABLES:
+        return shared_encoding(specials)
+    return id_encoding(specials) if keep else id_encoding.__wrapped__(specials)
 
 
 def marked(text: str, spans) -> str:
