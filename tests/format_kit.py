@@ -19,6 +19,7 @@ on the family live here:
 """
 from __future__ import annotations
 
+import re
 import weakref
 from functools import lru_cache
 from pathlib import Path
@@ -204,15 +205,18 @@ def _differing(m, want) -> set[int]:
 def parse_example(text: str) -> tuple[str, list[tuple[int, int]]]:
     """An embedded example's text without its ``⟦…⟧`` marks, and the marked spans."""
     plain, spans, start, n = [], [], None, 0
-    for ch in text:
-        if ch == "⟦":
+    for piece in _MARK_SPLIT.split(text):  # (the marks and the runs between them)
+        if piece == "⟦":
             start = n
-        elif ch == "⟧":
+        elif piece == "⟧":
             spans.append((start, n))
         else:
-            plain.append(ch)
-            n += 1
+            plain.append(piece)
+            n += len(piece)
     return "".join(plain), spans
+
+
+_MARK_SPLIT = re.compile("([⟦⟧])")
 
 
 def merged_spans(spans) -> list[tuple[int, int]]:
@@ -435,6 +439,7 @@ class FormatData:
                      if p.is_file() else {}) or {}
         self.goldens: dict[str, dict] = {}
         self._cases: list[MatrixCase] | None = None
+        self._by_name: dict[str, MatrixCase] | None = None
         self._templates: list[dict] | None = None
         self._renders: dict[tuple, object] = {}
 
@@ -454,7 +459,12 @@ class FormatData:
         return out
 
     def case(self, name: str) -> MatrixCase:
-        return next(c for c in self.cases() if c.name == name)
+        by_name = self._by_name
+        if by_name is None:
+            by_name = self._by_name = {}
+            for c in self.cases():
+                by_name.setdefault(c.name, c)  # (the first of a name, as before)
+        return by_name[name]
 
     def templates(self) -> list[dict]:
         """The tests.yaml templates plus ``templates:`` of suite.yaml (same keys; ``file``
