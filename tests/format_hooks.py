@@ -105,8 +105,6 @@ def trl_generation_parity(fd: FormatData) -> None:
     TRL's span): with ``end_marker=True`` the format's spans cover TRL's ``{% generation %}``
     spans exactly, and the TRL copy renders what the original renders. TRL's spans come from
     the renderer, not a golden: hence a hook."""
-    import copy
-
     from chatgrammar.conformance.render import TemplateError, render_chat_with_spans
     from tests.format_kit import TEMPLATES, check_id_mode
 
@@ -117,7 +115,7 @@ def trl_generation_parity(fd: FormatData) -> None:
         checked = 0
         for case in fd.cases():
             try:
-                res = render_chat_with_spans(src, copy.deepcopy(case.messages),
+                res = render_chat_with_spans(src, case.messages,  # (it copies them)
                                              **{**(t.get("vars") or {}), **case.render_kwargs()})
             except TemplateError:
                 continue

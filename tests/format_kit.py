@@ -19,6 +19,8 @@ on the family live here:
 """
 from __future__ import annotations
 
+import re
+import weakref
 from functools import lru_cache
 from pathlib import Path
 
@@ -107,16 +109,55 @@ def encode_with_ranges(tok, text: str) -> tuple[list[int], list[tuple[int, int]]
             return tok.encode(text, add_special_tokens=False), None
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
         return enc["input_ids"], [tuple(o) for o in enc["offset_mapping"]]
+    memo = _encoded_texts(tok)
+    hit = memo.get(text)
+    if hit is not None:  # (copies: callers may edit what they get)
+        return list(hit[0]), list(hit[1])
+    ids, ranges = _tiktoken_ranges(tok, text)
+    if len(memo) >= 512:
+        del memo[next(iter(memo))]
+    memo[text] = (tuple(ids), tuple(ranges))
+    return ids, ranges
+
+
+# per tiktoken Encoding (an immutable vocabulary; held weakly: the memo goes with it), the
+# texts encoded so far: a format's renderings are encoded by its matrix, batch and truncation
+# checks alike, on the same tokenizers
+_ENCODED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _encoded_texts(tok) -> dict:
+    memo = _ENCODED.get(tok)
+    if memo is None:
+        memo = _ENCODED[tok] = {}
+    return memo
+
+
+def _tiktoken_ranges(tok, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     ids = tok.encode(text, allowed_special="all")
-    dec, starts = tok.decode_with_offsets(ids)
-    assert dec == text
-    # a token ends after the characters whose first byte it holds (UTF-8 lead bytes, counted
-    # over the whole byte string at once)
+    if not ids:
+        assert text == ""
+        return ids, []
+    # the token bytes once; every offset from them at once (tiktoken's ``decode_with_offsets``
+    # gives the same starts through a Python loop over every byte of every token, ~40% of
+    # this function, and decoded the tokens a second time)
     pieces = tok.decode_tokens_bytes(ids)
-    raw = np.frombuffer(b"".join(pieces), dtype=np.uint8)
-    leads = np.cumsum((raw & 0xC0) != 0x80)
-    ends = leads[np.cumsum([len(b) for b in pieces]) - 1].tolist() if ids else []
-    assert ends[-1:] in ([len(text)], [])
+    joined = b"".join(pieces)
+    assert joined.decode("utf-8", errors="strict") == text
+    raw = np.frombuffer(joined, dtype=np.uint8)
+    lead = (raw & 0xC0) != 0x80  # the first byte of a character (not a continuation byte)
+    leads = np.cumsum(lead)  # characters begun up to and including each byte
+    lens = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+    bounds = np.cumsum(lens)
+    first = bounds - lens
+    # a token starts at the character of its first byte: the characters begun before that
+    # byte, less one when the byte continues a character begun in an earlier token
+    # (tiktoken's rule: ``max(0, text_len - (0x80 <= token[0] < 0xC0))``)
+    before = leads[first] - lead[first]
+    starts = np.maximum(0, before - ~lead[first]).tolist()
+    # a token ends after the characters whose first byte it holds
+    ends = leads[bounds - 1].tolist()
+    assert ends[-1] == len(text)
     return ids, [(a, max(b, a + 1)) for a, b in zip(starts, ends)]
 
 
@@ -164,15 +205,18 @@ def _differing(m, want) -> set[int]:
 def parse_example(text: str) -> tuple[str, list[tuple[int, int]]]:
     """An embedded example's text without its ``⟦…⟧`` marks, and the marked spans."""
     plain, spans, start, n = [], [], None, 0
-    for ch in text:
-        if ch == "⟦":
+    for piece in _MARK_SPLIT.split(text):  # (the marks and the runs between them)
+        if piece == "⟦":
             start = n
-        elif ch == "⟧":
+        elif piece == "⟧":
             spans.append((start, n))
         else:
-            plain.append(ch)
-            n += 1
+            plain.append(piece)
+            n += len(piece)
     return "".join(plain), spans
+
+
+_MARK_SPLIT = re.compile("([⟦⟧])")
 
 
 def merged_spans(spans) -> list[tuple[int, int]]:
@@ -395,6 +439,7 @@ class FormatData:
                      if p.is_file() else {}) or {}
         self.goldens: dict[str, dict] = {}
         self._cases: list[MatrixCase] | None = None
+        self._by_name: dict[str, MatrixCase] | None = None
         self._templates: list[dict] | None = None
         self._renders: dict[tuple, object] = {}
 
@@ -414,7 +459,12 @@ class FormatData:
         return out
 
     def case(self, name: str) -> MatrixCase:
-        return next(c for c in self.cases() if c.name == name)
+        by_name = self._by_name
+        if by_name is None:
+            by_name = self._by_name = {}
+            for c in self.cases():
+                by_name.setdefault(c.name, c)  # (the first of a name, as before)
+        return by_name[name]
 
     def templates(self) -> list[dict]:
         """The tests.yaml templates plus ``templates:`` of suite.yaml (same keys; ``file``
@@ -468,7 +518,7 @@ class FormatData:
             if "real" in tk:
                 return real_tokenizer(tk["real"], tuple(tk.get("add_special") or ()))
             ids = tk["special_ids"]
-        return id_encoding(tuple(ids.items()))
+        return special_ids_encoding(tuple(ids.items()))
 
     # ---------------------------------------------------------------- rendering
     def source(self, file: str) -> str:
@@ -484,9 +534,13 @@ class FormatData:
             from tests.fuzz_tokenizers import _PARTS_PRELUDE
 
             src = (_PARTS_PRELUDE if t.get("content_as_parts") else "") + self.source(file)
-            kw = {**(t.get("vars") or {}), **case.render_kwargs()}
+            # ``case.render_kwargs()`` without its deep copies, and no copy of the messages:
+            # render_chat rebuilds messages, tools and template variables from plain values
+            # before the template sees them, so no template edits a case
+            kw = {**(t.get("vars") or {}), "tools": case.tools,
+                  "add_generation_prompt": case.add_generation_prompt, **case.template_kwargs}
             try:
-                self._renders[key] = render_chat(src, _copy.deepcopy(case.messages), **kw)
+                self._renders[key] = render_chat(src, case.messages, **kw)
             except RenderTimeout:
                 raise  # (a slow machine's accident, not the template's outcome: not kept)
             except TemplateError as exc:
@@ -541,6 +595,26 @@ def id_encoding(specials: tuple):
     """Qwen's BPE renumbered around ``specials`` (few kept: each costs tens of MB)."""
     return renumbered_encoding.__wrapped__("suite-" + str(hash(specials) & 0xFFFFFFFF),
                                            specials)
+
+
+#: Special-id tables that several formats of the suite use (tests/test_formats.py names them
+#: at collection: the nine formats over Llama 2's ids, ...): their encodings are built once for
+#: the module (:func:`shared_encoding`), not once per format.
+SHARED_TABLES: set = set()
+
+
+@lru_cache(maxsize=None)  # (only SHARED_TABLES' few; emptied after each module, as every cache)
+def shared_encoding(specials: tuple):
+    """:func:`id_encoding`'s encoding of a table of :data:`SHARED_TABLES`, kept across formats."""
+    return id_encoding.__wrapped__(specials)
+
+
+def special_ids_encoding(specials: tuple, *, keep: bool = True):
+    """The encoding of a special-id table: the shared one when several formats use the table,
+    else :func:`id_encoding`'s (``keep=False``: a fresh one, kept by no cache)."""
+    if specials in SHARED_TABLES:
+        return shared_encoding(specials)
+    return id_encoding(specials) if keep else id_encoding.__wrapped__(specials)
 
 
 def marked(text: str, spans) -> str:

@@ -43,7 +43,7 @@ from chatgrammar.conformance.templates import check_template
 from chatgrammar.conformance.format_tests import check_tests
 from chatgrammar.conformance.format_tests import tests_path as facts_path
 from chatgrammar.conformance.render import TemplateError
-from tests import format_hooks
+from tests import format_hooks, format_kit
 from tests.format_kit import (SUITE_DIR, TEMPLATES, FormatData, IdsOnlyTokenizer,
                               check_embedded_examples, check_id_mode, check_record, encode_ids,
                               encode_with_ranges, make_policy, policy_key, record, subsample,
@@ -245,7 +245,10 @@ def test_tests_yaml_is_valid(name):
     """The tests.yaml keys are known, its templates exist, its deviations are real shapes."""
     fmt = cg.load_format(name)
     p = facts_path(fmt.path)
-    facts = yaml.safe_load(p.read_text(encoding="utf-8"))
+    # (libyaml's safe loader, as chatgrammar.conformance.format_tests reads it: the same data,
+    # the pure-Python loader took ~50 ms a file)
+    facts = yaml.load(p.read_text(encoding="utf-8"),
+                      Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     assert check_tests(facts, str(p)) == []
     missing = [t["file"] for t in facts.get("templates") or [] if not (TEMPLATES / t["file"]).is_file()]
     assert missing == []
@@ -300,9 +303,7 @@ def test_matrix(name, file, case, update_goldens):
 
 def _refused(fd: FormatData, c) -> bool:
     """Whether the format's tests.yaml refuses this matrix case by design."""
-    from chatgrammar.conformance.format_tests import tests_for as facts_of
-
-    facts = facts_of(fd.fmt)
+    facts = fd.facts  # (tests_for(fd.fmt), read when the data was: the same file)
     if c.name in (facts.get("refused") or {}):
         return True
     msgs = getattr(c, "messages", None) or []
@@ -549,14 +550,9 @@ def _carrying(tok, template_src: str):
             tok.chat_template = before
 
 
-@pytest.mark.parametrize("name,i", _params("vocabulary"))
-def test_detect_vocabulary(name, i, update_goldens):
-    """A vocabulary with other markers added (or some removed) detects as the data says
-    (``detect: null``: as no format)."""
-    from tests.format_kit import id_encoding
-
-    fd = data(name)
-    v = fd.data["vocabularies"][i]
+def _vocabulary(fd: FormatData, v: dict) -> dict:
+    """A ``vocabularies`` entry's special ids: its tokenizer's, ``keep`` / ``drop`` / ``add``
+    applied."""
     tk = v.get("tokenizer", "default")
     ids = dict(fd.facts.get("special_ids") if tk == "default"
                else fd.facts["tokenizers"][tk]["special_ids"])
@@ -565,9 +561,45 @@ def test_detect_vocabulary(name, i, update_goldens):
     for d in v.get("drop") or ():
         ids.pop(d)
     ids.update(v.get("add") or {})
+    return ids
+
+
+def _shared_tables() -> set:
+    """The special-id tables (tests.yaml's, and the vocabularies' of suite.yaml) that more
+    than one format uses: built once for the module (format_kit.shared_encoding)."""
+    from collections import Counter
+
+    uses: Counter = Counter()
+    for name in FORMATS:
+        fd = data(name)
+        tables = [fd.facts.get("special_ids")] + [
+            tk.get("special_ids") for tk in (fd.facts.get("tokenizers") or {}).values()]
+        tables = {tuple(t.items()) for t in tables if t}
+        for v in fd.data.get("vocabularies") or []:
+            try:
+                tables.add(tuple(_vocabulary(fd, v).items()))
+            except (KeyError, TypeError, AttributeError):  # a broken entry: its test says so
+                pass
+        uses.update(tables)
+    return {t for t, n in uses.items() if n > 1}
+
+
+format_kit.SHARED_TABLES.update(_shared_tables())
+
+
+@pytest.mark.parametrize("name,i", _params("vocabulary"))
+def test_detect_vocabulary(name, i, update_goldens):
+    """A vocabulary with other markers added (or some removed) detects as the data says
+    (``detect: null``: as no format)."""
+    from tests.format_kit import special_ids_encoding
+
+    fd = data(name)
+    v = fd.data["vocabularies"][i]
+    ids = _vocabulary(fd, v)
     # built for this test alone, outside id_encoding's few kept entries: a variant kept there
     # evicted the format's own tokenizers, rebuilt (~0.25 CPU-s each) by its later tests
-    tok = id_encoding.__wrapped__(tuple(ids.items()))
+    # (the shared one where other formats use the same table)
+    tok = special_ids_encoding(tuple(ids.items()), keep=False)
     if v["detect"] is None:
         with pytest.raises(cg.DetectionError):
             cg.detect_format(tok)
@@ -779,8 +811,6 @@ def check_generation(fd: FormatData, i: int) -> None:
       next turn's marker), every span of the format lies in one, and id mode (``id_tokenizer``)
       agrees on the rendering;
     - ``detect``: what the template detects as; ``min_cases``: how many cases must render."""
-    import copy
-
     import numpy as np
 
     from chatgrammar.conformance.render import render_chat_with_spans
@@ -793,7 +823,7 @@ def check_generation(fd: FormatData, i: int) -> None:
     checked = 0
     for case in fd.cases():
         try:
-            r = render_chat_with_spans(src, copy.deepcopy(case.messages),
+            r = render_chat_with_spans(src, case.messages,  # (it copies them itself)
                                        **{**(x.get("vars") or {}), **case.render_kwargs()})
         except TemplateError:
             continue

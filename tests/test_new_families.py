@@ -76,7 +76,30 @@ def _encoding(name: str, template: str | None = None):
     specials = {str(k): int(v) for k, v in _special_ids(name, template).items()}
     taken = set(specials.values())
     assert len(taken) == len(specials), f"{name}: two special tokens share an id"
-    return _encoding_of(name, tuple(specials.items()))
+    key = tuple(specials.items())
+    if _uses()[key] > 1:  # (nine families are over Llama 2's ids: one build for all of them)
+        return _shared_encoding(key)
+    return _encoding_of(name, key)
+
+
+@lru_cache(maxsize=None)
+def _uses():
+    """How many families use each special-id table (the family's, or a template's own)."""
+    from collections import Counter
+
+    uses: Counter = Counter()
+    for name in FAMILIES:
+        tables = {tuple(_special_ids(name).items())} | {
+            tuple(_special_ids(name, t["file"]).items()) for t in _facts(name).get("templates", [])}
+        uses.update({tuple((str(k), int(v)) for k, v in t) for t in tables})
+    return uses
+
+
+@lru_cache(maxsize=None)  # (the few tables several families use; emptied after the module)
+def _shared_encoding(specials: tuple):
+    from tests.format_kit import renumbered_encoding
+
+    return renumbered_encoding.__wrapped__("shared-test", specials)
 
 
 @lru_cache(maxsize=4)  # each holds Qwen's ranks (~35 MB); tests run family by family
