@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,12 @@ POLICIES = [None, cg.MaskPolicy(thinking=False, end_marker=True),
             cg.MaskPolicy(last_turn_only=True)]
 
 
+@lru_cache(maxsize=1)
 def _bench():
+    """tools/bench.py as a module, loaded once per test module (tests/conftest.py drops it
+    after each, as every ``lru_cache`` of a tests.* module): its own memos (the Kimi
+    encodings, each ~0.5 CPU-s with its ranks file) then serve every test of the module
+    instead of being rebuilt by each call. Read-only."""
     path = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
     spec = importlib.util.spec_from_file_location("cg_bench", path)
     mod = importlib.util.module_from_spec(spec)

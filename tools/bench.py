@@ -65,14 +65,21 @@ def kimi_encoding(version: str = "kimi-k2", ranks: str | None = None):
     """A ``tiktoken.Encoding`` with Qwen2.5's BPE ranks and Kimi's special ids (every other id
     of 163584..163839 is ``<|reserved_token_N|>``, as in Kimi's tokenizer)."""
     import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
 
     specials = dict(KIMI_K2_SPECIALS if version == "kimi-k2" else KIMI_K3_SPECIALS)
     used = set(specials.values())
     specials.update({f"<|reserved_token_{i}|>": i for i in range(163584, 163840) if i not in used})
     return tiktoken.Encoding(name=f"{version}-bench", pat_str=PAT_STR,
-                             mergeable_ranks=load_tiktoken_bpe(str(ranks or QWEN_TIKTOKEN)),
+                             mergeable_ranks=_ranks(str(ranks or QWEN_TIKTOKEN)),
                              special_tokens=specials)
+
+
+@lru_cache(maxsize=1)
+def _ranks(path: str) -> dict:
+    """The BPE ranks file, read once for both versions' encodings (read-only)."""
+    from tiktoken.load import load_tiktoken_bpe
+
+    return load_tiktoken_bpe(path)
 
 
 _WORDS = (

@@ -20,7 +20,8 @@ import numpy as np
 
 from ..core.compile import HEADER, HEADER_CHARS_PER_TOKEN, TEXT, term_name
 from ..core.spec import FormatSpec
-from .tokenizers import TokenizerAdapter
+from ..core.memo import LRU
+from .tokenizers import TokenizerAdapter, vocab_key
 
 Tok = tuple  # (type, start, end, value)
 
@@ -832,39 +833,10 @@ def _soft_lut(lx: IdPlan):
     texts = [lx.cfg.marker_text[t] for t in lx.missing if not lx.cfg.special.get(t, True)]
     if not texts:
         return None
-    a = lx.adapter
-    enc = a._encoding
-    if enc is not None and enc is a.tokenizer:
-        ranks = getattr(enc, "_mergeable_ranks", None)
-        if not isinstance(ranks, dict):
-            return None
-        size = max(enc.n_vocab, max(ranks.values(), default=0) + 1)
-        pieces = [b""] * size
-        for tb, r in ranks.items():
-            pieces[r] = tb
-        for sp, r in getattr(enc, "_special_tokens", {}).items():
-            if r < size:
-                pieces[r] = sp.encode("utf-8", "surrogatepass")
-    else:
-        tok = a.tokenizer
-        conv = getattr(tok, "convert_ids_to_tokens", None)
-        if conv is None or not hasattr(tok, "__len__"):
-            return None
-        try:
-            size = len(tok)
-            pieces = [p.encode("utf-8", "surrogatepass") if isinstance(p, str) else b"\x00"
-                      for p in conv(list(range(size)))]
-        except Exception:
-            return None
-        # byte-level BPE keeps printable ASCII as itself; SentencePiece pieces too (byte
-        # fallback pieces spell "<0x3C>", which contains "<" anyway): a superset is safe
-    # Which tokens contain a character, for every vocabulary-sized question at once: the
-    # pieces' bytes joined by NULs and, for each byte, the token it belongs to. A printable
-    # ASCII character is in a piece iff its byte is (UTF-8 never uses ASCII bytes inside a
-    # multi-byte character; a byte-level piece is its bytes).
-    blob = np.frombuffer(b"\x00".join(pieces), dtype=np.uint8)
-    owner = np.repeat(np.arange(size, dtype=np.int32),
-                      np.fromiter(map(len, pieces), dtype=np.int64, count=size) + 1)[:len(blob)]
+    contains = _char_tables(lx.adapter)
+    if contains is None:
+        return None
+    size, has_char = contains
     has: dict[str, np.ndarray] = {}
     lut = np.zeros(size, dtype=bool)
     for text in texts:
@@ -874,13 +846,92 @@ def _soft_lut(lx: IdPlan):
             return None
         for c in chars:
             if c not in has:
-                has[c] = np.zeros(size, dtype=bool)
-                has[c][owner[blob == ord(c)]] = True
+                has[c] = has_char(c)
         lut |= has[min(chars, key=lambda c: int(has[c].sum()))]
     for tid in lx.marker_ids.values():
         if 0 <= tid < size:
             lut[tid] = False
     return lut
+
+
+def _pieces_tables(pieces: list[bytes]):
+    """``c -> bool array``: which of ``pieces`` (by index) hold the ASCII character ``c``.
+
+    For every vocabulary-sized question at once: the pieces' bytes joined by NULs and, for
+    each byte, the piece it belongs to. A printable ASCII character is in a piece iff its
+    byte is (UTF-8 never uses ASCII bytes inside a multi-byte character; a byte-level piece
+    is its bytes)."""
+    size = len(pieces)
+    blob = np.frombuffer(b"\x00".join(pieces), dtype=np.uint8)
+    owner = np.repeat(np.arange(size, dtype=np.int32),
+                      np.fromiter(map(len, pieces), dtype=np.int64, count=size) + 1)[:len(blob)]
+
+    def has_char(c: str) -> np.ndarray:
+        out = np.zeros(size, dtype=bool)
+        out[owner[blob == ord(c)]] = True
+        return out
+
+    return has_char
+
+
+# A tiktoken vocabulary's answers of _pieces_tables for its ranks (piece -> rank 0..n-1 in
+# order), by the vocabulary's content (tokenizers.vocab_key): the formats over the same ranks,
+# and each new Encoding object over them, share one table per character instead of joining
+# the 150k pieces again (~25 ms a tokenizer). (A few MB each: the joined pieces, their owners.)
+_RANK_CHARS = LRU(2)
+
+
+def _char_tables(a: TokenizerAdapter):
+    """(vocabulary size, ``c -> bool array over ids``: the tokens whose pieces hold ``c``)
+    for the adapter's tokenizer, or None where its pieces cannot be read."""
+    enc = a._encoding
+    if enc is not None and enc is a.tokenizer:
+        ranks = getattr(enc, "_mergeable_ranks", None)
+        if not isinstance(ranks, dict):
+            return None
+        size = max(enc.n_vocab, max(ranks.values(), default=0) + 1)
+        specials = [(r, sp.encode("utf-8", "surrogatepass"))
+                    for sp, r in getattr(enc, "_special_tokens", {}).items() if r < size]
+        n = len(ranks)
+        if n and np.array_equal(np.array(list(ranks.values())), np.arange(n)):
+            # the ranks' tables, shared by content; the specials written over them
+            key = vocab_key(enc)
+            entry = _RANK_CHARS.get(key)
+            if entry is None:
+                entry = (_pieces_tables(list(ranks)), {})
+                _RANK_CHARS.put(key, entry)
+            ordinary, done = entry
+
+            def has_char(c: str) -> np.ndarray:
+                if c not in done:
+                    done[c] = ordinary(c)
+                out = np.zeros(size, dtype=bool)
+                out[:n] = done[c]
+                b = ord(c)
+                for r, sp in specials:
+                    out[r] = b in sp
+                return out
+
+            return size, has_char
+        pieces = [b""] * size
+        for tb, r in ranks.items():
+            pieces[r] = tb
+        for r, sp in specials:
+            pieces[r] = sp
+        return size, _pieces_tables(pieces)
+    tok = a.tokenizer
+    conv = getattr(tok, "convert_ids_to_tokens", None)
+    if conv is None or not hasattr(tok, "__len__"):
+        return None
+    try:
+        size = len(tok)
+        pieces = [p.encode("utf-8", "surrogatepass") if isinstance(p, str) else b"\x00"
+                  for p in conv(list(range(size)))]
+    except Exception:
+        return None
+    # byte-level BPE keeps printable ASCII as itself; SentencePiece pieces too (byte
+    # fallback pieces spell "<0x3C>", which contains "<" anyway): a superset is safe
+    return size, _pieces_tables(pieces)
 
 
 def as_id_array(ids: Any) -> np.ndarray:
