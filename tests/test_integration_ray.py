@@ -39,7 +39,8 @@ def ray_local():
 
 @pytest.fixture(scope="module")
 def tok():
-    t = copy.deepcopy(qwen_fast_tokenizer())
+    # a shallow copy: only chat_template is rebound on it, the cached tokenizer stays as it is
+    t = copy.copy(qwen_fast_tokenizer())
     t.chat_template = TEMPLATE
     return t
 
