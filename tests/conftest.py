@@ -103,7 +103,17 @@ def pytest_xdist_make_scheduler(config, log):
 
     sched = BalancedScheduling(config, log)
     sched.split = tuple(p.split("::")[0] for p in BY_FORMAT + FRESH_PER_TEST)
+    sched.together = WITH_CHILDREN
     return sched
+
+
+# modules whose tests start processes holding 0.5-1 GB for a while (a local Ray runtime and its
+# workers; ``chatgrammar mask -j 2``'s spawned workers, each importing transformers and loading
+# the tokenizer; ``datasets`` ``map(num_proc=2)`` forks, each unpickling the tokenizer): the
+# balanced run gives them to one worker, one after the other (tests/xdist_balance.py), so that
+# two of them never add their children to the summed memory at the same time
+WITH_CHILDREN = ("tests/test_integration_ray.py", "tests/test_mask_cli.py",
+                 "tests/test_hf.py", "tests/test_integration_trl.py")
 
 
 def _return_large_blocks_to_the_system() -> None:

@@ -15,8 +15,11 @@ import chatgrammar as cg
 from chatgrammar.hf import map_fn
 from tests.tokenizers import qwen_fast_tokenizer
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("ray.data")
+from tests.lazy_modules import lazy_importorskip  # noqa: E402
+
+# imported when the module's first test starts Ray, not while every worker collects the suite
+ray = lazy_importorskip("ray")
+ray_data = lazy_importorskip("ray.data")
 
 TEMPLATE = (Path(__file__).resolve().parent / "data" / "templates"
             / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(encoding="utf-8")
@@ -26,7 +29,7 @@ TEMPLATE = (Path(__file__).resolve().parent / "data" / "templates"
 def ray_local():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              configure_logging=False, ignore_reinit_error=True)
-    ctx = ray.data.DataContext.get_current()
+    ctx = ray_data.DataContext.get_current()
     ctx.enable_progress_bars = False
     try:
         yield ray
@@ -36,7 +39,8 @@ def ray_local():
 
 @pytest.fixture(scope="module")
 def tok():
-    t = copy.deepcopy(qwen_fast_tokenizer())
+    # a shallow copy: only chat_template is rebound on it, the cached tokenizer stays as it is
+    t = copy.copy(qwen_fast_tokenizer())
     t.chat_template = TEMPLATE
     return t
 
@@ -63,7 +67,7 @@ def test_map_batches_recipe_gives_exact_masks(ray_local, tok):
         return {"input_ids": out["input_ids"], "loss_mask": out["loss_mask"],
                 "num_trained": out["num_trained"], "chatgrammar_error": out["chatgrammar_error"]}
 
-    ds = (ray.data.from_items([{"row": i, "input_ids": ids} for i, ids in enumerate(rows)])
+    ds = (ray_data.from_items([{"row": i, "input_ids": ids} for i, ids in enumerate(rows)])
           .map_batches(add_masks, batch_size=8, batch_format="numpy", concurrency=1))
     # --- end of recipe ---
     got = ds.take_all()
@@ -93,7 +97,7 @@ def test_map_batches_from_messages(ray_local, tok):
         return {"input_ids": out["input_ids"], "loss_mask": out["loss_mask"]}
 
     items = [{"messages": _messages(i)} for i in range(10)]
-    got = (ray.data.from_items(items)
+    got = (ray_data.from_items(items)
            .map_batches(add_masks, batch_size=4, batch_format="numpy", concurrency=1)
            .take_all())
     want = {}

@@ -24,7 +24,8 @@ SPECIALS = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
-    t = copy.deepcopy(qwen_fast_tokenizer())
+    # a shallow copy: only chat_template is rebound on it, the cached tokenizer stays as it is
+    t = copy.copy(qwen_fast_tokenizer())
     t.chat_template = TEMPLATE
     t.save_pretrained(str(d))
     return d

@@ -8,6 +8,10 @@ little about its cost (test_fuzz: 64 tests, ~50 CPU-s; test_wild: 240 tests, ~40
 - the heavy files whose tests run format by format (conftest.py's ``BY_FORMAT`` and
   ``FRESH_PER_TEST``) cut into contiguous chunks of about :data:`CHUNK_CPU_S` each: a chunk
   is a range of formats, and each format's tokenizers are still built once;
+- the files whose tests start processes of their own (conftest.py's ``WITH_CHILDREN``: a
+  local Ray runtime, ``chatgrammar mask -j 2``, ``datasets`` ``num_proc=2``) together, one
+  after the other in one unit: each adds 0.5-1 GB of children to its worker for a while,
+  and two of them at once on the two workers made the suite's summed memory peak;
 - every other file whole, as before.
 
 Units are handed out heaviest first, each to the worker that runs out of work first (the
@@ -46,6 +50,7 @@ COST = {
     "tests/test_new_families.py": 11,
 }
 CPU_PER_TEST = 0.05
+TOGETHER = "tests/(files that start processes)"  # the unit of plan()'s ``together`` files
 CHUNK_CPU_S = 25.0
 
 
@@ -53,13 +58,16 @@ def file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
-def plan(collection: list[str], split: tuple = ()) -> tuple[dict[str, str], dict[str, float]]:
+def plan(collection: list[str], split: tuple = (), together: tuple = ()
+         ) -> tuple[dict[str, str], dict[str, float]]:
     """The work units of a collection.
 
     Args:
         collection: the collected node ids, in the workers' order (by format in the modules
             tests/conftest.py orders so).
         split: the files that may be cut into chunks (those ordered format by format).
+        together: the files that run in one unit, one after the other (those whose tests start
+            processes of their own: their children never run on both workers at once).
 
     Returns:
         ``(scope_of, cost)``: each node id's unit, and each unit's estimated CPU seconds.
@@ -76,6 +84,10 @@ def plan(collection: list[str], split: tuple = ()) -> tuple[dict[str, str], dict
     cost: dict[str, float] = {}
     for f, ids in by_file.items():
         total = COST.get(f, CPU_PER_TEST * len(ids))
+        if f in together:
+            cost[TOGETHER] = cost.get(TOGETHER, 0.0) + total
+            scope_of.update(dict.fromkeys(ids, TOGETHER))
+            continue
         chunks = max(1, min(len(ids), math.ceil(total / CHUNK_CPU_S))) if f in split else 1
         for k in range(chunks):
             part = ids[k * len(ids) // chunks:(k + 1) * len(ids) // chunks]
@@ -90,6 +102,7 @@ class BalancedScheduling(LoadScopeScheduling):
 
     _scope_of: dict[str, str] = {}
     split: tuple = ()  # the files plan() may cut (set by tests/conftest.py)
+    together: tuple = ()  # the files plan() runs as one unit (set by tests/conftest.py)
 
     def _split_scope(self, nodeid: str) -> str:
         return self._scope_of.get(nodeid) or file_of(nodeid)
@@ -108,7 +121,7 @@ class BalancedScheduling(LoadScopeScheduling):
         self.collection = list(next(iter(self.registered_collections.values())))
         if not self.collection:
             return
-        self._scope_of, cost = plan(self.collection, self.split)
+        self._scope_of, cost = plan(self.collection, self.split, self.together)
         units: dict[str, dict[str, bool]] = {}
         for nodeid in self.collection:
             units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
