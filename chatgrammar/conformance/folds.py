@@ -124,10 +124,9 @@ def moved(R: str, messages: list[dict], outputs, conv) -> dict[tuple[str, str], 
 
 
 def _cases(content: str = "string") -> list:
-    from .matrix import default_matrix, shared_matrix
-    # (string content: the built-in cases themselves, only read)
-    cases = shared_matrix() if content == "string" else default_matrix(content=content)
-    return [c for c in cases if c.tags & {"system", "tools", "tool-results"}]
+    from .matrix import shared_matrix
+    # (only read)
+    return [c for c in shared_matrix(content) if c.tags & {"system", "tools", "tool-results"}]
 
 
 def find_folds(fmt: Format, template: str, variables: dict | None = None, *,

@@ -1868,9 +1868,10 @@ _QUICK = ("basic", "no-system", "multi-turn", "tool-call", "parallel-tool-calls"
 
 def _verify(fmt: Format, template: str, variables: dict, tokenizer: Any,
             timeout: float, quick: bool = False, content: str = "string") -> tuple[Any, list]:
-    from .templates import _default_cases, check_template
+    from .matrix import shared_matrix
+    from .templates import check_template
 
-    cases = _default_cases(content)  # (the matrix copied once: the check only reads it)
+    cases = shared_matrix(content)  # (the matrix copied once: the check only reads it)
     cases = [c for c in cases if c.name in _QUICK] if quick else cases
 
     # the one deviation a bundled closeless format (falcon, sea-lion, nemotron4) also makes,

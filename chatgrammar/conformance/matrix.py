@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import json
 from collections.abc import Iterable, Iterator
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 from chatgrammar.conformance.render import RenderResult, TemplateError, compile_template, render_chat_with_spans
@@ -423,7 +424,6 @@ def _build() -> list[MatrixCase]:
 
 _MATRIX = _build()
 _BY_NAME = {case.name: case for case in _MATRIX}
-_SHARED = tuple(_MATRIX)
 
 
 def default_matrix(tags: Iterable[str] | None = None, *,
@@ -561,18 +561,27 @@ def shared_case(name: str) -> MatrixCase:
         raise KeyError(f"unknown matrix case {name!r}; known: {', '.join(_BY_NAME)}") from None
 
 
-def shared_matrix() -> tuple[MatrixCase, ...]:
-    """The built-in cases themselves, in order, string content (read-only, as
-    :func:`shared_case`; :func:`default_matrix` returns copies).
+@lru_cache(maxsize=None)  # one entry per content shape
+def shared_matrix(content: str = "string") -> tuple[MatrixCase, ...]:
+    """The built-in matrix in one content shape, copied once and shared: for code of the
+    package that only reads the cases (every render rebuilds the messages it is given), where
+    the fresh copies :func:`default_matrix` hands out for each call are not needed. Never
+    change what it returns.
+
+    Args:
+        content: ``"string"``, ``"parts"`` or ``"sharegpt"``, as for :func:`default_matrix`.
 
     Returns:
-        A tuple of the shared cases.
+        A tuple of the shared cases, in order.
+
+    Raises:
+        ValueError: an unknown ``content`` shape.
 
     Example:
         >>> [c.name for c in shared_matrix()] == case_names()
         True
     """
-    return _SHARED
+    return tuple(default_matrix(content=content))
 
 
 # ------------------------------------------------------------------------------- running

@@ -51,14 +51,13 @@ import json
 import os
 import re
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 from typing import Any, Iterable, Sequence
 
 from ..core.memo import LRU, PerObject
 from ..errors import ParseError
 from ..runtime.format import Format
 from .format_tests import ACCEPTED_SHAPES, tests_for
-from .matrix import MatrixCase, default_matrix
+from .matrix import MatrixCase, shared_matrix
 from ..runtime.policy import MaskPolicy
 from .render import (RenderTimeout, TemplateError, compile_template, render_chat,
                      special_token_vars)
@@ -1286,7 +1285,7 @@ def check_template(fmt: Format, template: str, *, name: str = "template",
         refused = dict(tests_for(fmt).get("refused") or {})
     default = cases is None
     if cases is None:
-        cases = _default_cases(content_shape(fmt))
+        cases = shared_matrix(content_shape(fmt))
     for _ in range(2):
         for case in cases:
             try:
@@ -1300,7 +1299,7 @@ def check_template(fmt: Format, template: str, *, name: str = "template",
             break
         # a ShareGPT template (`message['from'] == 'human'`, `message['value']`) rejects every
         # case: checked again with the messages also in those keys, as its data gives them
-        cases, out.cases = _default_cases("sharegpt"), []
+        cases, out.cases = shared_matrix("sharegpt"), []
     return out
 
 
@@ -1311,14 +1310,6 @@ def _reads_sharegpt(cases: Sequence[CaseResult]) -> bool:
     """The template rejected every case for want of ShareGPT's ``from`` / ``value`` keys."""
     return bool(cases) and all(c.status == "skip" for c in cases) and \
         any(_SHAREGPT_KEY.search(c.reason or "") for c in cases)
-
-
-@lru_cache(maxsize=2)
-def _default_cases(content: str) -> tuple[MatrixCase, ...]:
-    """The built-in matrix in one content shape, copied once: a check only reads its cases
-    (every render rebuilds the messages it is given), so the copies ``default_matrix`` hands
-    out for each call are not needed here."""
-    return tuple(default_matrix(content=content))
 
 
 def content_shape(fmt: Format) -> str:
