@@ -353,22 +353,23 @@ class Driver:
         self.cut_header_terms = self._cut_header_terms(spec)
         self.cut_header_openers = frozenset(t for t, how in self.cut_header_terms.items()
                                             if how == "open")
-        self.implicit_closes = self._implicit_closes(spec, tables)
         # children whose close may be missing (they end at what cannot continue their body)
         self.open_kids = frozenset(
             n for n, el in spec.elements.items() if n not in spec.top and el.open
             and el.close is not None and not el.close.required)
+        self.implicit_closes = self._implicit_closes(spec, tables, self.open_kids)
         self.core = LalrCore(tables, self.implicit_closes)
         self._can_feed = self.core.can_feed
 
     @staticmethod
-    def _implicit_closes(spec: FormatSpec, tables: ParseTables) -> dict[str, tuple]:
+    def _implicit_closes(spec: FormatSpec, tables: ParseTables,
+                         open_kids: frozenset) -> dict[str, tuple]:
         """Terminal -> the close markers that may be missing, tried where it cannot be
         shifted. A top-level element's (``close.required: false``, ``close.roles``) before
         a top-level opener; a child's (``close.required: false``) before its parent's close,
         a sibling's opener, or a top-level opener (its turn's close may then be missing too):
         children's first, the innermost open element being the one that can take its
-        close."""
+        close. ``open_kids``: the children whose close may be missing."""
         top = tuple(dict.fromkeys(
             term_name(c) for n in spec.top
             if spec.elements[n].close is not None
@@ -376,9 +377,7 @@ class Driver:
             for c in spec.elements[n].close.markers))
         kids: dict[str, list[str]] = {}  # trigger -> child closes
         for pel in spec.elements.values():
-            opt = [spec.elements[c] for c in dict.fromkeys(pel.children)
-                   if spec.elements[c].close is not None and not spec.elements[c].close.required
-                   and spec.elements[c].open and c not in spec.top]
+            opt = [spec.elements[c] for c in dict.fromkeys(pel.children) if c in open_kids]
             if not opt:
                 continue
             triggers = [o for c in pel.children for o in spec.elements[c].open]
